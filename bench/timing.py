@@ -1,0 +1,29 @@
+"""Timing helpers shared by the benchmarks: median device time and the copy-bandwidth ceiling.
+
+Every figure is a median over repeated runs after warm-up (triton.testing.do_bench, CUDA events).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median time of fn() in milliseconds on the current CUDA device."""
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, bytes read + written per second (GB/s): the memory ceiling."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def row(kernel: str, nbytes: int, ms: float, baseline: str = "", baseline_ms: float | None = None,
+        compiled_ms: float | None = None, note: str = "") -> dict:
+    """One line of the per-kernel table: the kernel's bytes moved (each input read once, each output
+    written once), its median time, and the same operation in plain PyTorch (and torch.compile)."""
+    return {"kernel": kernel, "bytes": nbytes, "ms": ms, "baseline": baseline, "baseline_ms": baseline_ms,
+            "compiled_ms": compiled_ms, "note": note}

@@ -1,0 +1,194 @@
+"""Model configuration: llm.c's model descriptors and the layout of the 16 parameter tensors.
+
+A descriptor is what llm.c's `-e` flag takes: `d12`, `gpt2:d12`, `gpt3:c768`, `gpt2-medium`, an
+explicit `layers=2,channels=64,heads=2[,seq=256,vocab=300]`, or a checkpoint path (resolved by the
+caller through `llmpy.checkpoint`, not here).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import LlmpyError
+
+GPT2_VOCAB = 50257
+GPT2_MAX_SEQ = 1024
+GPT3_MAX_SEQ = 2048
+VOCAB_PAD_MULTIPLE = 128
+
+# llm.c's depth table for `-e dN` (GPT-2 family): depth -> (channels, heads)
+GPT2_DEPTHS = {
+    6: (384, 6),
+    12: (768, 12),
+    24: (1024, 16),
+    36: (1280, 20),
+    48: (1600, 25),
+    60: (1920, 30),
+    72: (2880, 30),
+    84: (3456, 36),
+}
+
+# llm.c's GPT-3 table for `-e gpt3:cN`: channels -> (depth, head size). llm.c lists the 13B model as
+# c5140, which is not a multiple of its head size 128; the GPT-3 paper's width is 5120, used here
+# (c5140 is accepted as llm.c's spelling of the same model).
+GPT3_CHANNELS = {
+    384: (6, 64),
+    768: (12, 64),
+    1024: (24, 64),
+    1536: (24, 96),
+    2048: (24, 128),
+    2560: (32, 80),
+    4096: (32, 128),
+    5120: (40, 128),
+    12288: (96, 128),
+}
+
+GPT2_NAMES = {"gpt2": 12, "gpt2-medium": 24, "gpt2-large": 36, "gpt2-xl": 48}
+
+# The 16 parameter tensors, in llm.c's order (the order of its checkpoint files and flat buffer).
+PARAMETER_NAMES = (
+    "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
+    "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb",
+)
+
+
+class ConfigError(LlmpyError):
+    """A model descriptor or configuration that cannot describe a GPT-2 model."""
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    max_seq_len: int = GPT2_MAX_SEQ
+    vocab_size: int = GPT2_VOCAB
+    num_layers: int = 12
+    num_heads: int = 12
+    channels: int = 768
+    padded_vocab_size: int = field(default=0)
+
+    def __post_init__(self):
+        if self.padded_vocab_size == 0:
+            object.__setattr__(self, "padded_vocab_size", pad_vocab(self.vocab_size))
+        for name in ("max_seq_len", "vocab_size", "num_layers", "num_heads", "channels"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.channels % self.num_heads:
+            raise ConfigError(f"channels {self.channels} is not divisible by heads {self.num_heads}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ConfigError(f"padded vocab {self.padded_vocab_size} < vocab {self.vocab_size}")
+
+    @property
+    def head_size(self) -> int:
+        return self.channels // self.num_heads
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the 16 tensors in llm.c's order; weights are (out, in): y = x @ w.T + b."""
+        Vp, C, L, maxT = self.padded_vocab_size, self.channels, self.num_layers, self.max_seq_len
+        return {
+            "wte": (Vp, C), "wpe": (maxT, C),
+            "ln1w": (L, C), "ln1b": (L, C),
+            "qkvw": (L, 3 * C, C), "qkvb": (L, 3 * C),
+            "attprojw": (L, C, C), "attprojb": (L, C),
+            "ln2w": (L, C), "ln2b": (L, C),
+            "fcw": (L, 4 * C, C), "fcb": (L, 4 * C),
+            "fcprojw": (L, C, 4 * C), "fcprojb": (L, C),
+            "lnfw": (C,), "lnfb": (C,),
+        }
+
+    def parameter_sizes(self) -> dict[str, int]:
+        return {k: math.prod(s) for k, s in self.parameter_shapes().items()}
+
+    @property
+    def num_parameters(self) -> int:
+        """Elements of the flat parameter buffer (wte counted with its padded rows, as llm.c does)."""
+        return sum(self.parameter_sizes().values())
+
+    def weight_decay_mask(self) -> dict[str, bool]:
+        """Which tensors get weight decay: the 2-D ones (per layer), as llm.c's gpt2_update."""
+        return {k: k in ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw") for k in PARAMETER_NAMES}
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """llm.c's MFU numerator: 6N + 6LCT with N the whole flat buffer (803.5 M for d12, T = 1024)."""
+        T = seq_len or self.max_seq_len
+        return 6 * self.num_parameters + 6 * self.num_layers * self.channels * T
+
+    def describe(self) -> str:
+        return (f"layers={self.num_layers},channels={self.channels},heads={self.num_heads},"
+                f"seq={self.max_seq_len},vocab={self.vocab_size}")
+
+
+def _gpt2_depth(depth: int) -> GPT2Config:
+    if depth not in GPT2_DEPTHS:
+        raise ConfigError(f"unknown GPT-2 depth d{depth}; llm.c's table has d{', d'.join(map(str, GPT2_DEPTHS))}")
+    channels, heads = GPT2_DEPTHS[depth]
+    return GPT2Config(max_seq_len=GPT2_MAX_SEQ, vocab_size=GPT2_VOCAB, num_layers=depth,
+                      num_heads=heads, channels=channels)
+
+
+def _gpt3_channels(channels: int) -> GPT2Config:
+    if channels == 5140:
+        channels = 5120
+    if channels not in GPT3_CHANNELS:
+        raise ConfigError(f"unknown GPT-3 width c{channels}; llm.c's table has c{', c'.join(map(str, GPT3_CHANNELS))}")
+    depth, head_size = GPT3_CHANNELS[channels]
+    return GPT2Config(max_seq_len=GPT3_MAX_SEQ, vocab_size=GPT2_VOCAB, num_layers=depth,
+                      num_heads=channels // head_size, channels=channels)
+
+
+_EXPLICIT_KEYS = {"layers": "num_layers", "channels": "channels", "heads": "num_heads",
+                  "seq": "max_seq_len", "vocab": "vocab_size"}
+
+
+def _explicit(desc: str) -> GPT2Config:
+    values = {}
+    for part in desc.split(","):
+        key, sep, val = part.partition("=")
+        key = key.strip()
+        if not sep or key not in _EXPLICIT_KEYS:
+            raise ConfigError(f"bad model descriptor part {part!r} in {desc!r}: expected "
+                              "layers=N,channels=N,heads=N[,seq=N,vocab=N]")
+        try:
+            values[_EXPLICIT_KEYS[key]] = int(val)
+        except ValueError:
+            raise ConfigError(f"model descriptor {desc!r}: {key} must be an integer, got {val!r}") from None
+    missing = [k for k in ("layers", "channels", "heads") if _EXPLICIT_KEYS[k] not in values]
+    if missing:
+        raise ConfigError(f"model descriptor {desc!r} lacks {', '.join(missing)}")
+    return GPT2Config(**values)
+
+
+def parse_descriptor(desc: str) -> GPT2Config:
+    """Turn llm.c's `-e` model descriptor (other than a checkpoint path) into a configuration."""
+    d = desc.strip()
+    low = d.lower()
+    if low in GPT2_NAMES:
+        return _gpt2_depth(GPT2_NAMES[low])
+    if "=" in d:
+        return _explicit(d)
+    family = "gpt2"
+    if ":" in low:
+        family, _, low = low.partition(":")
+    try:
+        if family == "gpt2" and low.startswith("d"):
+            return _gpt2_depth(int(low[1:]))
+        if family == "gpt3" and low.startswith("c"):
+            return _gpt3_channels(int(low[1:]))
+    except ValueError:
+        pass
+    raise ConfigError(f"unknown model descriptor {desc!r}: expected dN, gpt2:dN, gpt3:cN, gpt2, gpt2-medium, "
+                      "gpt2-large, gpt2-xl, layers=..,channels=..,heads=.. or a checkpoint file")
+
+
+def parameter_views(flat, config: GPT2Config) -> dict:
+    """Views of the 16 tensors inside one flat buffer (torch tensor or numpy array), llm.c's order."""
+    views, offset = {}, 0
+    for name, shape in config.parameter_shapes().items():
+        n = math.prod(shape)
+        views[name] = flat[offset:offset + n].reshape(shape)
+        offset += n
+    if offset != flat.shape[0]:
+        raise ConfigError(f"flat buffer has {flat.shape[0]} elements, the model needs {offset}")
+    return views

@@ -1,0 +1,53 @@
+"""What every kernel module shares: the interpreter switch, dtype names and stochastic rounding.
+
+Kernels run on CUDA tensors on a GPU, and on CPU tensors through Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported), which is how CI tests them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Triton's interpreter (3.6 - 3.9) returns garbage for tl.dot on bf16 operands; kernels that use
+# tl.dot take this as a constexpr and upcast their operands to fp32 when it is set.
+DOT_UPCAST = interpreting()
+
+TORCH_TO_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@triton.jit
+def stochastic_round_bf16(x, seed, offsets):
+    """Round fp32 x to bf16 up or down with probability given by the dropped bits: unbiased.
+
+    The 16 random bits come from Philox keyed by (seed, offsets), a counter-based generator, so the
+    result depends only on the seed and the element's index: reproducible, and independent of how
+    the work is split into programs. Adding them below the bf16 mantissa and truncating rounds up
+    exactly when the random number is under the discarded fraction. Inf and NaN pass through.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rand = tl.randint(seed, offsets).to(tl.uint32) & 0xFFFF
+    rounded = ((bits + rand) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    return tl.where(finite, rounded, x).to(tl.bfloat16)
+
+
+@triton.jit
+def store_rounded(ptr, x, mask, seed, offsets, STOCHASTIC: tl.constexpr):
+    """Store fp32 x into ptr's dtype: stochastic rounding for bf16 when asked, else round-to-nearest."""
+    if STOCHASTIC:
+        tl.store(ptr, stochastic_round_bf16(x, seed, offsets), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,369 @@
+"""The CPU reference: GPT-2's math, every layer's forward and backward written out (llm.c's A1, A2).
+
+No autograd: each backward is the derivative worked out by hand, as llm.c's train_gpt2.c does. Torch is
+used only as the array library (its matrix products run on MKL/oneDNN). Everything is float32 in the
+trainer; the functions are dtype-generic so the tests can also run them in float64.
+
+This module is the oracle of the GPU kernels: `kernels/layernorm.py::layernorm_forward` is tested
+against `reference.layernorm_forward`, and so on, one name for one thing.
+
+Shapes: B batch, T time, C channels, NH heads, hs = C / NH head size, V vocab, Vp padded vocab.
+Weights are (out, in) as in llm.c: y = x @ w.T + b.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import PARAMETER_NAMES, GPT2Config, parameter_views
+
+LAYERNORM_EPS = 1e-5
+GELU_SCALING_FACTOR = math.sqrt(2.0 / math.pi)
+
+
+# ----------------------------------------------------------------------------------------------------
+# encoder: token embedding + position embedding
+
+def encoder_forward(inp: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor) -> torch.Tensor:
+    """inp (B, T) token ids -> (B, T, C) = wte[inp] + wpe[:T]."""
+    T = inp.shape[1]
+    return wte[inp] + wpe[:T]
+
+
+def encoder_backward(dout: torch.Tensor, inp: torch.Tensor, Vp: int, maxT: int):
+    """Gradients of wte (Vp, C) and wpe (maxT, C) from dout (B, T, C)."""
+    B, T, C = dout.shape
+    dwte = torch.zeros(Vp, C, dtype=dout.dtype)
+    dwte.index_add_(0, inp.reshape(-1), dout.reshape(B * T, C))
+    dwpe = torch.zeros(maxT, C, dtype=dout.dtype)
+    dwpe[:T] = dout.sum(0)
+    return dwte, dwpe
+
+
+# ----------------------------------------------------------------------------------------------------
+# layernorm
+
+def layernorm_forward(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = LAYERNORM_EPS):
+    """Normalise over the last axis. Returns (out, mean, rstd); mean and rstd are kept for the backward."""
+    mean = inp.mean(-1)
+    xc = inp - mean[..., None]
+    var = (xc * xc).mean(-1)  # biased variance, as GPT-2
+    rstd = 1.0 / torch.sqrt(var + eps)
+    out = xc * rstd[..., None] * weight + bias
+    return out, mean, rstd
+
+
+def layernorm_backward(dout, inp, weight, mean, rstd):
+    """Returns (dinp, dweight, dbias); dweight and dbias are summed over every row."""
+    C = inp.shape[-1]
+    norm = (inp - mean[..., None]) * rstd[..., None]
+    dnorm = dout * weight
+    dnorm_mean = dnorm.mean(-1, keepdim=True)
+    dnorm_norm_mean = (dnorm * norm).mean(-1, keepdim=True)
+    dinp = (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[..., None]
+    dweight = (dout * norm).reshape(-1, C).sum(0)
+    dbias = dout.reshape(-1, C).sum(0)
+    return dinp, dweight, dbias
+
+
+def residual_forward(inp1: torch.Tensor, inp2: torch.Tensor) -> torch.Tensor:
+    return inp1 + inp2
+
+
+def fused_residual_forward(residual, inp, weight, bias, eps: float = LAYERNORM_EPS):
+    """residual + inp, then its layernorm: returns (new_residual, normed, mean, rstd)."""
+    new_residual = residual + inp
+    normed, mean, rstd = layernorm_forward(new_residual, weight, bias, eps)
+    return new_residual, normed, mean, rstd
+
+
+# ----------------------------------------------------------------------------------------------------
+# matmul with bias
+
+def matmul_forward(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """inp (..., C) @ weight (OC, C).T + bias (OC) -> (..., OC)."""
+    out = inp.reshape(-1, inp.shape[-1]) @ weight.t()
+    if bias is not None:
+        out += bias
+    return out.reshape(*inp.shape[:-1], weight.shape[0])
+
+
+def matmul_backward(dout, inp, weight, has_bias: bool = True):
+    """Returns (dinp, dweight, dbias or None)."""
+    OC, C = weight.shape
+    d2 = dout.reshape(-1, OC)
+    i2 = inp.reshape(-1, C)
+    dinp = (d2 @ weight).reshape(inp.shape)
+    dweight = d2.t() @ i2
+    dbias = d2.sum(0) if has_bias else None
+    return dinp, dweight, dbias
+
+
+# ----------------------------------------------------------------------------------------------------
+# causal self-attention
+
+def _split_heads(qkv: torch.Tensor, num_heads: int):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // num_heads
+    # (B, T, 3, NH, hs) -> three (B, NH, T, hs)
+    q, k, v = qkv.view(B, T, 3, num_heads, hs).permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, v
+
+
+def attention_forward(qkv: torch.Tensor, num_heads: int):
+    """qkv (B, T, 3C) -> (out (B, T, C), preatt (B, NH, T, T), att (B, NH, T, T)).
+
+    preatt holds the scaled scores q.k / sqrt(hs) on and below the diagonal; att the causal softmax,
+    exactly 0 above the diagonal. Both are kept for the backward, as llm.c's CPU path does.
+    """
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = _split_heads(qkv, num_heads)
+    scale = 1.0 / math.sqrt(C // num_heads)
+    preatt = (q @ k.transpose(-1, -2)) * scale
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    preatt = preatt.masked_fill(~causal, float("-inf"))
+    att = torch.softmax(preatt, dim=-1)
+    out = (att @ v).transpose(1, 2).reshape(B, T, C)
+    return out, preatt.masked_fill(~causal, 0.0), att
+
+
+def attention_backward(dout: torch.Tensor, qkv: torch.Tensor, att: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Gradient of qkv (B, T, 3C) from dout (B, T, C), given the saved softmax att."""
+    B, T, C = dout.shape
+    hs = C // num_heads
+    q, k, v = _split_heads(qkv, num_heads)
+    dy = dout.view(B, T, num_heads, hs).transpose(1, 2)  # (B, NH, T, hs)
+    datt = dy @ v.transpose(-1, -2)
+    dv = att.transpose(-1, -2) @ dy
+    # softmax backward: dpreatt = att * (datt - sum_j att_j datt_j); zero above the diagonal since att is
+    dpreatt = att * (datt - (att * datt).sum(-1, keepdim=True))
+    dpreatt = dpreatt * (1.0 / math.sqrt(hs))
+    dq = dpreatt @ k
+    dk = dpreatt.transpose(-1, -2) @ q
+    dqkv = torch.stack((dq, dk, dv), dim=2)  # (B, NH, 3, T, hs)
+    return dqkv.permute(0, 3, 2, 1, 4).reshape(B, T, 3 * C)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GELU, tanh form
+
+def gelu_forward(x: torch.Tensor) -> torch.Tensor:
+    cube = 0.044715 * x * x * x
+    return 0.5 * x * (1.0 + torch.tanh(GELU_SCALING_FACTOR * (x + cube)))
+
+
+def gelu_backward(x: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """dinp = gelu'(x) * dout. sech^2 is written as 1 - tanh^2 so large |x| cannot overflow cosh."""
+    tanh_out = torch.tanh(GELU_SCALING_FACTOR * (x + 0.044715 * x * x * x))
+    sech2 = 1.0 - tanh_out * tanh_out
+    local_grad = 0.5 * (1.0 + tanh_out) + x * 0.5 * sech2 * GELU_SCALING_FACTOR * (1.0 + 3.0 * 0.044715 * x * x)
+    return local_grad * dout
+
+
+# ----------------------------------------------------------------------------------------------------
+# softmax + cross-entropy over the real vocabulary V of rows of stride Vp
+
+def softmax_forward(logits: torch.Tensor, V: int) -> torch.Tensor:
+    """Probabilities over columns [0, V) of (B, T, Vp) logits; the padding columns [V, Vp) are 0."""
+    probs = torch.zeros_like(logits)
+    probs[..., :V] = torch.softmax(logits[..., :V], dim=-1)
+    return probs
+
+
+def crossentropy_forward(probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """losses (B, T) = -log probs[target]."""
+    return -torch.log(probs.gather(-1, targets[..., None].long()).squeeze(-1))
+
+
+def crossentropy_softmax_backward(dlosses: torch.Tensor, probs: torch.Tensor, targets: torch.Tensor, V: int):
+    """dlogits (B, T, Vp) = (probs - onehot(target)) * dloss over [0, V); 0 in the padding."""
+    dlogits = probs * dlosses[..., None]
+    dlogits.scatter_add_(-1, targets[..., None].long(), -dlosses[..., None])
+    dlogits[..., V:] = 0
+    return dlogits
+
+
+def fused_classifier(logits: torch.Tensor, targets: torch.Tensor, V: int, dloss: float | None = None):
+    """What the fused classifier kernel computes: losses (B, T) and, when dloss is given, the logit
+    gradient (probs - onehot) * dloss with zero padding. Returns (losses, dlogits or None).
+
+    The log-sum-exp form keeps the loss finite where the probability of the target underflows.
+    """
+    lv = logits[..., :V]
+    lse = torch.logsumexp(lv, dim=-1)
+    losses = lse - lv.gather(-1, targets[..., None].long()).squeeze(-1)
+    if dloss is None:
+        return losses, None
+    probs = torch.zeros_like(logits)
+    probs[..., :V] = torch.exp(lv - lse[..., None])
+    dl = torch.full(losses.shape, dloss, dtype=logits.dtype)
+    return losses, crossentropy_softmax_backward(dl, probs, targets, V)
+
+
+# ----------------------------------------------------------------------------------------------------
+# optimizer: AdamW and the global gradient norm
+
+def adamw_update(param, grad, m, v, step: int, lr: float, beta1: float = 0.9, beta2: float = 0.95,
+                 eps: float = 1e-8, weight_decay: float = 0.0, grad_scale: float = 1.0,
+                 chunk: int = 1 << 20):
+    """One AdamW step in place on param, m, v (all the same shape; step counts from 1).
+
+    grad is multiplied by grad_scale (how clipping is applied: the gradient buffer is left as it is).
+    The bias corrections are computed once here, as llm.c's launcher does. The flat buffers are
+    processed in chunks so the temporaries stay in the CPU cache.
+    """
+    beta1_correction = 1.0 - beta1 ** step
+    beta2_correction = 1.0 - beta2 ** step
+    p, g, mm, vv = (t.view(-1) for t in (param, grad, m, v))
+    for s in range(0, p.numel(), chunk):
+        sl = slice(s, s + chunk)
+        gs = g[sl] * grad_scale
+        mm[sl].lerp_(gs, 1.0 - beta1)
+        vv[sl].lerp_(gs * gs, 1.0 - beta2)
+        m_hat = mm[sl] / beta1_correction
+        v_hat = vv[sl] / beta2_correction
+        p[sl] -= lr * (m_hat / (torch.sqrt(v_hat) + eps) + weight_decay * p[sl])
+
+
+def global_norm(grads: torch.Tensor) -> float:
+    """sqrt(sum of squares) of a flat gradient buffer, accumulated in float64 for a stable oracle."""
+    return math.sqrt(float(torch.sum(grads.double() ** 2)))
+
+
+def clip_scale(norm: float, max_norm: float) -> float:
+    """llm.c's clipping factor: scale the gradient to norm max_norm when it is larger; 1 otherwise."""
+    if max_norm > 0 and norm > max_norm:
+        return max_norm / norm
+    return 1.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# the whole model
+
+class GPT2Reference:
+    """GPT-2 on the CPU in float32: flat parameter and gradient buffers, forward, backward, AdamW.
+
+    forward(inputs, targets) keeps the activations the backward needs; backward(dloss) accumulates
+    into the gradient buffer (zero_grad() before micro-step 0), with dloss = 1 / (B * T * accum).
+    """
+
+    def __init__(self, config: GPT2Config, params: torch.Tensor, dtype: torch.dtype = torch.float32):
+        if params.numel() != config.num_parameters:
+            raise ValueError(f"parameter buffer has {params.numel()} elements, the model needs {config.num_parameters}")
+        self.config = config
+        self.dtype = dtype
+        self.params_flat = params.detach().to(dtype).contiguous().clone()
+        self.params = parameter_views(self.params_flat, config)
+        self.grads_flat = torch.zeros_like(self.params_flat)
+        self.grads = parameter_views(self.grads_flat, config)
+        self.m_flat = None
+        self.v_flat = None
+        self.acts = None
+
+    # ---- forward
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None):
+        """Returns the mean loss (a float) when targets are given, else None; logits stay in self.logits."""
+        cfg, p = self.config, self.params
+        B, T = inputs.shape
+        if T > cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's context {cfg.max_seq_len}")
+        inputs = torch.as_tensor(inputs).long()
+        NH = cfg.num_heads
+        layers = []
+        residual = encoder_forward(inputs, p["wte"], p["wpe"])
+        for l in range(cfg.num_layers):
+            a = {"residual": residual}
+            a["ln1"], a["ln1_mean"], a["ln1_rstd"] = layernorm_forward(residual, p["ln1w"][l], p["ln1b"][l])
+            a["qkv"] = matmul_forward(a["ln1"], p["qkvw"][l], p["qkvb"][l])
+            a["atty"], _, a["att"] = attention_forward(a["qkv"], NH)
+            attproj = matmul_forward(a["atty"], p["attprojw"][l], p["attprojb"][l])
+            a["residual2"] = residual_forward(residual, attproj)
+            a["ln2"], a["ln2_mean"], a["ln2_rstd"] = layernorm_forward(a["residual2"], p["ln2w"][l], p["ln2b"][l])
+            a["fch"] = matmul_forward(a["ln2"], p["fcw"][l], p["fcb"][l])
+            a["fch_gelu"] = gelu_forward(a["fch"])
+            fcproj = matmul_forward(a["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])
+            residual = residual_forward(a["residual2"], fcproj)
+            layers.append(a)
+        lnf, lnf_mean, lnf_rstd = layernorm_forward(residual, p["lnfw"], p["lnfb"])
+        self.logits = matmul_forward(lnf, p["wte"])  # (B, T, Vp), the padded rows of wte are zero
+        self.acts = {"layers": layers, "residual_final": residual, "lnf": lnf, "lnf_mean": lnf_mean,
+                     "lnf_rstd": lnf_rstd, "inputs": inputs, "targets": None}
+        if targets is None:
+            return None
+        targets = torch.as_tensor(targets).long()
+        self.acts["targets"] = targets
+        self.losses, _ = fused_classifier(self.logits, targets, cfg.vocab_size)
+        return float(self.losses.double().mean())
+
+    # ---- backward
+
+    def zero_grad(self):
+        self.grads_flat.zero_()
+
+    def backward(self, dloss: float | None = None):
+        """Accumulate the gradients of sum(losses) * dloss (default dloss = 1/(B*T): the mean loss)."""
+        if self.acts is None or self.acts["targets"] is None:
+            raise RuntimeError("backward needs a forward with targets first")
+        cfg, p, g, acts = self.config, self.params, self.grads, self.acts
+        B, T = acts["inputs"].shape
+        C, NH = cfg.channels, cfg.num_heads
+        if dloss is None:
+            dloss = 1.0 / (B * T)
+        _, dlogits = fused_classifier(self.logits, acts["targets"], cfg.vocab_size, dloss)
+        dlnf, dwte, _ = matmul_backward(dlogits, acts["lnf"], p["wte"], has_bias=False)
+        g["wte"] += dwte
+        dresidual, dw, db = layernorm_backward(dlnf, acts["residual_final"], p["lnfw"], acts["lnf_mean"], acts["lnf_rstd"])
+        g["lnfw"] += dw
+        g["lnfb"] += db
+        for l in reversed(range(cfg.num_layers)):
+            a = acts["layers"][l]
+            # MLP block: residual = residual2 + fcproj(gelu(fc(ln2(residual2))))
+            dfch_gelu, dw, db = matmul_backward(dresidual, a["fch_gelu"], p["fcprojw"][l])
+            g["fcprojw"][l] += dw
+            g["fcprojb"][l] += db
+            dfch = gelu_backward(a["fch"], dfch_gelu)
+            dln2, dw, db = matmul_backward(dfch, a["ln2"], p["fcw"][l])
+            g["fcw"][l] += dw
+            g["fcb"][l] += db
+            dx, dw, db = layernorm_backward(dln2, a["residual2"], p["ln2w"][l], a["ln2_mean"], a["ln2_rstd"])
+            g["ln2w"][l] += dw
+            g["ln2b"][l] += db
+            dresidual2 = dresidual + dx
+            # attention block: residual2 = residual + attproj(attention(qkv(ln1(residual))))
+            datty, dw, db = matmul_backward(dresidual2, a["atty"], p["attprojw"][l])
+            g["attprojw"][l] += dw
+            g["attprojb"][l] += db
+            dqkv = attention_backward(datty, a["qkv"], a["att"], NH)
+            dln1, dw, db = matmul_backward(dqkv, a["ln1"], p["qkvw"][l])
+            g["qkvw"][l] += dw
+            g["qkvb"][l] += db
+            dx, dw, db = layernorm_backward(dln1, a["residual"], p["ln1w"][l], a["ln1_mean"], a["ln1_rstd"])
+            g["ln1w"][l] += dw
+            g["ln1b"][l] += db
+            dresidual = dresidual2 + dx
+        dwte, dwpe = encoder_backward(dresidual, acts["inputs"], cfg.padded_vocab_size, cfg.max_seq_len)
+        g["wte"] += dwte
+        g["wpe"] += dwpe
+        self.acts = None  # the activations are spent; a second backward would be a bug
+
+    # ---- update
+
+    def grad_norm(self) -> float:
+        return global_norm(self.grads_flat)
+
+    def update(self, lr: float, step: int, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8,
+               weight_decay: float = 0.0, grad_scale: float = 1.0):
+        """AdamW over the 16 tensors, weight decay on the 2-D ones only (llm.c's gpt2_update)."""
+        if self.m_flat is None:
+            self.m_flat = torch.zeros_like(self.params_flat)
+            self.v_flat = torch.zeros_like(self.params_flat)
+        m = parameter_views(self.m_flat, self.config)
+        v = parameter_views(self.v_flat, self.config)
+        decay = self.config.weight_decay_mask()
+        for name in PARAMETER_NAMES:
+            adamw_update(self.params[name], self.grads[name], m[name], v[name], step, lr, beta1, beta2, eps,
+                         weight_decay if decay[name] else 0.0, grad_scale)
