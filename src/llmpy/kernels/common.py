@@ -45,9 +45,22 @@ def stochastic_round_bf16(x, seed, offsets):
 
 
 @triton.jit
+def round_nearest_bf16(x):
+    """fp32 -> bf16, round to nearest even, written out in bits. On the GPU this is what .to(bf16)
+    does; Triton's interpreter truncates instead, and the difference matters where a test checks that
+    round-to-nearest drops small updates. Inf and NaN pass through."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    return tl.where(finite, rounded, x).to(tl.bfloat16)
+
+
+@triton.jit
 def store_rounded(ptr, x, mask, seed, offsets, STOCHASTIC: tl.constexpr):
     """Store fp32 x into ptr's dtype: stochastic rounding for bf16 when asked, else round-to-nearest."""
     if STOCHASTIC:
         tl.store(ptr, stochastic_round_bf16(x, seed, offsets), mask=mask)
+    elif ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr, round_nearest_bf16(x), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)

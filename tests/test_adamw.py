@@ -1,0 +1,178 @@
+"""AdamW kernel against reference.adamw_update, per-tensor weight decay, master weights, stochastic
+rounding, shards, determinism. Runs on the GPU where there is one, else in Triton's interpreter."""
+import pytest
+import torch
+
+from llmpy import reference as ref
+from llmpy.kernels.adamw import adamw_update, decay_ranges_tensor, hyper_tensor, init_from_master, set_hyper
+
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+RANGES = [(0, 700), (1500, 2300)]  # decayed spans; the rest gets no decay
+N = 3001
+
+
+def reference_step(p, g, m, v, step, grad_scale):
+    """The reference applied span by span with each span's weight decay (fp32, in place)."""
+    bounds = sorted({0, N, *[x for r in RANGES for x in r]})
+    for a, b in zip(bounds, bounds[1:]):
+        wd = HP["weight_decay"] if any(s <= a and b <= e for s, e in RANGES) else 0.0
+        ref.adamw_update(p[a:b], g[a:b], m[a:b], v[a:b], step, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], wd,
+                         grad_scale)
+
+
+def setup(device, dtype, master):
+    p32 = torch.randn(N, device=device)
+    params = p32.to(dtype)
+    state = dict(params=params, m=torch.zeros(N, device=device), v=torch.zeros(N, device=device),
+                 master=params.float().clone() if master else None,
+                 hyper=hyper_tensor(device), ranges=decay_ranges_tensor(RANGES, device),
+                 seed=torch.tensor([1234], dtype=torch.int64, device=device))
+    return state
+
+
+def run_steps(state, grads, steps, grad_scale=0.7, seed0=1234, stochastic=True):
+    for step in range(1, steps + 1):
+        set_hyper(state["hyper"], HP["lr"], step, HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], grad_scale)
+        state["seed"].fill_(seed0 + step)
+        adamw_update(state["params"], grads[step - 1].to(state["params"].dtype), state["m"], state["v"], state["hyper"],
+                     state["seed"], state["ranges"], master=state["master"], stochastic=stochastic)
+
+
+def test_fp32_matches_reference(device):
+    state = setup(device, torch.float32, master=False)
+    p, m, v = state["params"].cpu().clone(), torch.zeros(N), torch.zeros(N)
+    grads = [torch.randn(N, device=device) for _ in range(3)]
+    run_steps(state, grads, 3)
+    for step in range(1, 4):
+        reference_step(p, grads[step - 1].cpu(), m, v, step, 0.7)
+    assert torch.allclose(state["params"].cpu(), p, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(state["m"].cpu(), m, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(state["v"].cpu(), v, rtol=1e-5, atol=1e-8)
+
+
+def bf16_neighbours(x):
+    """The two bf16 values around each fp32 x (equal when x is representable): truncate the low 16
+    bits of the fp32 pattern (towards zero), and the next bf16 away from zero."""
+    bits = x.float().contiguous().view(torch.int32)
+    toward_zero = (bits & ~0xFFFF).view(torch.float32)
+    away = torch.where((bits & 0xFFFF) != 0, (bits & ~0xFFFF) + 0x10000, bits & ~0xFFFF).view(torch.float32)
+    return torch.minimum(toward_zero, away), torch.maximum(toward_zero, away)
+
+
+def test_bf16_with_master_weights(device):
+    state = setup(device, torch.bfloat16, master=True)
+    p, m, v = state["master"].cpu().clone(), torch.zeros(N), torch.zeros(N)
+    grads = [torch.randn(N, device=device).bfloat16() for _ in range(3)]
+    run_steps(state, grads, 3)
+    for step in range(1, 4):
+        reference_step(p, grads[step - 1].float().cpu(), m, v, step, 0.7)
+    master = state["master"].cpu()
+    assert torch.allclose(master, p, rtol=1e-5, atol=1e-6)
+    lo, hi = bf16_neighbours(master)
+    got = state["params"].cpu().float()
+    assert torch.all((got == lo) | (got == hi)), "bf16 weights must be one of the two neighbours of the master"
+
+
+def test_bf16_without_master_rounds_stochastically(device):
+    state = setup(device, torch.bfloat16, master=False)
+    start = state["params"].cpu().float()
+    p, m, v = start.clone(), torch.zeros(N), torch.zeros(N)
+    grads = [torch.randn(N, device=device).bfloat16()]
+    run_steps(state, grads, 1)
+    reference_step(p, grads[0].float().cpu(), m, v, 1, 0.7)
+    lo, hi = bf16_neighbours(p)
+    got = state["params"].cpu().float()
+    assert torch.all((got == lo) | (got == hi))
+
+
+def test_small_updates_survive_only_with_stochastic_rounding(device):
+    """Updates far below half a bf16 ulp: round-to-nearest never moves the weights, stochastic rounding
+    moves them by the right amount on average (the silent bug the seed warns about)."""
+    n, steps, lr = 1 << 14, 8, 5e-4
+    results = {}
+    for stochastic in (True, False):
+        params = torch.ones(n, dtype=torch.bfloat16, device=device)  # ulp at 1.0 is 2^-7 = 0.0078
+        m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+        hyper, seed = hyper_tensor(device), torch.zeros(1, dtype=torch.int64, device=device)
+        ranges = decay_ranges_tensor([], device)
+        grad = torch.ones(n, dtype=torch.bfloat16, device=device)  # Adam's step is then ~lr every step
+        for step in range(1, steps + 1):
+            set_hyper(hyper, lr, step, 0.9, 0.95, 1e-8, 0.0, 1.0)
+            seed.fill_(step * 7919)
+            adamw_update(params, grad, m, v, hyper, seed, ranges, stochastic=stochastic)
+        results[stochastic] = params.float().mean().item()
+    assert results[False] == 1.0
+    expected = 1.0 - steps * lr
+    assert abs(results[True] - expected) < 0.1 * steps * lr, results
+
+
+def test_deterministic_for_a_seed_and_sharding_changes_nothing(device):
+    grads = [torch.randn(N, device=device).bfloat16() for _ in range(2)]
+    a = setup(device, torch.bfloat16, master=False)
+    b = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in a.items()}
+    run_steps(a, grads, 2)
+    run_steps(b, grads, 2)
+    assert torch.equal(a["params"], b["params"]) and torch.equal(a["m"], b["m"])
+
+    # the same update done in two shards, each told its offset, is bitwise the whole update
+    c = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in setup(device, torch.bfloat16, False).items()}
+    c["params"].copy_(b["params"])  # any start: compare whole vs sharded from equal states
+    whole = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in c.items()}
+    run_steps(whole, grads[:1], 1)
+    cut = 1234
+    set_hyper(c["hyper"], HP["lr"], 1, HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], 0.7)
+    c["seed"].fill_(1235)
+    for lo, hi in ((0, cut), (cut, N)):
+        adamw_update(c["params"][lo:hi], grads[0][lo:hi], c["m"][lo:hi], c["v"][lo:hi], c["hyper"], c["seed"],
+                     c["ranges"], offset=lo)
+    assert torch.equal(c["params"], whole["params"]) and torch.equal(c["v"], whole["v"])
+
+    d = setup(device, torch.bfloat16, master=False)
+    d["params"].copy_(a["params"])
+    e = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in d.items()}
+    run_steps(d, grads[:1], 1, seed0=1)
+    run_steps(e, grads[:1], 1, seed0=2)
+    assert not torch.equal(d["params"], e["params"]), "a different seed must round differently"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_init_from_master(device, dtype):
+    master = torch.randn(5000, device=device)
+    params = torch.full((5000,), float("nan"), dtype=dtype, device=device)
+    seed = torch.tensor([99], dtype=torch.int64, device=device)
+    init_from_master(params, master, seed)
+    if dtype == torch.float32:
+        assert torch.equal(params, master)
+    else:
+        lo, hi = bf16_neighbours(master.cpu())
+        got = params.cpu().float()
+        assert torch.all((got == lo) | (got == hi))
+
+
+@pytest.mark.gpu
+def test_gpt2_124m_sized_update_on_gpu():
+    from llmpy.config import parse_descriptor
+    cfg = parse_descriptor("d12")
+    n = cfg.num_parameters
+    dev = "cuda"
+    params = (torch.randn(n, device=dev) * 0.02).bfloat16()
+    master = params.float()
+    grads = (torch.randn(n, device=dev) * 1e-3).bfloat16()
+    m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    hyper, seed = hyper_tensor(dev), torch.tensor([5], dtype=torch.int64, device=dev)
+    sizes = cfg.parameter_sizes()
+    offsets, o = {}, 0
+    for k, s in sizes.items():
+        offsets[k] = (o, o + s)
+        o += s
+    decayed = [k for k, d in cfg.weight_decay_mask().items() if d]
+    ranges = decay_ranges_tensor([offsets[k] for k in decayed], dev)
+    set_hyper(hyper, 6e-4, 1, 0.9, 0.95, 1e-8, 0.1, 0.5)
+    p_ref, m_ref, v_ref = master.clone(), m.clone(), v.clone()
+    adamw_update(params, grads, m, v, hyper, seed, ranges, master=master)
+    for k in sizes:
+        a, b = offsets[k]
+        wd = 0.1 if k in decayed else 0.0
+        ref.adamw_update(p_ref[a:b], grads[a:b].float(), m_ref[a:b], v_ref[a:b], 1, 6e-4, 0.9, 0.95, 1e-8, wd, 0.5)
+    assert torch.allclose(master, p_ref, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(v, v_ref, rtol=1e-5, atol=1e-12)

@@ -1,0 +1,487 @@
+"""Model files: llm.c .bin (v3/v5), HF safetensors, llm.c debug state, format detection, atomicity."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmpy import checkpoint as ck
+from llmpy.config import GPT2Config, parameter_views
+from llmpy.errors import LlmpyError
+
+SMALL = GPT2Config(num_layers=2, channels=64, num_heads=2, vocab_size=300, max_seq_len=32)
+ODD = GPT2Config(num_layers=3, channels=48, num_heads=3, vocab_size=77, max_seq_len=20)
+CONFIGS = pytest.mark.parametrize("config", [SMALL, ODD], ids=["small", "odd"])
+
+
+def rand_params(config, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(config.num_parameters, generator=g)
+
+
+def zero_pad_rows(config, flat):
+    out = flat.clone()
+    parameter_views(out, config)["wte"][config.vocab_size:] = 0
+    return out
+
+
+def header_of(path):
+    return np.fromfile(path, dtype="<i4", count=256)
+
+
+def write_raw(path, ints, payload=b""):
+    h = np.zeros(256, dtype="<i4")
+    h[:len(ints)] = ints
+    path.write_bytes(h.tobytes() + payload)
+    return path
+
+
+def bf16_rne_bits(x: torch.Tensor) -> np.ndarray:
+    """fp32 -> bf16 bits by round-to-nearest-even, done by hand (finite inputs)."""
+    bits = x.numpy().view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+# ---------------------------------------------------------------------------------------------
+# llm.c model files
+
+
+@CONFIGS
+def test_llmc_fp32_round_trip(tmp_path, config):
+    flat = rand_params(config)
+    path = tmp_path / "model.bin"
+    ck.save_llmc(path, config, flat)
+    h = header_of(path)
+    assert list(h[:8]) == [20240326, 3, config.max_seq_len, config.vocab_size, config.num_layers,
+                           config.num_heads, config.channels, config.padded_vocab_size]
+    assert not h[8:].any()
+    assert path.stat().st_size == 1024 + 4 * config.num_parameters
+    cfg, loaded, version = ck.load_llmc(path)
+    assert (cfg, version) == (config, 3)
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, flat)
+    assert ck.read_llmc_header(path) == (config, 3)
+
+
+@CONFIGS
+def test_llmc_bf16_round_trip(tmp_path, config):
+    flat = rand_params(config, seed=1)
+    # values exactly halfway between two bf16 numbers: ties must go to the even one
+    flat[:4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-8 + 2**-16])
+    path = tmp_path / "model_bf16.bin"
+    ck.save_llmc(path, config, flat, dtype="bfloat16")
+    assert header_of(path)[1] == 5
+    assert path.stat().st_size == 1024 + 2 * config.num_parameters
+    cfg, loaded, version = ck.load_llmc(path)
+    assert (cfg, version) == (config, 5)
+    assert loaded.dtype == torch.bfloat16
+    assert torch.equal(loaded.view(torch.int16), flat.to(torch.bfloat16).view(torch.int16))
+    assert np.array_equal(loaded.view(torch.int16).numpy().view(np.uint16), bf16_rne_bits(flat))
+    assert loaded[:4].float().tolist() == [1.0, 1 + 2**-6, -1.0, 2**-8]
+
+
+def test_llmc_bf16_params_saved_as_fp32_exactly(tmp_path):
+    flat = rand_params(SMALL).to(torch.bfloat16)
+    ck.save_llmc(tmp_path / "m.bin", SMALL, flat, dtype="fp32")
+    _, loaded, version = ck.load_llmc(tmp_path / "m.bin")
+    assert version == 3 and torch.equal(loaded, flat.float())
+
+
+def test_llmc_old_v3_without_padded_vocab(tmp_path):
+    unpadded = GPT2Config(num_layers=1, channels=32, num_heads=2, vocab_size=50, max_seq_len=8,
+                          padded_vocab_size=50)
+    flat = rand_params(unpadded)
+    path = write_raw(tmp_path / "old.bin", [20240326, 3, 8, 50, 1, 2, 32, 0], flat.numpy().tobytes())
+    cfg, loaded, _ = ck.load_llmc(path)
+    assert cfg.padded_vocab_size == 50 and torch.equal(loaded, flat)
+
+
+def test_save_llmc_wrong_parameter_count(tmp_path):
+    with pytest.raises(LlmpyError, match="m.bin"):
+        ck.save_llmc(tmp_path / "m.bin", SMALL, torch.zeros(10))
+    assert not os.listdir(tmp_path)
+
+
+@pytest.fixture
+def good_bin(tmp_path):
+    path = tmp_path / "good.bin"
+    ck.save_llmc(path, SMALL, rand_params(SMALL))
+    return path
+
+
+def test_llmc_wrong_magic(tmp_path):
+    path = write_raw(tmp_path / "junk.bin", [12345, 3, 32, 300, 2, 2, 64, 384])
+    with pytest.raises(LlmpyError, match=r"junk\.bin.*not an llm\.c model file \(magic 12345, expected 20240326\)"):
+        ck.load_llmc(path)
+
+
+def test_llmc_wrong_version(tmp_path, good_bin):
+    raw = bytearray(good_bin.read_bytes())
+    raw[4:8] = np.int32(4).tobytes()
+    bad = tmp_path / "v4.bin"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(LlmpyError, match=r"v4\.bin.*version 4"):
+        ck.load_llmc(bad)
+
+
+def test_llmc_corrupt_sizes(tmp_path):
+    path = write_raw(tmp_path / "neg.bin", [20240326, 3, 32, -5, 2, 2, 64, 384])
+    with pytest.raises(LlmpyError, match=r"neg\.bin.*vocab_size=-5"):
+        ck.read_llmc_header(path)
+    path = write_raw(tmp_path / "heads.bin", [20240326, 3, 32, 300, 2, 3, 64, 384])
+    with pytest.raises(LlmpyError, match=r"heads\.bin.*not divisible"):
+        ck.read_llmc_header(path)
+
+
+def test_llmc_truncated_and_too_long(tmp_path, good_bin):
+    raw = good_bin.read_bytes()
+    expected = 1024 + 4 * SMALL.num_parameters
+    short = tmp_path / "short.bin"
+    short.write_bytes(raw[:-6])
+    with pytest.raises(LlmpyError, match=rf"short\.bin is truncated.*{expected} bytes.*{expected - 6}"):
+        ck.load_llmc(short)
+    long = tmp_path / "long.bin"
+    long.write_bytes(raw + b"\0" * 8)
+    with pytest.raises(LlmpyError, match=rf"long\.bin is too long.*{expected} bytes.*{expected + 8}"):
+        ck.load_llmc(long)
+    tiny = tmp_path / "tiny.bin"
+    tiny.write_bytes(raw[:100])
+    with pytest.raises(LlmpyError, match=r"tiny\.bin is too short"):
+        ck.load_llmc(tiny)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(LlmpyError, match=r"nope\.bin: no such file"):
+        ck.load_llmc(tmp_path / "nope.bin")
+    with pytest.raises(LlmpyError, match=r"nope\.bin"):
+        ck.load_model_file(tmp_path / "nope.bin")
+
+
+def test_check_precision(tmp_path, good_bin):
+    ck.check_precision(good_bin, "float32")
+    ck.check_precision(good_bin, torch.float32)
+    with pytest.raises(LlmpyError, match=r"good\.bin is a fp32 \(version 3\) checkpoint but the run is bf16"):
+        ck.check_precision(good_bin, "bf16")
+    bf = tmp_path / "x_bf16.bin"
+    ck.save_llmc(bf, SMALL, rand_params(SMALL), dtype="bfloat16")
+    ck.check_precision(bf, torch.bfloat16)
+    with pytest.raises(LlmpyError, match=r"x_bf16\.bin is a bf16 \(version 5\) checkpoint but the run is fp32"):
+        ck.check_precision(bf, "float32")
+    with pytest.raises(LlmpyError, match=r"y\.bin is a bf16 \(version 5\)"):
+        ck.check_precision(5, "fp32", name="y.bin")
+    ck.check_precision(3, "fp32")
+    with pytest.raises(LlmpyError, match="float16"):
+        ck.check_precision(3, "float16")
+
+
+# ---------------------------------------------------------------------------------------------
+# HuggingFace
+
+
+def hand_made_hf(config, flat):
+    """HF GPT-2 tensors built independently of the module's mapping table."""
+    p = parameter_views(flat, config)
+    out = {"wte.weight": p["wte"][:config.vocab_size], "wpe.weight": p["wpe"],
+           "ln_f.weight": p["lnfw"], "ln_f.bias": p["lnfb"]}
+    for i in range(config.num_layers):
+        pre = f"h.{i}."
+        out[pre + "ln_1.weight"], out[pre + "ln_1.bias"] = p["ln1w"][i], p["ln1b"][i]
+        out[pre + "attn.c_attn.weight"] = p["qkvw"][i].T      # Conv1D: (in, out)
+        out[pre + "attn.c_attn.bias"] = p["qkvb"][i]
+        out[pre + "attn.c_proj.weight"] = p["attprojw"][i].T
+        out[pre + "attn.c_proj.bias"] = p["attprojb"][i]
+        out[pre + "ln_2.weight"], out[pre + "ln_2.bias"] = p["ln2w"][i], p["ln2b"][i]
+        out[pre + "mlp.c_fc.weight"] = p["fcw"][i].T
+        out[pre + "mlp.c_fc.bias"] = p["fcb"][i]
+        out[pre + "mlp.c_proj.weight"] = p["fcprojw"][i].T
+        out[pre + "mlp.c_proj.bias"] = p["fcprojb"][i]
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+@CONFIGS
+def test_hf_round_trip(tmp_path, config):
+    flat = rand_params(config, seed=2)
+    out = tmp_path / "hf"
+    weights = ck.save_hf(out, config, flat)
+    assert weights == out / "model.safetensors"
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    cfg, loaded = ck.load_hf(out)
+    assert cfg == config
+    assert loaded.dtype == torch.float32
+    assert torch.equal(loaded, zero_pad_rows(config, flat))
+    assert not parameter_views(loaded, config)["wte"][config.vocab_size:].any()
+
+
+@CONFIGS
+def test_hf_layout_matches_hand_made_mapping(tmp_path, config):
+    flat = rand_params(config, seed=3)
+    ck.save_hf(tmp_path, config, flat)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert all(k.startswith("transformer.") for k in stored)
+    stored = {k.removeprefix("transformer."): v for k, v in stored.items()}
+    expected = hand_made_hf(config, flat)
+    assert stored.keys() == expected.keys()
+    for k in expected:
+        assert stored[k].dtype == torch.float32
+        assert torch.equal(stored[k], expected[k]), k
+    # shapes as HF's GPT-2 has them
+    C = config.channels
+    assert stored["h.0.attn.c_attn.weight"].shape == (C, 3 * C)
+    assert stored["h.0.mlp.c_fc.weight"].shape == (C, 4 * C)
+    assert stored["h.0.mlp.c_proj.weight"].shape == (4 * C, C)
+    assert stored["wte.weight"].shape == (config.vocab_size, C)
+
+
+def test_hf_config_json(tmp_path):
+    ck.save_hf(tmp_path, ODD, rand_params(ODD))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["GPT2LMHeadModel"] and cfg["model_type"] == "gpt2"
+    assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"]) == (3, 3, 48)
+    assert (cfg["n_positions"], cfg["n_ctx"], cfg["vocab_size"]) == (20, 20, 77)
+    assert cfg["activation_function"] == "gelu_new" and cfg["layer_norm_epsilon"] == 1e-5
+    assert cfg["tie_word_embeddings"] is True
+    assert cfg["eos_token_id"] < 77
+
+
+def test_hf_file_path_and_load_model_file(tmp_path):
+    flat = rand_params(SMALL, seed=4)
+    weights = ck.save_hf(tmp_path / "gpt.safetensors", SMALL, flat)
+    assert weights == tmp_path / "gpt.safetensors" and (tmp_path / "config.json").is_file()
+    cfg, loaded, dtype = ck.load_model_file(weights)
+    assert (cfg, dtype) == (SMALL, "float32") and torch.equal(loaded, zero_pad_rows(SMALL, flat))
+    weights.rename(tmp_path / "model.safetensors")
+    cfg, loaded, dtype = ck.load_model_file(tmp_path)
+    assert (cfg, dtype) == (SMALL, "float32") and torch.equal(loaded, zero_pad_rows(SMALL, flat))
+
+
+def test_hf_unprefixed_with_buffers_tied_head_and_no_config(tmp_path):
+    # GPT-2 as the hub stores it: no prefix, causal-mask buffers, and no config.json here, so the
+    # heads are inferred with head size 64.
+    config = GPT2Config(num_layers=2, channels=128, num_heads=2, vocab_size=90, max_seq_len=16)
+    flat = rand_params(config, seed=5)
+    tensors = hand_made_hf(config, flat)
+    for i in range(config.num_layers):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 16, 16))
+        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    tensors["lm_head.weight"] = tensors["wte.weight"].clone()
+    save_file({k: v.half() if k == "wpe.weight" else v for k, v in tensors.items()},
+              tmp_path / "model.safetensors")
+    cfg, loaded = ck.load_hf(tmp_path / "model.safetensors")
+    assert cfg == config
+    expected = zero_pad_rows(config, flat)
+    parameter_views(expected, config)["wpe"].copy_(parameter_views(expected, config)["wpe"].half())
+    assert torch.equal(loaded, expected)
+
+
+def test_hf_config_json_overrides_head_guess(tmp_path):
+    flat = rand_params(SMALL)
+    ck.save_hf(tmp_path, SMALL, flat)
+    (tmp_path / "config.json").unlink()
+    cfg, _ = ck.load_hf(tmp_path)
+    assert cfg.num_heads == 1  # 64 channels / head size 64
+    ck.save_hf(tmp_path, SMALL, flat)
+    assert ck.load_hf(tmp_path)[0].num_heads == 2
+
+
+def test_hf_untied_head_is_an_error(tmp_path):
+    tensors = hand_made_hf(SMALL, rand_params(SMALL))
+    tensors["lm_head.weight"] = tensors["wte.weight"] + 1
+    save_file(tensors, tmp_path / "untied.safetensors")
+    with pytest.raises(LlmpyError, match=r"untied\.safetensors.*lm_head\.weight differs"):
+        ck.load_hf(tmp_path / "untied.safetensors")
+
+
+def test_hf_missing_tensor(tmp_path):
+    tensors = hand_made_hf(SMALL, rand_params(SMALL))
+    del tensors["h.1.mlp.c_fc.bias"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(ck.hf_config_dict(SMALL)))
+    with pytest.raises(LlmpyError, match=r"model\.safetensors: missing tensor 'h\.1\.mlp\.c_fc\.bias'"):
+        ck.load_hf(tmp_path)
+    del tensors["wte.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(LlmpyError, match=r"model\.safetensors: missing tensor 'wte\.weight'"):
+        ck.load_model_file(tmp_path)
+
+
+def test_hf_wrong_shape(tmp_path):
+    tensors = hand_made_hf(SMALL, rand_params(SMALL))
+    # stored untransposed, as if llm.c's layout had been written straight out
+    tensors["h.0.attn.c_attn.weight"] = tensors["h.0.attn.c_attn.weight"].T.contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(ck.hf_config_dict(SMALL)))
+    with pytest.raises(LlmpyError, match=r"model\.safetensors: tensor 'h\.0\.attn\.c_attn\.weight' has shape "
+                                         r"\[192, 64\], expected \[64, 192\]"):
+        ck.load_hf(tmp_path)
+
+
+def test_hf_config_mismatch_and_unknown_tensor(tmp_path):
+    tensors = hand_made_hf(SMALL, rand_params(SMALL))
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(ck.hf_config_dict(ODD)))
+    with pytest.raises(LlmpyError, match=r"model\.safetensors: tensor 'wte\.weight' has shape"):
+        ck.load_hf(tmp_path)
+    tensors["score.weight"] = torch.zeros(2, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(LlmpyError, match=r"model\.safetensors: unexpected tensor 'score\.weight'"):
+        ck.load_hf(tmp_path)
+
+
+def test_hf_not_safetensors(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"hello world, not safetensors")
+    with pytest.raises(LlmpyError, match=r"bad\.safetensors"):
+        ck.load_hf(bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LlmpyError, match=r"empty is a directory without model\.safetensors"):
+        ck.load_model_file(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------------------------------------
+# debug state
+
+
+@pytest.mark.parametrize("padded_logits", [False, True])
+def test_debug_state_round_trip(tmp_path, padded_logits):
+    config, B, T = ODD, 3, 5
+    g = torch.Generator().manual_seed(6)
+    inputs = torch.randint(0, config.vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, config.vocab_size, (B, T), generator=g)
+    V = config.padded_vocab_size if padded_logits else config.vocab_size
+    logits = torch.randn(B, T, V, generator=g)
+    grads = torch.randn(config.num_parameters, generator=g)
+    path = tmp_path / "debug.bin"
+    ck.save_debug_state(path, config, inputs, targets, logits, torch.tensor(3.25), grads)
+    assert list(header_of(path)[:4]) == [20240327, 2, B, T]
+    assert path.stat().st_size == 1024 + 4 * (2 * B * T + B * T * config.vocab_size + 1 + config.num_parameters)
+    st = ck.load_debug_state(path, config)
+    assert (st["B"], st["T"], st["loss"]) == (B, T, 3.25)
+    assert st["inputs"].dtype == torch.int32 and torch.equal(st["inputs"].long(), inputs)
+    assert torch.equal(st["targets"].long(), targets)
+    assert torch.equal(st["logits"], logits[..., :config.vocab_size])
+    assert torch.equal(st["grads"], grads)
+
+
+def test_debug_state_bad_input(tmp_path):
+    config, B, T = SMALL, 2, 4
+    args = (torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long),
+            torch.zeros(B, T, config.vocab_size), 1.0, torch.zeros(config.num_parameters))
+    path = tmp_path / "dbg.bin"
+    ck.save_debug_state(path, config, *args)
+    raw = path.read_bytes()
+    (tmp_path / "cut.bin").write_bytes(raw[:-4])
+    with pytest.raises(LlmpyError, match=r"cut\.bin is truncated"):
+        ck.load_debug_state(tmp_path / "cut.bin", config)
+    deeper = GPT2Config(num_layers=3, channels=64, num_heads=2, vocab_size=300, max_seq_len=32)
+    with pytest.raises(LlmpyError, match=r"dbg\.bin is truncated"):  # written for a smaller model
+        ck.load_debug_state(path, deeper)
+    (tmp_path / "v1.bin").write_bytes(raw[:4] + np.int32(1).tobytes() + raw[8:])
+    with pytest.raises(LlmpyError, match=r"v1\.bin: unsupported debug state version 1"):
+        ck.load_debug_state(tmp_path / "v1.bin", config)
+    ck.save_llmc(tmp_path / "good.bin", config, rand_params(config))
+    with pytest.raises(LlmpyError, match=r"good\.bin is not an llm\.c debug state.*20240326"):
+        ck.load_debug_state(tmp_path / "good.bin", config)
+    with pytest.raises(LlmpyError, match=r"x\.bin.*logits"):
+        ck.save_debug_state(tmp_path / "x.bin", config, args[0], args[1], torch.zeros(B, T, 5), 1.0, args[4])
+
+
+# ---------------------------------------------------------------------------------------------
+# format detection
+
+
+def test_load_model_file_llmc(tmp_path):
+    flat = rand_params(SMALL)
+    ck.save_llmc(tmp_path / "a.bin", SMALL, flat)
+    ck.save_llmc(tmp_path / "b.bin", SMALL, flat, dtype="bf16")
+    cfg, loaded, dtype = ck.load_model_file(tmp_path / "a.bin")
+    assert (cfg, dtype) == (SMALL, "float32") and torch.equal(loaded, flat)
+    cfg, loaded, dtype = ck.load_model_file(tmp_path / "b.bin")
+    assert (cfg, dtype) == (SMALL, "bfloat16") and loaded.dtype == torch.bfloat16
+
+
+def test_load_model_file_rejects_other_files(tmp_path):
+    shard = write_raw(tmp_path / "fineweb_train_000001.bin", [20240520, 1, 10],
+                      np.arange(10, dtype=np.uint16).tobytes())
+    with pytest.raises(LlmpyError, match=r"fineweb_train_000001\.bin is a token shard, not a model file"):
+        ck.load_model_file(shard)
+    with pytest.raises(LlmpyError, match=r"fineweb_train_000001\.bin is a token shard, not an llm\.c model file"):
+        ck.load_llmc(shard)
+    dbg = write_raw(tmp_path / "gpt2_124M_debug_state.bin", [20240327, 2, 1, 1])
+    with pytest.raises(LlmpyError, match=r"gpt2_124M_debug_state\.bin is an llm\.c debug state.*not a model file"):
+        ck.load_model_file(dbg)
+    text = tmp_path / "notes.txt"
+    text.write_text("just some text, long enough to have a header of sorts\n")
+    with pytest.raises(LlmpyError, match=r"notes\.txt is not a model file"):
+        ck.load_model_file(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# atomicity
+
+
+def test_failed_llmc_save_keeps_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "model.bin"
+    first = rand_params(SMALL, seed=7)
+    ck.save_llmc(path, SMALL, first)
+
+    def half_then_fail(f, tensor, dtype="float32"):
+        f.write(b"\1" * 1000)  # something reached the disk before the failure
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck, "_write_tensor", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_llmc(path, SMALL, rand_params(SMALL, seed=8))
+    assert os.listdir(tmp_path) == ["model.bin"]
+    assert torch.equal(ck.load_llmc(path)[1], first)
+
+
+def test_failed_hf_save_keeps_old_files(tmp_path, monkeypatch):
+    first = rand_params(SMALL, seed=9)
+    ck.save_hf(tmp_path, SMALL, first)
+
+    def fail(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise KeyboardInterrupt  # even a Ctrl-C mid-write leaves the old file
+
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=10))
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert torch.equal(ck.load_hf(tmp_path)[1], zero_pad_rows(SMALL, first))
+
+
+def test_atomic_write_into_missing_directory(tmp_path):
+    with pytest.raises(LlmpyError, match=r"nodir"):
+        ck.save_llmc(tmp_path / "nodir" / "m.bin", SMALL, rand_params(SMALL))
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers (only where it is installed, e.g. the GPU machine)
+
+
+def test_transformers_loads_saved_model_and_back(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = ODD
+    flat = rand_params(config, seed=11) * 0.1
+    ck.save_hf(tmp_path / "ours", config, flat)
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours").eval()
+    p = parameter_views(flat, config)
+    assert torch.equal(model.lm_head.weight, p["wte"][:config.vocab_size])  # tied
+    x = torch.randn(2, 5, config.channels)
+    blk = model.transformer.h[1]
+    F = torch.nn.functional
+    with torch.no_grad():
+        # HF's Conv1D computes x @ W + b; llm.c's layout computes x @ w.T + b: same numbers
+        for mod, w, b, width in ((blk.attn.c_attn, "qkvw", "qkvb", 1), (blk.attn.c_proj, "attprojw", "attprojb", 1),
+                                 (blk.mlp.c_fc, "fcw", "fcb", 1), (blk.mlp.c_proj, "fcprojw", "fcprojb", 4)):
+            xin = torch.randn(2, 5, config.channels * width)
+            torch.testing.assert_close(mod(xin), F.linear(xin, p[w][1], p[b][1]))
+        torch.testing.assert_close(blk.ln_1(x), F.layer_norm(x, (config.channels,), p["ln1w"][1], p["ln1b"][1], 1e-5))
+    model.save_pretrained(tmp_path / "theirs")
+    cfg, loaded = ck.load_hf(tmp_path / "theirs")
+    assert cfg == config
+    assert torch.equal(loaded, zero_pad_rows(config, flat))

@@ -1,0 +1,48 @@
+"""Global gradient norm (two deterministic levels) and the device-side clip scale."""
+import math
+
+import pytest
+import torch
+
+from llmpy import reference as ref
+from llmpy.kernels.global_norm import clip_scale, global_norm_partials, global_norm_squared
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5}  # the sum is fp32 either way; bf16 only stores inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 1000, 12345])
+def test_global_norm_matches_reference(device, dtype, n):
+    grads = torch.randn(n, device=device).to(dtype)
+    out = torch.full((1,), float("nan"), device=device)
+    partials = global_norm_partials(device)
+    global_norm_squared(out, grads, partials)
+    expected = ref.global_norm(grads.float().cpu())
+    assert math.isclose(math.sqrt(out.item()), expected, rel_tol=TOL[dtype])
+    again = torch.full((1,), float("nan"), device=device)
+    global_norm_squared(again, grads, partials)
+    assert torch.equal(out, again)
+
+
+def test_global_norm_accumulates_over_buffers(device):
+    a, b = torch.randn(777, device=device), torch.randn(4099, device=device)
+    out = torch.zeros(1, device=device)
+    partials = global_norm_partials(device)
+    global_norm_squared(out, a, partials)
+    global_norm_squared(out, b, partials, accumulate=True)
+    assert math.isclose(math.sqrt(out.item()), ref.global_norm(torch.cat([a, b]).cpu()), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("norm,max_norm", [(4.0, 1.0), (0.5, 1.0), (3.0, 0.0)])
+def test_clip_scale(device, norm, max_norm):
+    scale = torch.full((1,), float("nan"), device=device)
+    clip_scale(scale, torch.tensor([norm * norm], device=device), max_norm)
+    assert math.isclose(scale.item(), ref.clip_scale(norm, max_norm), rel_tol=1e-6)
+
+
+@pytest.mark.gpu
+def test_global_norm_gpt2_124m_sized():
+    grads = (torch.randn(124_475_904, device="cuda") * 1e-3).bfloat16()
+    out = torch.empty(1, device="cuda")
+    global_norm_squared(out, grads, global_norm_partials("cuda"))
+    assert math.isclose(math.sqrt(out.item()), grads.float().norm().item(), rel_tol=1e-4)
