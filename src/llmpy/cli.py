@@ -1,0 +1,49 @@
+"""`llmpy` command line: train, prepare, sample. A user's mistake (LlmpyError) is one line on stderr and
+exit status 1; an interrupt exits with 130 after the subcommand has cleaned up."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import LlmpyError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import prepare, sample, train
+    from .train import OneLineParser
+
+    parser = OneLineParser(prog="llmpy", description="GPT-2-family training from Python, llm.c's design.",
+                           allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    # train's -h is llm.c's HellaSwag flag, so its help is --help only
+    t = sub.add_parser("train", help="train a model (no arguments: the embedded default)", add_help=False,
+                       allow_abbrev=False)
+    train.add_arguments(t)
+    t.set_defaults(func=train.run)
+    p = sub.add_parser("prepare", help="tokenize text into llm.c token shards", allow_abbrev=False)
+    prepare.add_arguments(p)
+    p.set_defaults(func=prepare.run)
+    s = sub.add_parser("sample", help="generate text from a model file", allow_abbrev=False)
+    sample.add_arguments(s)
+    s.set_defaults(func=sample.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except LlmpyError as e:
+        print(f"llmpy {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"llmpy {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Outlier detection for loss and gradient norm (llm.c's outlier_detector.h): the z-score of a new
+value against a moving window of the previous ones. The training loop skips the update of a step whose
+z-score is above `-sl` (loss) or `-sg` (gradient norm)."""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+OUTLIER_WINDOW = 128
+
+
+class OutlierDetector:
+    def __init__(self, window: int = OUTLIER_WINDOW):
+        self.window = window
+        self.values: deque[float] = deque(maxlen=window)
+
+    def update(self, x: float) -> float:
+        """Add x; return its z-score against the window before it (nan until the window is full)."""
+        z = float("nan")
+        if len(self.values) == self.window:
+            n = len(self.values)
+            mean = sum(self.values) / n
+            var = sum((v - mean) ** 2 for v in self.values) / n
+            std = math.sqrt(var)
+            z = (x - mean) / std if std > 0 else 0.0
+        self.values.append(float(x))
+        return z
+
+    def state_dict(self) -> dict:
+        return {"window": self.window, "values": list(self.values)}
+
+    def load_state_dict(self, state: dict):
+        self.window = int(state["window"])
+        self.values = deque((float(v) for v in state["values"]), maxlen=self.window)

@@ -1,0 +1,49 @@
+"""Learning-rate schedules (llm.c's schedulers.h and `-k -l -u -q` flags).
+
+Every schedule warms up linearly over the first `warmup` steps from lr/warmup to lr, then follows its
+shape down to lr * final_frac at the last step. Steps count from 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import LlmpyError
+
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    kind: str = "cosine"
+    lr: float = 3e-4
+    warmup: int = 0
+    total_steps: int = 1
+    final_frac: float = 1.0
+    decay_frac: float = 0.2  # wsd: the share of the steps, at the end, spent decaying
+
+    def __post_init__(self):
+        if self.kind not in SCHEDULES:
+            raise LlmpyError(f"-k {self.kind}: unknown learning-rate schedule; choose one of {', '.join(SCHEDULES)}")
+        if self.lr < 0 or self.warmup < 0 or not 0.0 <= self.final_frac <= 1.0:
+            raise LlmpyError(f"learning-rate schedule: need lr >= 0, warmup >= 0 and 0 <= final fraction <= 1 "
+                             f"(got -l {self.lr} -u {self.warmup} -q {self.final_frac})")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        min_lr = self.lr * self.final_frac
+        span = max(1, self.total_steps - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        if self.kind == "constant":
+            return self.lr
+        if self.kind == "linear":
+            return self.lr - progress * (self.lr - min_lr)
+        if self.kind == "cosine":
+            return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - min_lr)
+        # wsd: stable at lr, then a linear decay over the last decay_frac of all steps
+        decay_start = self.total_steps * (1.0 - self.decay_frac)
+        if step < decay_start:
+            return self.lr
+        frac = min(1.0, (step - decay_start) / max(1.0, self.total_steps - decay_start))
+        return self.lr - frac * (self.lr - min_lr)

@@ -1,0 +1,426 @@
+"""The training loop and `llmpy train`'s flags (llm.c's train_gpt2.cu main, with its one-letter flags).
+
+`llmpy train` with no arguments trains a small model on the embedded default corpus (the running
+Python's standard library, byte-level tokens) on the CPU; `-i/-j` point at token shards, `-e` picks
+the model. The CPU path is the fp32 reference trainer (`reference.GPT2Reference`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from .config import GPT2Config, parse_descriptor
+from .errors import LlmpyError
+from .outliers import OutlierDetector
+from .schedulers import SCHEDULES, LRSchedule
+
+# The embedded default: the model and run that `llmpy train` with no arguments trains on 2 CPU cores
+# in about two minutes (byte-level tokens, so vocab 257).
+DEFAULT_CPU_MODEL = "layers=4,channels=192,heads=4,seq=128,vocab=257"
+
+
+@dataclass
+class TrainOptions:
+    """Every option of a run; the command line maps one flag to one field (llm.c's letters)."""
+    train_data: str | None = None          # -i
+    val_data: str | None = None            # -j
+    model: str | None = None               # -e
+    output_dir: str | None = None          # -o
+    checkpoint_every: int = 0              # -n
+    checkpoints_keep: int = 0              # -nk
+    major_checkpoint_every: int = 0        # -nm
+    resume: int = 0                        # -y
+    batch_size: int = 4                    # -b
+    seq_len: int = 1024                    # -t
+    total_batch_size: int = -1             # -d
+    learning_rate: float = 3e-4            # -l
+    final_lr_frac: float = 1.0             # -q
+    warmup_steps: int = 0                  # -u
+    weight_decay: float = 0.0              # -c
+    lr_schedule: str = "cosine"            # -k
+    max_steps: int = -1                    # -x
+    val_every: int = 20                    # -v
+    val_max_steps: int = 20                # -m
+    sample_every: int = 20                 # -s
+    gen_tokens: int = 64                   # -g
+    overfit_single_batch: int = 0          # -a
+    tf32: int = 1                          # -f
+    master_weights: int = 1                # -w
+    recompute: int = 1                     # -r
+    gelu_fusion: int = -1                  # -ge
+    zero_stage: int = 0                    # -z
+    skip_loss_z: float = 0.0               # -sl
+    skip_grad_z: float = 0.0               # -sg
+    hellaswag: int = 0                     # -h
+    grad_clip: float = 1.0
+    seed: int = 42
+    device: str = "auto"
+    dtype: str = "float32"
+    shuffle: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    progress: int = -1                     # -1: a bar when stderr is a terminal
+
+    def validate(self):
+        for name, flag in (("batch_size", "-b"), ("seq_len", "-t")):
+            if getattr(self, name) <= 0:
+                raise LlmpyError(f"{flag} {getattr(self, name)}: must be positive")
+        for name, flag, allowed in (("master_weights", "-w", (0, 1)), ("recompute", "-r", (0, 1, 2)),
+                                    ("gelu_fusion", "-ge", (-1, 0, 1, 2)), ("zero_stage", "-z", (0, 1)),
+                                    ("resume", "-y", (0, 1)), ("overfit_single_batch", "-a", (0, 1)),
+                                    ("tf32", "-f", (0, 1)), ("hellaswag", "-h", (0, 1))):
+            if getattr(self, name) not in allowed:
+                raise LlmpyError(f"{flag} {getattr(self, name)}: must be one of {', '.join(map(str, allowed))}")
+        if self.lr_schedule not in SCHEDULES:
+            raise LlmpyError(f"-k {self.lr_schedule}: unknown schedule; choose one of {', '.join(SCHEDULES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise LlmpyError(f"--device {self.device}: must be auto, cpu or cuda")
+        if self.grad_clip < 0:
+            raise LlmpyError(f"--grad-clip {self.grad_clip}: must be >= 0 (0 turns clipping off)")
+        for name, flag in (("checkpoint_every", "-n"), ("checkpoints_keep", "-nk"), ("major_checkpoint_every", "-nm"),
+                           ("val_max_steps", "-m"), ("gen_tokens", "-g")):
+            if getattr(self, name) < 0:
+                raise LlmpyError(f"{flag} {getattr(self, name)}: must be >= 0")
+        if self.resume and not self.output_dir:
+            raise LlmpyError("-y 1 resumes from the output directory: give it with -o")
+        # what the CPU path does not do yet is refused, not silently ignored
+        if self.resume:
+            raise LlmpyError("-y 1: resuming a run is not implemented yet")
+        if self.hellaswag:
+            raise LlmpyError("-h 1: HellaSwag evaluation is not implemented yet")
+
+
+# ---------------------------------------------------------------------------------------------------
+# command line
+
+FLAGS = [  # (short, long, field, type, help)
+    ("-i", "--train-data", "train_data", str, "train token shards (glob); default: the embedded stdlib corpus"),
+    ("-j", "--val-data", "val_data", str, "validation token shards (glob)"),
+    ("-e", "--model", "model", str, "model: dN, gpt2:dN, gpt3:cN, gpt2[-medium|-large|-xl], "
+                                    "layers=..,channels=..,heads=.., or a checkpoint file"),
+    ("-o", "--output-dir", "output_dir", str, "output directory for the log and checkpoints"),
+    ("-n", "--checkpoint-every", "checkpoint_every", int, "write a checkpoint every N steps (0: only at the end)"),
+    ("-nk", "--checkpoints-keep", "checkpoints_keep", int, "keep only the last K checkpoints (0: all)"),
+    ("-nm", "--major-checkpoint-every", "major_checkpoint_every", int, "keep every M-th checkpoint for ever"),
+    ("-y", "--resume", "resume", int, "1: resume from the latest checkpoint in -o"),
+    ("-b", "--batch-size", "batch_size", int, "micro-batch size B"),
+    ("-t", "--seq-len", "seq_len", int, "sequence length T"),
+    ("-d", "--total-batch-size", "total_batch_size", int, "tokens per step; sets gradient accumulation (-1: B*T)"),
+    ("-l", "--learning-rate", "learning_rate", float, "peak learning rate"),
+    ("-q", "--final-lr-frac", "final_lr_frac", float, "final learning rate as a fraction of the peak"),
+    ("-u", "--warmup-steps", "warmup_steps", int, "linear warmup steps"),
+    ("-c", "--weight-decay", "weight_decay", float, "AdamW weight decay (2-D tensors only)"),
+    ("-k", "--lr-schedule", "lr_schedule", str, f"learning-rate schedule: {', '.join(SCHEDULES)}"),
+    ("-x", "--max-steps", "max_steps", int, "number of steps (-1: one epoch of the train data)"),
+    ("-v", "--val-every", "val_every", int, "validation loss every N steps (0: never)"),
+    ("-m", "--val-max-steps", "val_max_steps", int, "batches per validation"),
+    ("-s", "--sample-every", "sample_every", int, "print a sample every N steps (0: only at the end)"),
+    ("-g", "--gen-tokens", "gen_tokens", int, "tokens per sample"),
+    ("-a", "--overfit-single-batch", "overfit_single_batch", int, "1: train on the first batch only"),
+    ("-f", "--tf32", "tf32", int, "1: allow TF32 matrix products in fp32 (GPU)"),
+    ("-w", "--master-weights", "master_weights", int, "1: keep fp32 master weights (GPU, bf16)"),
+    ("-r", "--recompute", "recompute", int, "0 none, 1 GELU, 2 GELU + layernorm recomputed in the backward (GPU)"),
+    ("-ge", "--gelu-fusion", "gelu_fusion", int, "GELU fusion into the matrix products: 0, 1, 2 (-1: per GPU)"),
+    ("-z", "--zero-stage", "zero_stage", int, "0: all-reduce, 1: ZeRO-1 sharded optimizer (several GPUs)"),
+    ("-sl", "--skip-loss-z", "skip_loss_z", float, "skip the update when the loss z-score is above this (0: off)"),
+    ("-sg", "--skip-grad-z", "skip_grad_z", float, "skip the update when the grad-norm z-score is above this (0: off)"),
+    ("-h", "--hellaswag", "hellaswag", int, "1: HellaSwag accuracy at each validation"),
+]
+EXTRA_FLAGS = [  # long-only flags
+    ("--grad-clip", "grad_clip", float, "clip the gradient's global norm to this (0: off)"),
+    ("--seed", "seed", int, "seed of the model's random init, shuffling and sampling"),
+    ("--device", "device", str, "cpu, cuda or auto"),
+    ("--shuffle", "shuffle", int, "1: shuffle shards and batches each epoch"),
+    ("--temperature", "temperature", float, "sampling temperature (0: greedy)"),
+    ("--top-k", "top_k", int, "sample from the k most likely tokens (0: all)"),
+    ("--progress", "progress", int, "1: show a progress bar, 0: not, -1: when stderr is a terminal"),
+]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line, without the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    parser.description = "Train a GPT-2-family model (llm.c's flags; each also has a long name)."
+    defaults = TrainOptions()
+    for short, long, name, typ, help_ in FLAGS:
+        parser.add_argument(short, long, dest=name, type=typ, default=getattr(defaults, name),
+                            help=f"{help_} (default: {getattr(defaults, name)})")
+    for long, name, typ, help_ in EXTRA_FLAGS:
+        parser.add_argument(long, dest=name, type=typ, default=getattr(defaults, name),
+                            help=f"{help_} (default: {getattr(defaults, name)})")
+    parser.add_argument("--help", action="help", help="show this help and exit")
+
+
+def options_from_args(args: argparse.Namespace) -> TrainOptions:
+    return TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)})
+
+
+def run(args: argparse.Namespace) -> int:
+    train(options_from_args(args))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# building the pieces
+
+def _resolve_device(opts: TrainOptions) -> str:
+    if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()):
+        if opts.device == "cuda":
+            raise LlmpyError("--device cuda: the GPU trainer is not implemented yet; use --device cpu")
+    return "cpu"
+
+
+def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.Tensor]:
+    """(config, flat fp32 parameters) from a descriptor (llm.c's random init) or a model file."""
+    if os.path.exists(desc):
+        from .checkpoint import load_model_file
+        config, flat, _dtype = load_model_file(desc)
+        return config, flat.float()
+    config = parse_descriptor(desc)
+    from .init import init_parameters
+    return config, init_parameters(config, seed=seed)
+
+
+def _tokenizer_for(vocab_size: int):
+    """A tokenizer to print samples with: bytes for the 257-token vocab, GPT-2's BPE for 50257."""
+    from .tokenizer import load_tokenizer
+    try:
+        if vocab_size == 257:
+            return load_tokenizer("bytes")
+        if vocab_size == 50257:
+            return load_tokenizer("gpt2")
+    except LlmpyError:
+        return None
+    except Exception:  # no local files and no network: samples are printed as token ids
+        return None
+    return None
+
+
+def _check_output_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".llmpy_write_test_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise LlmpyError(f"-o {path}: output directory cannot be written ({e.strerror or e})") from None
+    return out
+
+
+class RunLog:
+    """llm.c's main.log lines (`s:STEP trl:LOSS`, `s:STEP tel:LOSS`) and a JSONL twin with every field."""
+
+    def __init__(self, out_dir: Path | None):
+        self.text = open(out_dir / "main.log", "a") if out_dir else None
+        self.jsonl = open(out_dir / "main.jsonl", "a") if out_dir else None
+
+    def write(self, step: int, kind: str, **values):
+        if self.text is None:
+            return
+        if kind == "train":
+            self.text.write(f"s:{step} trl:{values['loss']:.6f}\n")
+        elif kind == "val":
+            self.text.write(f"s:{step} tel:{values['loss']:.6f}\n")
+        self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+        self.text.flush()
+        self.jsonl.flush()
+
+    def close(self):
+        for f in (self.text, self.jsonl):
+            if f is not None:
+                f.close()
+
+
+def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, params: torch.Tensor, opts: TrainOptions,
+                     final: bool = False):
+    """llm.c's model file model_%08d.bin (fp32, version 3); a DONE_%08d marker after the final one."""
+    from .checkpoint import save_llmc
+    save_llmc(out_dir / f"model_{step:08d}.bin", config, params, dtype="float32")
+    if final:
+        (out_dir / f"DONE_{step:08d}").write_text("")
+    if opts.checkpoints_keep > 0:
+        kept = sorted(out_dir.glob("model_*.bin"))
+        for old in kept[:-opts.checkpoints_keep]:
+            s = int(old.stem.split("_")[1])
+            if opts.major_checkpoint_every > 0 and s % opts.major_checkpoint_every == 0:
+                continue
+            old.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the loop
+
+@dataclass
+class TrainResult:
+    config: GPT2Config
+    model: object
+    train_losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    sample: str | None = None
+
+
+def _fmt_options(opts: TrainOptions) -> str:
+    return " ".join(f"{k}={v}" for k, v in asdict(opts).items() if v is not None)
+
+
+def train(opts: TrainOptions, log=print) -> TrainResult:
+    """Run one training as the options say; returns the losses and the trained model."""
+    from .data import DataLoader, EvalLoader, default_dataset
+    from .reference import GPT2Reference, clip_scale
+    from .sampler import generate
+
+    embedded = opts.train_data is None
+    if embedded:
+        # the offline default: small model, byte-level stdlib corpus, settings that train in ~2 minutes
+        files = default_dataset()
+        opts.train_data, opts.val_data = files.train, opts.val_data or files.val
+        if opts.model is None:
+            opts.model = DEFAULT_CPU_MODEL
+            defaults = TrainOptions()
+            for name, value in (("batch_size", 16), ("seq_len", 128), ("learning_rate", 2e-3), ("max_steps", 400),
+                                ("warmup_steps", 20), ("val_every", 50), ("val_max_steps", 8), ("sample_every", 0),
+                                ("gen_tokens", 192), ("final_lr_frac", 0.1), ("weight_decay", 0.0)):
+                if getattr(opts, name) == getattr(defaults, name):
+                    setattr(opts, name, value)
+    if opts.model is None:
+        opts.model = "d12"
+    opts.validate()
+    device = _resolve_device(opts)
+
+    config, params = load_or_create_model(opts.model, seed=opts.seed)
+    B, T = opts.batch_size, opts.seq_len
+    if T > config.max_seq_len:
+        raise LlmpyError(f"-t {T}: longer than the model's context of {config.max_seq_len} tokens")
+    tokens_per_micro = B * T
+    if opts.total_batch_size == -1:
+        accum = 1
+    elif opts.total_batch_size <= 0 or opts.total_batch_size % tokens_per_micro:
+        raise LlmpyError(f"-d {opts.total_batch_size}: the total batch must be a positive multiple of B*T = "
+                         f"{tokens_per_micro}")
+    else:
+        accum = opts.total_batch_size // tokens_per_micro
+
+    train_loader = DataLoader(opts.train_data, B, T, shuffle=bool(opts.shuffle), seed=opts.seed,
+                              vocab_size=config.vocab_size)
+    val_loader = None
+    if opts.val_data and opts.val_every > 0:
+        val_loader = EvalLoader(opts.val_data, B, T, vocab_size=config.vocab_size)
+        val_batches = min(opts.val_max_steps, len(val_loader))
+    steps = opts.max_steps if opts.max_steps > 0 else max(1, len(train_loader) // accum)
+    schedule = LRSchedule(opts.lr_schedule, opts.learning_rate, opts.warmup_steps, steps, opts.final_lr_frac)
+    tokenizer = _tokenizer_for(config.vocab_size)
+    out_dir = _check_output_dir(opts.output_dir) if opts.output_dir else None  # after every check of the input
+
+    model = GPT2Reference(config, params)
+    log(f"llmpy train | device {device} | fp32 CPU reference | torch threads {torch.get_num_threads()}")
+    log(f"model {opts.model}: {config.describe()} | padded vocab {config.padded_vocab_size} | "
+        f"{config.num_parameters:,} parameters")
+    log(f"data {opts.train_data}: {train_loader.num_tokens:,} tokens, {len(train_loader)} batches of B={B} T={T}"
+        + (f" | val {opts.val_data}" if val_loader else ""))
+    log(f"steps {steps} | grad accumulation {accum} ({tokens_per_micro * accum} tokens/step) | lr {opts.learning_rate} "
+        f"{opts.lr_schedule} warmup {opts.warmup_steps} final x{opts.final_lr_frac} | weight decay {opts.weight_decay} "
+        f"| clip {opts.grad_clip}")
+    if out_dir:
+        log(f"output {out_dir}")
+
+    result = TrainResult(config=config, model=model)
+    run_log = RunLog(out_dir)
+    loss_outliers, grad_outliers = OutlierDetector(), OutlierDetector()
+    progress = None
+    if opts.progress == 1 or (opts.progress == -1 and sys.stderr.isatty()):
+        from tqdm import tqdm
+        progress = tqdm(total=steps, unit="step", dynamic_ncols=True, leave=False, file=sys.stderr)
+        log = progress.write  # step lines above the bar
+
+    def validate(step):
+        if val_loader is None:
+            return
+        losses = [model.forward(x, y) for x, y in val_loader.batches(val_batches)]
+        val = sum(losses) / len(losses)
+        result.val_losses.append((step, val))
+        run_log.write(step, "val", loss=val)
+        log(f"val loss {val:.6f}")
+
+    def sample(step):
+        if opts.gen_tokens == 0:
+            return None
+        start = [tokenizer.eot] if tokenizer is not None else [config.vocab_size - 1]
+
+        def next_logits(ctx):
+            model.forward(torch.tensor([ctx]))
+            return model.logits[0, -1]
+        ids = generate(next_logits, start, opts.gen_tokens, config.vocab_size, config.max_seq_len,
+                       seed=opts.seed + step, temperature=opts.temperature, top_k=opts.top_k)
+        text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+        log(f"--- sample at step {step} ---\n{text}\n---")
+        return text
+
+    first_batch = None
+    try:
+        for step in range(steps):
+            if opts.val_every > 0 and step % opts.val_every == 0:
+                validate(step)
+            if opts.sample_every > 0 and step > 0 and step % opts.sample_every == 0:
+                sample(step)
+            t0 = time.perf_counter()
+            model.zero_grad()
+            loss_sum = 0.0
+            for _ in range(accum):
+                if opts.overfit_single_batch:
+                    first_batch = first_batch or train_loader.next_batch()
+                    x, y = first_batch
+                else:
+                    x, y = train_loader.next_batch()
+                loss_sum += model.forward(x, y)
+                model.backward(1.0 / (tokens_per_micro * accum))
+            loss = loss_sum / accum
+            if not math.isfinite(loss):
+                raise LlmpyError(f"step {step + 1}: the loss is {loss}; stopping (lower -l, or check the data)")
+            norm = model.grad_norm()
+            lr = schedule(step)
+            zl, zg = loss_outliers.update(loss), grad_outliers.update(norm)
+            skip = (opts.skip_loss_z > 0 and zl > opts.skip_loss_z) or (opts.skip_grad_z > 0 and zg > opts.skip_grad_z)
+            if skip:
+                log(f"step {step + 1}: skipping the update (loss z {zl:.2f}, grad-norm z {zg:.2f})")
+            else:
+                model.update(lr, step + 1, weight_decay=opts.weight_decay,
+                             grad_scale=clip_scale(norm, opts.grad_clip))
+            ms = (time.perf_counter() - t0) * 1000
+            result.train_losses.append(loss)
+            result.step_ms.append(ms)
+            run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, skipped=skip)
+            log(f"step {step + 1:5d}/{steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | {ms:.1f} ms | "
+                f"{tokens_per_micro * accum / (ms / 1000):.0f} tok/s")
+            if progress is not None:
+                progress.update(1)
+            if out_dir and opts.checkpoint_every > 0 and (step + 1) % opts.checkpoint_every == 0 and step + 1 < steps:
+                _save_checkpoint(out_dir, step + 1, config, model.params_flat, opts)
+        validate(steps)
+        result.sample = sample(steps)
+        if out_dir:
+            _save_checkpoint(out_dir, steps, config, model.params_flat, opts, final=True)
+    finally:
+        if progress is not None:
+            progress.close()
+        run_log.close()
+    if len(result.step_ms) > 1:
+        timed = sorted(result.step_ms[1:])
+        print(f"done: {steps} steps, median {timed[len(timed) // 2]:.1f} ms/step, "
+              f"final train loss {result.train_losses[-1]:.4f}"
+              + (f", val loss {result.val_losses[-1][1]:.4f}" if result.val_losses else ""))
+    return result

@@ -1,0 +1,120 @@
+"""The command line: bad input gets one line naming the file or flag, a non-zero exit and no traceback;
+nothing already saved is touched. And a tiny end-to-end run with a checkpoint and a sample."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmpy.checkpoint import load_llmc
+from llmpy.data import write_shard
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
+
+
+def llmpy(*args, cwd=None):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "llmpy", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def assert_one_line_error(res, *needles):
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.fixture
+def shards(tmp_path):
+    rng = np.random.default_rng()
+    train = tmp_path / "tiny_train_000000.bin"
+    val = tmp_path / "tiny_val_000000.bin"
+    write_shard(train, rng.integers(0, 257, 5000))
+    write_shard(val, rng.integers(0, 257, 2000))
+    return train, val
+
+
+def test_tiny_run_trains_writes_checkpoint_and_log(tmp_path, shards):
+    train, val = shards
+    out = tmp_path / "out"
+    res = llmpy("train", "-i", train, "-j", val, "-e", TINY, "-b", 2, "-t", 16, "-x", 6, "-v", 3, "-m", 2,
+                "-g", 8, "-o", out, "-l", 1e-2, "--progress", 0)
+    assert res.returncode == 0, res.stderr
+    assert "step     6/6" in res.stdout and "val loss" in res.stdout and "sample at step 6" in res.stdout
+    config, flat, version = load_llmc(out / "model_00000006.bin")
+    assert version == 3 and config.num_layers == 1 and flat.isfinite().all()
+    assert (out / "DONE_00000006").exists()
+    log = (out / "main.log").read_text().splitlines()
+    assert "s:6 trl:" in log[-2] or any(l.startswith("s:6 trl:") for l in log)
+    # the checkpoint samples through `llmpy sample`
+    res = llmpy("sample", out / "model_00000006.bin", "--prompt", "def ", "-g", 5)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("def ")
+
+
+def test_bad_shard_magic(tmp_path, shards):
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(np.arange(300, dtype=np.int32).tobytes())
+    assert_one_line_error(llmpy("train", "-i", bad, "-e", TINY, "-b", 2, "-t", 16, "-x", 1), "bad.bin", "magic")
+
+
+def test_truncated_shard(tmp_path, shards):
+    train, _ = shards
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(train.read_bytes()[:-10])
+    assert_one_line_error(llmpy("train", "-i", cut, "-e", TINY, "-b", 2, "-t", 16, "-x", 1), "cut.bin")
+
+
+def test_token_id_beyond_the_vocab(tmp_path):
+    big = tmp_path / "big.bin"
+    write_shard(big, np.full(2000, 300))
+    assert_one_line_error(llmpy("train", "-i", big, "-e", TINY, "-b", 2, "-t", 16, "-x", 1), "big.bin", "300")
+
+
+def test_batch_larger_than_the_shard(shards):
+    train, _ = shards
+    assert_one_line_error(llmpy("train", "-i", train, "-e", TINY, "-b", 500, "-t", 16, "-x", 1), train.name)
+
+
+def test_sequence_longer_than_the_context(shards):
+    train, _ = shards
+    assert_one_line_error(llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 64, "-x", 1), "-t 64", "32")
+
+
+def test_unknown_descriptor_and_flag(shards):
+    train, _ = shards
+    assert_one_line_error(llmpy("train", "-i", train, "-e", "d13", "-x", 1), "d13")
+    assert_one_line_error(llmpy("train", "--no-such-flag", "3"), "--no-such-flag")
+    assert_one_line_error(llmpy("train", "-zz", "3"), "-z")  # llm.c-style: -zz reads as -z with value z
+    assert_one_line_error(llmpy("train", "-w", "7", "-i", train, "-e", TINY), "-w 7")
+
+
+def test_wrong_model_file(tmp_path, shards):
+    train, _ = shards
+    assert_one_line_error(llmpy("train", "-i", train, "-e", train, "-x", 1), train.name, "token shard")
+
+
+def test_output_dir_that_cannot_be_written(tmp_path, shards):
+    train, _ = shards
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert_one_line_error(llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-o", blocker / "out"),
+                          "-o", "file")
+    assert blocker.read_text() == "not a folder"
+
+
+def test_nothing_written_when_the_run_fails_at_start(tmp_path, shards):
+    train, _ = shards
+    out = tmp_path / "keep"
+    out.mkdir()
+    (out / "model_00000005.bin").write_bytes(b"earlier run")
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 64, "-x", 1, "-o", out)
+    assert res.returncode != 0
+    assert sorted(p.name for p in out.iterdir()) == ["model_00000005.bin"]
+    assert (out / "model_00000005.bin").read_bytes() == b"earlier run"
