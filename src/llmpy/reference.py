@@ -34,9 +34,9 @@ def encoder_forward(inp: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor) -> 
 def encoder_backward(dout: torch.Tensor, inp: torch.Tensor, Vp: int, maxT: int):
     """Gradients of wte (Vp, C) and wpe (maxT, C) from dout (B, T, C)."""
     B, T, C = dout.shape
-    dwte = torch.zeros(Vp, C, dtype=dout.dtype)
+    dwte = torch.zeros(Vp, C, dtype=dout.dtype, device=dout.device)
     dwte.index_add_(0, inp.reshape(-1), dout.reshape(B * T, C))
-    dwpe = torch.zeros(maxT, C, dtype=dout.dtype)
+    dwpe = torch.zeros(maxT, C, dtype=dout.dtype, device=dout.device)
     dwpe[:T] = dout.sum(0)
     return dwte, dwpe
 
@@ -123,7 +123,7 @@ def attention_forward(qkv: torch.Tensor, num_heads: int):
     q, k, v = _split_heads(qkv, num_heads)
     scale = 1.0 / math.sqrt(C // num_heads)
     preatt = (q @ k.transpose(-1, -2)) * scale
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()
     preatt = preatt.masked_fill(~causal, float("-inf"))
     att = torch.softmax(preatt, dim=-1)
     out = (att @ v).transpose(1, 2).reshape(B, T, C)
@@ -199,7 +199,7 @@ def fused_classifier(logits: torch.Tensor, targets: torch.Tensor, V: int, dloss:
         return losses, None
     probs = torch.zeros_like(logits)
     probs[..., :V] = torch.exp(lv - lse[..., None])
-    dl = torch.full(losses.shape, dloss, dtype=logits.dtype)
+    dl = torch.full(losses.shape, dloss, dtype=logits.dtype, device=logits.device)
     return losses, crossentropy_softmax_backward(dl, probs, targets, V)
 
 
