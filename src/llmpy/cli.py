@@ -9,8 +9,8 @@ from .errors import LlmpyError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import prepare, sample, train
-    from .train import OneLineParser
+    from . import prepare, sample, trainer
+    from .trainer import OneLineParser
 
     parser = OneLineParser(prog="llmpy", description="GPT-2-family training from Python, llm.c's design.",
                            allow_abbrev=False)
@@ -18,8 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     # train's -h is llm.c's HellaSwag flag, so its help is --help only
     t = sub.add_parser("train", help="train a model (no arguments: the embedded default)", add_help=False,
                        allow_abbrev=False)
-    train.add_arguments(t)
-    t.set_defaults(func=train.run)
+    trainer.add_arguments(t)
+    t.set_defaults(func=trainer.run)
     p = sub.add_parser("prepare", help="tokenize text into llm.c token shards", allow_abbrev=False)
     prepare.add_arguments(p)
     p.set_defaults(func=prepare.run)

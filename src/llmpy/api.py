@@ -1,0 +1,37 @@
+"""The Python API: the command line's three jobs as functions.
+
+    import llmpy
+    model = llmpy.create_model("layers=2,channels=64,heads=2,vocab=257")   # llm.c's random init
+    result = llmpy.train(train_data="data/x_train_*.bin", model="d6", max_steps=100)
+    print(llmpy.sample(result.model, "def main(", tokenizer="bytes"))
+"""
+from __future__ import annotations
+
+from .reference import GPT2Reference
+from .trainer import TrainOptions, TrainResult, load_or_create_model
+from .trainer import train as _train
+
+
+def create_model(descriptor: str = "d12", seed: int = 42) -> GPT2Reference:
+    """A model from an `-e` descriptor with llm.c's random init (or from a model file's path)."""
+    config, params = load_or_create_model(descriptor, seed)
+    return GPT2Reference(config, params)
+
+
+def load_model(path: str) -> GPT2Reference:
+    """A model from an llm.c .bin file or a HuggingFace model.safetensors (file or folder)."""
+    return create_model(path)
+
+
+def train(log=print, **options) -> TrainResult:
+    """Train as `llmpy train` does; keyword names are TrainOptions' fields (batch_size=..., max_steps=...)."""
+    return _train(TrainOptions(**options), log=log)
+
+
+def sample(model: GPT2Reference, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 64,
+           temperature: float = 1.0, top_k: int = 0, seed: int = 1337) -> str:
+    """Continue `prompt`; tokenizer "auto" picks bytes for a 257-token vocab and GPT-2's BPE otherwise."""
+    from .sample import sample_text
+    from .tokenizer import load_tokenizer
+    name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")
+    return sample_text(model, load_tokenizer(name), prompt, gen_tokens, temperature, top_k, seed)

@@ -1,0 +1,432 @@
+"""Linear layers (llm.c's matmul.cuh): GEMMs through cuBLAS(Lt) via torch, the epilogues llm.c gets from
+cuBLASLt, and the deterministic bias-gradient reduction.
+
+Weights are (OC, C) as in llm.c: out = inp @ weight.T + bias.
+
+- Plain GEMMs are torch.addmm / torch.mm with `out=`: addmm with a 1-D bias goes to cuBLASLt's BIAS
+  epilogue, so the bias costs no extra pass. The weight gradient accumulates with beta = 1 in the same
+  GEMM (`dweight.addmm_(dout.T, inp)`: cuBLAS reads C and adds, no temporary, no copy).
+- GELU_AUX_BIAS (fc forward, gelu_fusion >= 1): torch has no GEMM that writes both the pre-activation
+  and the activation (`_addmm_activation` writes only the latter), so `_matmul_kernel` is a Triton GEMM
+  whose epilogue adds the bias, stores pre_gelu, and stores gelu(pre_gelu) while the tile is still in
+  registers: one write each instead of a write, a read and a write.
+- DGELU (fcproj backward): the derivative of GELU applied to dinp, either as a separate elementwise pass
+  (gelu_fusion 2, `_gelu_backward_inplace_kernel`) or in the same Triton GEMM's epilogue (gelu_fusion 3,
+  llm.c's DGELU epilogue). `bias_gelu_backward` fuses it instead with the *fc* layer's bias gradient: one
+  pass over the (B*T, 4C) tensor does dgelu in place and reduces its column sums.
+- Bias gradient (llm.c's matmul_backward_bias_kernel9 + reduce_add_sum_kernel): no atomics, so the result
+  is bitwise reproducible. Level 1: a fixed grid of (column block, row chunk) programs, each summing its
+  chunk of rows in fp32 into a scratch row; level 2: one program per column block adds the chunk sums in
+  a fixed order into dbias. With a single chunk, level 1 adds into dbias directly.
+
+GELU is the tanh form, written through the identity 0.5 * (1 + tanh(u)) = sigmoid(2u): one exp, no tanh
+(not in core triton.language), and no overflow for large |x| (exp -> inf gives sigmoid 0, gelu -0).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import DOT_UPCAST, cdiv, interpreting, round_nearest_bf16, store_rounded
+from .gelu import gelu_backward_inplace, gelu_forward
+
+# 2 * sqrt(2 / pi) and 2 * sqrt(2 / pi) * 0.044715: sigmoid(2u) with u = sqrt(2/pi) * (x + 0.044715 x^3)
+GELU_2K = tl.constexpr(1.5957691216057308)
+GELU_2K_C = tl.constexpr(1.5957691216057308 * 0.044715)
+
+# epilogues of _matmul_kernel
+EPILOGUE_NONE, EPILOGUE_GELU_AUX, EPILOGUE_DGELU = 0, 1, 2
+
+# GEMM tiles. bf16 on sm_90: 128x256x64 with 8 warps lets Triton emit wgmma with a 3-stage cp.async
+# pipeline (147 KiB of shared memory); bench_matmul sweeps alternatives. fp32 goes through FMA ("ieee"):
+# smaller tiles, it is there for tests. The interpreter runs one Python program per tile: small tiles,
+# so that the tests cover several tiles and a K loop of more than one step.
+GEMM_CONFIGS = {
+    "bf16": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "fp32": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
+    "interpret": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
+}
+
+# bias-gradient reduction tiles: rows x columns per step of a program's loop (16 KiB of bf16 per step)
+BIAS_BLOCK_M, BIAS_BLOCK_N, BIAS_WARPS = (16, 64, 4) if interpreting() else (64, 128, 8)
+BIAS_PROGRAMS_PER_SM = 4
+FINISH_BLOCK_CHUNKS, FINISH_BLOCK_N = 64, 64
+ELEMENTWISE_BLOCK = 1024 if interpreting() else 4096
+
+
+# ----------------------------------------------------------------------------------------------------
+# GELU, tanh form
+
+@triton.jit
+def _gelu_gate(x):
+    """0.5 * (1 + tanh(u)) = sigmoid(2u), fp32."""
+    return 1.0 / (1.0 + tl.exp(-x * (GELU_2K + GELU_2K_C * x * x)))
+
+
+@triton.jit
+def _gelu(x):
+    return x * _gelu_gate(x)
+
+
+@triton.jit
+def _gelu_grad(x):
+    """d/dx x * s(x), s = sigmoid(2u): s + x * s * (1 - s) * 2u'(x); 2u' = 2K + 3 * 2K * 0.044715 x^2."""
+    s = _gelu_gate(x)
+    return s + x * s * (1.0 - s) * (GELU_2K + 3.0 * GELU_2K_C * x * x)
+
+
+@triton.jit
+def _round_like(x, ptr):
+    """x rounded to ptr's element type and back to fp32 (round-to-nearest, also in the interpreter)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return round_nearest_bf16(x).to(tl.float32)
+    else:
+        return x.to(ptr.dtype.element_ty).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GEMM with a fused epilogue: c = epilogue(a @ b + bias)
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, M, N, K,
+                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """a (M, K), b (K, N) (any strides: b is weight.T in the forward, weight in the backward), c and aux
+    (M, N) with c's strides. EPILOGUE_GELU_AUX: aux = acc + bias, c = gelu(aux). EPILOGUE_DGELU:
+    c = acc * gelu'(aux)."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: consecutive programs walk down GROUP_M row blocks before moving to the next column
+    # block, so a band of A and a band of B stay in L2 while they are reused.
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Edge tiles re-read valid rows/columns (wrapped) instead of masking every load of the K loop; only
+    # the stores are masked.
+    a_ptrs = a_ptr + (rm % M)[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + (rn % N)[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        if DOT_UPCAST:  # the interpreter's tl.dot is wrong on bf16
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:  # fp32 operands: true fp32 products, not tf32
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    c_offs = rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    x = acc
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if EPILOGUE == 1:
+        # gelu of the stored (rounded) pre-activation: out == gelu_forward(pre_gelu) exactly as unfused
+        x = _round_like(x, aux_ptr)
+        tl.store(aux_ptr + c_offs, x.to(aux_ptr.dtype.element_ty), mask=mask)
+        x = _gelu(x)
+    if EPILOGUE == 2:
+        x = x * _gelu_grad(tl.load(aux_ptr + c_offs, mask=mask, other=0.0).to(tl.float32))
+    store_rounded(c_ptr + c_offs, x, mask, 0, c_offs, False)
+
+
+@triton.jit
+def _seed(seed_ptr, STOCHASTIC: tl.constexpr):
+    # the seed tensor is only there (and only read) when rounding stochastically
+    if STOCHASTIC:
+        return tl.load(seed_ptr)
+    else:
+        return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# bias gradient: column sums of (M, N), two deterministic levels; optionally dgelu in place on the way
+
+@triton.jit
+def _bias_partial_kernel(d_ptr, pre_ptr, part_ptr, dbias_ptr, seed_ptr, M, N, stride_m, rows_per_chunk,
+                         HAS_GELU: tl.constexpr, FINAL: tl.constexpr, STOCHASTIC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (column block, row chunk): sum of d[chunk rows, block cols] in fp32. HAS_GELU: first
+    d = d * gelu'(pre), written back in place, and the sum is of the values as stored. FINAL (one chunk):
+    dbias += sum; else part[chunk, cols] = sum."""
+    pid_n = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    row0 = chunk * rows_per_chunk
+    # 2-D accumulator, reduced once at the end: the loop has no cross-thread reduction
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in range(0, rows_per_chunk, BLOCK_M):
+        rows = row0 + r + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * stride_m + cols[None, :]
+        g = tl.load(d_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if HAS_GELU:
+            x = tl.load(pre_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            g = _round_like(g * _gelu_grad(x), d_ptr)
+            tl.store(d_ptr + offs, g.to(d_ptr.dtype.element_ty), mask=mask)
+        acc += g
+    col_sum = tl.sum(acc, axis=0)
+    if FINAL:
+        total = tl.load(dbias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + col_sum
+        store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), cols, STOCHASTIC)
+    else:
+        tl.store(part_ptr + chunk * N + cols, col_sum, mask=col_mask)
+
+
+@triton.jit
+def _bias_finish_kernel(part_ptr, dbias_ptr, seed_ptr, N, num_chunks, STOCHASTIC: tl.constexpr,
+                        BLOCK_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dbias[cols] += sum over chunks of part[chunk, cols], in a fixed order (llm.c's reduce_add_sum)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_CHUNKS, BLOCK_N), dtype=tl.float32)
+    for c0 in range(0, num_chunks, BLOCK_CHUNKS):
+        chunks = c0 + tl.arange(0, BLOCK_CHUNKS)
+        mask = (chunks < num_chunks)[:, None] & col_mask[None, :]
+        acc += tl.load(part_ptr + chunks[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    total = tl.load(dbias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + tl.sum(acc, axis=0)
+    store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), cols, STOCHASTIC)
+
+
+@triton.jit
+def _gelu_backward_inplace_kernel(d_ptr, pre_ptr, n, BLOCK: tl.constexpr):
+    """d = d * gelu'(pre), elementwise, in place."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(d_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(pre_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    store_rounded(d_ptr + offs, g * _gelu_grad(x), mask, 0, offs, False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """A contiguous (..., cols) tensor as a 2-D view (rows, cols)."""
+    assert t.is_contiguous() and t.shape[-1] == cols, (tuple(t.shape), cols)
+    return t.view(-1, cols)
+
+
+def gemm_config(dtype: torch.dtype) -> dict:
+    if interpreting():
+        return GEMM_CONFIGS["interpret"]
+    return GEMM_CONFIGS["bf16" if dtype == torch.bfloat16 else "fp32"]
+
+
+def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, config: dict | None = None):
+    """c (M, N) = epilogue(a (M, K) @ b (K, N) + bias) with the Triton GEMM; b may be strided (weight.t()).
+
+    EPILOGUE_GELU_AUX: aux (M, N) gets a @ b + bias, c gets its gelu. EPILOGUE_DGELU: c = (a @ b) * gelu'(aux).
+    config: GEMM_CONFIGS-style tiles (default gemm_config(dtype)); the benchmark sweeps it.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    assert b.shape[0] == K and c.shape == (M, N), (tuple(a.shape), tuple(b.shape), tuple(c.shape))
+    assert a.dtype == b.dtype == c.dtype and a.dtype in _FLOAT_DTYPES
+    assert c.is_contiguous() and a.stride(1) == 1
+    # 32-bit offsets in the kernel
+    assert max(a.numel(), b.numel(), c.numel()) < 2 ** 31
+    if bias is not None:
+        assert bias.shape == (N,) and bias.dtype == c.dtype and bias.is_contiguous()
+    if epilogue != EPILOGUE_NONE:
+        assert aux is not None and aux.shape == (M, N) and aux.dtype == c.dtype and aux.is_contiguous()
+    cfg = dict(config or gemm_config(a.dtype))
+    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    grid = (cdiv(M, bm) * cdiv(N, bn),)
+    _matmul_kernel[grid](
+        a, b, c, bias if bias is not None else c, aux if aux is not None else c, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None, EPILOGUE=epilogue, IEEE=a.dtype == torch.float32 or DOT_UPCAST,
+        DOT_UPCAST=DOT_UPCAST, EVEN_K=K % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+    return c
+
+
+def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_fusion: int = 0):
+    """out (..., OC) = inp (..., C) @ weight (OC, C).T + bias (OC) (llm.c's matmul_forward_cublaslt).
+
+    With pre_gelu (the fc layer): pre_gelu = inp @ weight.T + bias and out = gelu(pre_gelu), both written.
+    gelu_fusion 0: cuBLASLt addmm into pre_gelu, then the gelu kernel (kernels/gelu.py); >= 1: the
+    Triton GEMM with the bias + GELU epilogue writes both at once.
+    """
+    OC, C = weight.shape
+    inp2 = _rows(inp, C)
+    out2 = _rows(out, OC)
+    assert out2.shape[0] == inp2.shape[0] and inp.dtype == weight.dtype == out.dtype and weight.is_contiguous()
+    if bias is not None:
+        assert bias.shape == (OC,) and bias.dtype == out.dtype
+    if pre_gelu is None:
+        if bias is not None:
+            torch.addmm(bias, inp2, weight.t(), out=out2)  # cuBLASLt BIAS epilogue
+        else:
+            torch.mm(inp2, weight.t(), out=out2)
+        return out
+    pre2 = _rows(pre_gelu, OC)
+    assert pre2.shape == out2.shape and pre_gelu.dtype == out.dtype
+    if gelu_fusion >= 1:
+        triton_matmul(out2, inp2, weight.t(), bias, aux=pre2, epilogue=EPILOGUE_GELU_AUX)
+    else:
+        if bias is not None:
+            torch.addmm(bias, inp2, weight.t(), out=pre2)
+        else:
+            torch.mm(inp2, weight.t(), out=pre2)
+        gelu_forward(out, pre_gelu)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a few programs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def bias_backward_chunks(M: int, N: int, device) -> tuple[int, int]:
+    """(num_chunks, rows_per_chunk) of the bias-gradient reduction of an (M, N) gradient: enough programs
+    for BIAS_PROGRAMS_PER_SM per SM. The scratch it needs is num_chunks * N fp32 (none for one chunk)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    target = BIAS_PROGRAMS_PER_SM * _num_sms(device)
+    chunks = max(1, min(cdiv(M, BIAS_BLOCK_M), cdiv(target, cdiv(N, BIAS_BLOCK_N))))
+    return _chunking(M, chunks)
+
+
+def _chunking(M: int, chunks: int) -> tuple[int, int]:
+    rows = cdiv(cdiv(M, chunks), BIAS_BLOCK_M) * BIAS_BLOCK_M  # whole row tiles per chunk
+    return cdiv(M, rows), rows
+
+
+def bias_scratch_numel(M: int, N: int, device) -> int:
+    """fp32 elements of scratch the default reduction of an (M, N) gradient uses."""
+    chunks, _ = bias_backward_chunks(M, N, device)
+    return chunks * N if chunks > 1 else 0
+
+
+def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks):
+    M, N = d2.shape
+    assert dbias.shape == (N,) and dbias.is_contiguous() and dbias.dtype in _FLOAT_DTYPES
+    if num_chunks is None:
+        chunks, rows = bias_backward_chunks(M, N, d2.device)
+    else:
+        chunks, rows = _chunking(M, num_chunks)
+    if chunks > 1 and scratch is not None and scratch.numel() < chunks * N:
+        # a smaller scratch than the default plan: fewer, longer chunks (still a fixed order)
+        chunks, rows = _chunking(M, max(1, scratch.numel() // N))
+    if chunks > 1:
+        if scratch is None:
+            scratch = torch.empty(chunks * N, dtype=torch.float32, device=d2.device)  # not for CUDA graphs
+        assert scratch.dtype == torch.float32 and scratch.is_contiguous()
+    stochastic = seed is not None and dbias.dtype == torch.bfloat16
+    if seed is None:
+        seed = dbias  # unread: STOCHASTIC is off
+    part = scratch if chunks > 1 else dbias
+    _bias_partial_kernel[(cdiv(N, BIAS_BLOCK_N), chunks)](
+        d2, pre2 if pre2 is not None else d2, part, dbias, seed, M, N, d2.stride(0), rows,
+        HAS_GELU=pre2 is not None, FINAL=chunks == 1, STOCHASTIC=stochastic,
+        BLOCK_M=BIAS_BLOCK_M, BLOCK_N=BIAS_BLOCK_N, num_warps=BIAS_WARPS)
+    if chunks > 1:
+        _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
+            scratch, dbias, seed, N, chunks, STOCHASTIC=stochastic,
+            BLOCK_CHUNKS=FINISH_BLOCK_CHUNKS, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+
+
+def matmul_backward_bias(dbias, dout, scratch=None, seed=None, num_chunks: int | None = None):
+    """dbias (OC) += dout (..., OC) summed over rows, deterministically (llm.c's matmul_backward_bias_kernel9
+    + reduce_add_sum_kernel).
+
+    scratch: fp32, at least bias_scratch_numel(M, OC, device) elements (allocated here when None: not
+    inside CUDA-graph capture); a smaller one means fewer chunks. seed: None rounds bf16 dbias to nearest
+    (llm.c); a 1-element int64 device tensor rounds stochastically. num_chunks overrides the chunking.
+    """
+    OC = dbias.shape[0]
+    _bias_reduce(dbias, scratch, _rows(dout, OC), None, seed, num_chunks)
+    return dbias
+
+
+def bias_gelu_backward(dbias, scratch, d_in_out, pre_gelu, seed=None, num_chunks: int | None = None):
+    """One pass over the fc layer's (..., 4C) gradient: d_in_out *= gelu'(pre_gelu) in place (the gradient
+    w.r.t. the GELU output becomes the gradient w.r.t. pre_gelu) and dbias += its column sums.
+
+    The model uses it in the fc layer's backward: fcproj's matmul_backward without pre_gelu writes
+    d(gelu output) into d_in_out, this turns it into d(pre_gelu) and fc's bias gradient at once, and fc's
+    matmul_backward then runs with dbias=None. Against dgelu + a separate bias reduction it saves one read
+    of the (B*T, 4C) tensor; against an unfused dgelu pass it saves a read and a write as well.
+    scratch / seed / num_chunks: as in matmul_backward_bias.
+    """
+    N = dbias.shape[0]
+    d2, pre2 = _rows(d_in_out, N), _rows(pre_gelu, N)
+    assert d2.shape == pre2.shape and d2.dtype == pre2.dtype
+    _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks)
+    return d_in_out, dbias
+
+
+def gelu_backward_fused(d_in_out, pre_gelu):
+    """d_in_out *= gelu'(pre_gelu), in place, one elementwise pass (gelu_fusion 2 of matmul_backward)."""
+    assert d_in_out.shape == pre_gelu.shape and d_in_out.dtype == pre_gelu.dtype
+    assert d_in_out.is_contiguous() and pre_gelu.is_contiguous()
+    n = d_in_out.numel()
+    _gelu_backward_inplace_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](d_in_out, pre_gelu, n, BLOCK=ELEMENTWISE_BLOCK,
+                                                                  num_warps=8)
+    return d_in_out
+
+
+def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_gelu=None, gelu_fusion: int = 0,
+                    seed=None):
+    """Backward of out = inp @ weight.T + bias (llm.c's matmul_backward).
+
+    dinp (..., C) = dout (..., OC) @ weight: OVERWRITTEN (None skips it).
+    dweight (OC, C) += dout.T @ inp: ACCUMULATED, in the GEMM itself (beta = 1).
+    dbias (OC) += column sums of dout: ACCUMULATED, deterministic Triton reduction (None skips it);
+    scratch / seed as in matmul_backward_bias.
+    pre_gelu (..., C): this layer's input was gelu(pre_gelu) (fcproj), so dinp is turned into the
+    gradient w.r.t. pre_gelu: gelu_fusion 0/1: gelu_backward_inplace of kernels/gelu.py after the GEMM;
+    2: this module's elementwise pass; 3: in the epilogue of the Triton GEMM (llm.c's DGELU).
+    """
+    OC, C = weight.shape
+    dout2 = _rows(dout, OC)
+    inp2 = _rows(inp, C)
+    assert dout2.shape[0] == inp2.shape[0] and dout.dtype == inp.dtype == weight.dtype
+    if dinp is not None:
+        dinp2 = _rows(dinp, C)
+        assert dinp2.shape == inp2.shape and dinp.dtype == dout.dtype
+        if pre_gelu is not None:
+            assert pre_gelu.shape == dinp.shape and pre_gelu.dtype == dinp.dtype
+        if pre_gelu is not None and gelu_fusion >= 3:
+            triton_matmul(dinp2, dout2, weight, aux=_rows(pre_gelu, C), epilogue=EPILOGUE_DGELU)
+        else:
+            torch.mm(dout2, weight, out=dinp2)
+            if pre_gelu is not None and gelu_fusion == 2:
+                gelu_backward_fused(dinp, pre_gelu)
+            elif pre_gelu is not None:
+                gelu_backward_inplace(dinp, pre_gelu)
+    assert dweight.shape == (OC, C) and dweight.dtype == dout.dtype and dweight.is_contiguous()
+    dweight.addmm_(dout2.t(), inp2)  # beta = 1: cuBLAS accumulates into dweight in the GEMM
+    if dbias is not None:
+        _bias_reduce(dbias, scratch, dout2, None, seed, None)
+    return dinp, dweight, dbias

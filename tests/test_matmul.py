@@ -1,0 +1,519 @@
+"""Linear layers (kernels/matmul.py) against reference.matmul_forward / matmul_backward / gelu_forward /
+gelu_backward: the cuBLAS paths, the Triton GEMM with its GELU_AUX and DGELU epilogues, every gelu_fusion
+level, the deterministic bias-gradient reduction (with and without the fused dgelu), accumulate semantics,
+poisoned outputs, out-of-bounds writes, determinism and stochastic rounding.
+
+CPU: small and odd shapes through Triton's interpreter (also run on the GPU with device=cuda).
+GPU (marker gpu): GPT-2 124M shapes in bf16 against the fp32 reference computed on the GPU.
+"""
+import pytest
+import torch
+
+from llmpy import reference as ref
+from llmpy.kernels import matmul as mm
+
+# ||out - ref|| / ||ref||. fp32: reference in float64; bf16: reference in fp32 on the bf16-rounded inputs.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+# (M, C, OC): tiny, odd everything (K not a multiple of the K tile, partial tiles), several tiles
+SHAPES = [(6, 16, 48), (35, 24, 40), (64, 64, 256)]
+GUARD = 37  # sentinel elements after an output: writes past its end show up there
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """fp32 checks need true fp32 GEMMs in torch too, whatever another module set."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def rel_err(out, expected):
+    out, expected = out.double(), expected.double()
+    return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def check(out, expected, dtype, what=""):
+    assert torch.isfinite(out).all(), f"{what}: non-finite (unwritten?) elements"
+    err = rel_err(out, expected)
+    assert err < TOL[dtype], f"{what}: relative error {err:.3g} >= {TOL[dtype]:.0e}"
+
+
+class Rand:
+    """Fresh random tensors (seeded per test for reproducibility), made on the CPU, moved to the device."""
+
+    def __init__(self, device, dtype, seed=0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.device, self.dtype = device, dtype
+
+    def __call__(self, *shape, scale=1.0):
+        return (torch.randn(*shape, generator=self.g) * scale).to(self.device, self.dtype)
+
+
+def ref_dtype(dtype):
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def up(t, dtype):
+    """The reference's copy of a kernel input: exact values, in the reference precision."""
+    return None if t is None else t.to(ref_dtype(dtype))
+
+
+def poisoned(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def guarded(shape, dtype, device, fill=float("nan")):
+    """(view, buffer): a contiguous view of the front of a buffer whose last GUARD elements hold a sentinel."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.full((n + GUARD,), fill, dtype=dtype, device=device)
+    buf[n:] = 12345.0
+    return buf[:n].view(*shape), buf
+
+
+def assert_guard_intact(buf):
+    assert (buf[-GUARD:] == 12345.0).all(), "written past the end of the output"
+
+
+def linear_inputs(rand, M, C, OC, bias=True, lead=()):
+    """inp, weight, bias scaled so that pre-activations are O(1): GELU sees both of its regimes."""
+    inp = rand(*lead, M, C) if lead else rand(M, C)
+    weight = rand(OC, C, scale=C ** -0.5)
+    return inp, weight, (rand(OC, scale=0.5) if bias else None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_matmul_forward(device, dtype, shape, has_bias):
+    M, C, OC = shape
+    inp, weight, bias = linear_inputs(Rand(device, dtype), M, C, OC, has_bias)
+    out = poisoned((M, OC), dtype, device)
+    mm.matmul_forward(out, inp, weight, bias)
+    check(out, ref.matmul_forward(up(inp, dtype), up(weight, dtype), up(bias, dtype)), dtype, "out")
+
+
+def test_matmul_forward_keeps_leading_dims(device):
+    """(B, T, C) in, (B, T, OC) out, as the model calls it."""
+    dtype = torch.float32
+    inp, weight, bias = linear_inputs(Rand(device, dtype, 1), 5, 16, 24, lead=(3,))
+    out = poisoned((3, 5, 24), dtype, device)
+    mm.matmul_forward(out, inp, weight, bias)
+    check(out, ref.matmul_forward(up(inp, dtype), up(weight, dtype), up(bias, dtype)), dtype, "out")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gelu_fusion", [0, 1])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_matmul_forward_gelu(device, dtype, shape, gelu_fusion, has_bias):
+    """pre_gelu = inp @ W.T + b and out = gelu(pre_gelu), both written, at every fusion level."""
+    M, C, OC = shape
+    inp, weight, bias = linear_inputs(Rand(device, dtype, 2), M, C, OC, has_bias)
+    out, out_buf = guarded((M, OC), dtype, device)
+    pre, pre_buf = guarded((M, OC), dtype, device)
+    mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_fusion=gelu_fusion)
+    expected_pre = ref.matmul_forward(up(inp, dtype), up(weight, dtype), up(bias, dtype))
+    check(pre, expected_pre, dtype, "pre_gelu")
+    check(out, ref.gelu_forward(expected_pre), dtype, "out")
+    # out is the gelu of pre_gelu as stored (what the backward sees), up to out's own rounding
+    check(out, ref.gelu_forward(up(pre, dtype)), dtype, "out vs gelu(stored pre_gelu)")
+    assert_guard_intact(out_buf)
+    assert_guard_intact(pre_buf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_fusion_levels_agree(device, dtype):
+    """Level 0 (cuBLAS + gelu kernel) and level 1 (Triton GEMM with the epilogue) agree to rounding."""
+    M, C, OC = 35, 24, 40
+    inp, weight, bias = linear_inputs(Rand(device, dtype, 3), M, C, OC)
+    outs = []
+    for level in (0, 1):
+        out, pre = poisoned((M, OC), dtype, device), poisoned((M, OC), dtype, device)
+        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_fusion=level)
+        outs.append((out, pre))
+    check(outs[1][0], outs[0][0], dtype, "out level 1 vs 0")
+    check(outs[1][1], outs[0][1], dtype, "pre_gelu level 1 vs 0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(35, 24, 40), (70, 48, 72)])
+def test_triton_matmul_plain_and_edges(device, dtype, shape):
+    """The Triton GEMM without epilogue, b as a transposed view (forward) and as a plain matrix (backward);
+    partial tiles in M and N, a masked K tail, no write past the output."""
+    M, K, N = shape
+    rand = Rand(device, dtype, 4)
+    a, w_nk, w_kn, bias = rand(M, K), rand(N, K), rand(K, N), rand(N)
+    for b, with_bias in ((w_nk.t(), True), (w_kn, False)):
+        c, buf = guarded((M, N), dtype, device)
+        mm.triton_matmul(c, a, b, bias if with_bias else None)
+        expected = up(a, dtype) @ up(b, dtype) + (up(bias, dtype) if with_bias else 0.0)
+        check(c, expected, dtype, f"c (bias={with_bias})")
+        assert_guard_intact(buf)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp -> inf, by design
+def test_gelu_extremes(device):
+    """Large |x|: gelu -> x and 0, gelu' -> 1 and 0, no inf/nan from the exp; matches the tanh reference."""
+    dtype = torch.float32
+    x = torch.tensor([-60.0, -20.0, -8.0, -3.0, -1e-3, 0.0, 1e-3, 3.0, 8.0, 20.0, 60.0, 0.5, -0.5, 1.7, -1.7, 4.0],
+                     device=device)
+    M, K = 1, x.numel()
+    # a GEMM that passes x through unchanged: a = x as a row, b = identity
+    a = x.view(1, K).contiguous()
+    eye = torch.eye(K, device=device, dtype=dtype)
+    out, pre = poisoned((M, K), dtype, device), poisoned((M, K), dtype, device)
+    mm.triton_matmul(out, a, eye, aux=pre, epilogue=mm.EPILOGUE_GELU_AUX)
+    assert torch.equal(pre[0], x)
+    check(out[0], ref.gelu_forward(x.double()), dtype, "gelu")
+    dgrad = poisoned((M, K), dtype, device)
+    mm.triton_matmul(dgrad, torch.ones(1, K, device=device), eye, aux=pre, epilogue=mm.EPILOGUE_DGELU)
+    check(dgrad[0], ref.gelu_backward(x.double(), torch.ones_like(x.double())), dtype, "gelu'")
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward
+
+def backward_case(device, dtype, M, C, OC, seed):
+    rand = Rand(device, dtype, seed)
+    inp, weight, _ = linear_inputs(rand, M, C, OC, bias=False)
+    dout = rand(M, OC)
+    dweight0, dbias0 = rand(OC, C), rand(OC)  # pre-filled: the backward accumulates into them
+    return inp, weight, dout, dweight0, dbias0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_matmul_backward(device, dtype, shape, has_bias):
+    """dinp overwritten, dweight and dbias accumulated."""
+    M, C, OC = shape
+    inp, weight, dout, dweight0, dbias0 = backward_case(device, dtype, M, C, OC, 5)
+    dinp = poisoned((M, C), dtype, device)
+    dweight = dweight0.clone()
+    dbias = dbias0.clone() if has_bias else None
+    mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight)
+    e_dinp, e_dweight, e_dbias = ref.matmul_backward(up(dout, dtype), up(inp, dtype), up(weight, dtype), has_bias)
+    check(dinp, e_dinp, dtype, "dinp")
+    check(dweight, up(dweight0, dtype) + e_dweight, dtype, "dweight")
+    if has_bias:
+        check(dbias, up(dbias0, dtype) + e_dbias, dtype, "dbias")
+
+
+def test_matmul_backward_leading_dims_and_repeat(device):
+    """(B, T, .) tensors; two backward calls accumulate twice into dweight/dbias, dinp is overwritten."""
+    dtype = torch.float32
+    B, T, C, OC = 3, 5, 16, 24
+    rand = Rand(device, dtype, 6)
+    inp, weight, _ = linear_inputs(rand, T, C, OC, bias=False, lead=(B,))
+    dout = rand(B, T, OC)
+    dweight0, dbias0 = rand(OC, C), rand(OC)
+    dinp, dweight, dbias = rand(B, T, C), dweight0.clone(), dbias0.clone()
+    for _ in range(2):
+        mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight)
+    e_dinp, e_dweight, e_dbias = ref.matmul_backward(up(dout, dtype), up(inp, dtype), up(weight, dtype))
+    check(dinp, e_dinp, dtype, "dinp")
+    check(dweight, up(dweight0, dtype) + 2 * e_dweight, dtype, "dweight")
+    check(dbias, up(dbias0, dtype) + 2 * e_dbias, dtype, "dbias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gelu_fusion", [0, 1, 2, 3])
+def test_matmul_backward_gelu(device, dtype, shape, gelu_fusion):
+    """fcproj: the input was gelu(pre_gelu), dinp becomes the gradient w.r.t. pre_gelu at every level."""
+    M, C, OC = shape
+    inp, weight, dout, dweight0, dbias0 = backward_case(device, dtype, M, C, OC, 7)
+    pre = Rand(device, dtype, 8)(M, C, scale=2.0)
+    dinp, dinp_buf = guarded((M, C), dtype, device)
+    dweight, dbias = dweight0.clone(), dbias0.clone()
+    mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu=pre, gelu_fusion=gelu_fusion)
+    e_dinp, e_dweight, e_dbias = ref.matmul_backward(up(dout, dtype), up(inp, dtype), up(weight, dtype))
+    check(dinp, ref.gelu_backward(up(pre, dtype), e_dinp), dtype, "dinp")
+    check(dweight, up(dweight0, dtype) + e_dweight, dtype, "dweight")
+    check(dbias, up(dbias0, dtype) + e_dbias, dtype, "dbias")
+    assert_guard_intact(dinp_buf)
+
+
+# ----------------------------------------------------------------------------------------------------
+# bias gradient reduction
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, OC", [(1, 48), (35, 40), (200, 72)])
+@pytest.mark.parametrize("num_chunks", [None, 1, 3])
+def test_matmul_backward_bias(device, dtype, M, OC, num_chunks):
+    """One chunk (direct), several chunks (scratch + fixed-order finish), the default plan; partial row
+    tiles and column blocks; no write past dbias; bitwise the same on a second run."""
+    rand = Rand(device, dtype, 9)
+    dout, dbias0 = rand(M, OC), rand(OC)
+    results = []
+    for _ in range(2):
+        dbias, buf = guarded((OC,), dtype, device)
+        dbias.copy_(dbias0)
+        mm.matmul_backward_bias(dbias, dout, num_chunks=num_chunks)
+        assert_guard_intact(buf)
+        results.append(dbias)
+    check(results[0], up(dbias0, dtype) + up(dout, dtype).sum(0), dtype, "dbias")
+    assert torch.equal(results[0], results[1]), "bias reduction is not deterministic"
+
+
+def test_bias_scratch_too_small_uses_fewer_chunks(device):
+    dtype = torch.float32
+    M, OC = 200, 40
+    rand = Rand(device, dtype, 10)
+    dout, dbias0 = rand(M, OC), rand(OC)
+    plan_chunks, _ = mm._chunking(M, 6)
+    assert plan_chunks > 2
+    scratch = torch.full((2 * OC,), float("nan"), device=device)  # room for two chunks only
+    dbias = dbias0.clone()
+    mm.matmul_backward_bias(dbias, dout, scratch=scratch, num_chunks=6)
+    check(dbias, up(dbias0, dtype) + up(dout, dtype).sum(0), dtype, "dbias")
+    assert torch.isfinite(scratch).all(), "two chunks should fill the scratch exactly"
+
+
+def test_bias_scratch_numel_is_enough(device):
+    M, OC = 200, 72
+    n = mm.bias_scratch_numel(M, OC, device)
+    chunks, rows = mm.bias_backward_chunks(M, OC, device)
+    assert chunks * rows >= M > (chunks - 1) * rows
+    assert n == (chunks * OC if chunks > 1 else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, N", [(35, 40), (64, 256)])
+@pytest.mark.parametrize("num_chunks", [None, 1, 3])
+def test_bias_gelu_backward(device, dtype, M, N, num_chunks):
+    """d *= gelu'(pre) in place and dbias += column sums of the result, in one pass."""
+    rand = Rand(device, dtype, 11)
+    d0, pre, dbias0 = rand(M, N), rand(M, N, scale=2.0), rand(N)
+    results = []
+    for _ in range(2):
+        d, d_buf = guarded((M, N), dtype, device)
+        d.copy_(d0)
+        dbias = dbias0.clone()
+        mm.bias_gelu_backward(dbias, None, d, pre, num_chunks=num_chunks)
+        assert_guard_intact(d_buf)
+        results.append((d, dbias))
+    e_d = ref.gelu_backward(up(pre, dtype), up(d0, dtype))
+    check(results[0][0], e_d, dtype, "d_in_out")
+    check(results[0][1], up(dbias0, dtype) + e_d.sum(0), dtype, "dbias")
+    # dbias is the column sum of d as stored, the tensor the dweight GEMM then reads
+    check(results[0][1], up(dbias0, dtype) + up(results[0][0], dtype).sum(0), dtype, "dbias vs stored d")
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_fc_backward_with_fused_bias_gelu(device):
+    """The model's fc/fcproj pattern: fcproj backward without pre_gelu, bias_gelu_backward for fc's dbias,
+    fc backward with dbias=None, equals the unfused chain."""
+    dtype = torch.bfloat16
+    M, C = 35, 16
+    rand = Rand(device, dtype, 12)
+    ln, w_fc, b_fc = linear_inputs(rand, M, C, 4 * C)
+    w_proj = rand(C, 4 * C, scale=(4 * C) ** -0.5)
+    pre = rand(M, 4 * C, scale=2.0)
+    dres = rand(M, C)
+    dw_fc, db_fc, dw_proj, db_proj = rand(4 * C, C), rand(4 * C), rand(C, 4 * C), rand(C)
+
+    d_act = poisoned((M, 4 * C), dtype, device)
+    dw_proj_k, db_proj_k, dw_fc_k, db_fc_k = dw_proj.clone(), db_proj.clone(), dw_fc.clone(), db_fc.clone()
+    act = rand(M, 4 * C)  # stands for gelu(pre): the fcproj input (only its dweight reads it)
+    mm.matmul_backward(d_act, dw_proj_k, db_proj_k, dres, act, w_proj)
+    mm.bias_gelu_backward(db_fc_k, None, d_act, pre)
+    dln = poisoned((M, C), dtype, device)
+    mm.matmul_backward(dln, dw_fc_k, None, d_act, ln, w_fc)
+
+    f = torch.float32
+    e_dact = ref.gelu_backward(pre.to(f), dres.to(f) @ w_proj.to(f))
+    e_dln, e_dwfc, e_dbfc = ref.matmul_backward(e_dact, ln.to(f), w_fc.to(f))
+    check(d_act, e_dact, dtype, "d pre_gelu")
+    check(db_fc_k, db_fc.to(f) + e_dbfc, dtype, "fc dbias")
+    check(dw_fc_k, dw_fc.to(f) + e_dwfc, dtype, "fc dweight")
+    check(dln, e_dln, dtype, "dln")
+
+
+def test_dbias_stochastic_rounding(device):
+    """With a seed tensor, bf16 dbias is rounded stochastically: each element lands on one of the two bf16
+    neighbours of the fp32 result, the seed changes the pick, the same seed repeats it; and the rounding is
+    unbiased where round-to-nearest is not (both the direct and the scratch + finish path)."""
+    dtype = torch.bfloat16
+    M, OC = 35, 40
+    rand = Rand(device, dtype, 13)
+    dout, dbias0 = rand(M, OC), rand(OC, scale=20.0)
+    exact = up(dbias0, dtype).double() + up(dout, dtype).double().sum(0)
+    ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs()))
+    seed = torch.zeros(1, dtype=torch.int64, device=device)
+    outs = []
+    for s in range(6):
+        seed.fill_(1000 + 17 * s)
+        dbias = dbias0.clone()
+        mm.matmul_backward_bias(dbias, dout, seed=seed, num_chunks=1 + s % 2)
+        err = dbias.double() - exact
+        assert (err.abs() <= ulp * 1.001).all(), "not one of the two bf16 neighbours"
+        outs.append(dbias)
+    assert not all(torch.equal(outs[0], o) for o in outs[1:]), "the seed changes nothing"
+    seed.fill_(1000)
+    again = dbias0.clone()
+    mm.matmul_backward_bias(again, dout, seed=seed, num_chunks=1)
+    assert torch.equal(again, outs[0]), "same seed, different rounding"
+
+    # unbiased: every element is 1 + 3/1024 exactly (3/8 of a bf16 ulp above 1); round-to-nearest gives 1
+    # everywhere (error -3/8 ulp), stochastic rounding gives 1 + 1/128 for ~3/8 of the elements
+    OC, M = 1024, 17
+    rows = torch.full((M, OC), 2.0 ** -13)  # 16 rows summing to 2/1024 (one chunk of 16 rows) ...
+    rows[16] = 2.0 ** -10  # ... and 1/1024 in a second chunk
+    dout = rows.to(device, dtype)
+    for num_chunks in (1, 2):
+        seed.fill_(77 + num_chunks)
+        dbias = torch.ones(OC, dtype=dtype, device=device)
+        mm.matmul_backward_bias(dbias, dout, seed=seed, num_chunks=num_chunks)
+        values = set(dbias.double().unique().tolist())
+        assert values <= {1.0, 1.0 + 2.0 ** -7}, values
+        up_fraction = float((dbias.double() > 1.0).double().mean())
+        assert abs(up_fraction - 3 / 8) < 0.06, f"rounded up {up_fraction:.3f} of the time, expected 0.375"
+
+
+# ----------------------------------------------------------------------------------------------------
+# determinism, argument checks
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deterministic(device, dtype):
+    """Same inputs, bitwise the same outputs: fused forward, backward at every gelu level."""
+    M, C, OC = 35, 24, 40
+    inp, weight, dout, dweight0, dbias0 = backward_case(device, dtype, M, C, OC, 14)
+    _, _, bias = linear_inputs(Rand(device, dtype, 15), M, C, OC)
+    pre_in = Rand(device, dtype, 16)(M, C)
+
+    def run():
+        out, pre = poisoned((M, OC), dtype, device), poisoned((M, OC), dtype, device)
+        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_fusion=1)
+        grads = [out, pre]
+        for level in (2, 3):
+            dinp, dweight, dbias = poisoned((M, C), dtype, device), dweight0.clone(), dbias0.clone()
+            mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu=pre_in, gelu_fusion=level)
+            grads += [dinp, dweight, dbias]
+        return grads
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
+
+
+def test_rejects_bad_arguments(device):
+    dtype = torch.float32
+    inp, weight, bias = linear_inputs(Rand(device, dtype, 17), 8, 16, 24)
+    with pytest.raises(AssertionError):  # non-contiguous input
+        mm.matmul_forward(torch.empty(24, 8, device=device).t(), inp, weight, bias)
+    with pytest.raises(AssertionError):  # wrong output width
+        mm.matmul_forward(torch.empty(8, 23, device=device), inp, weight, bias)
+    with pytest.raises(AssertionError):  # mixed dtypes
+        mm.matmul_forward(torch.empty(8, 24, device=device, dtype=torch.bfloat16), inp, weight, bias)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: GPT-2 124M shapes, bf16, against the fp32 reference computed on the GPU
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+GPT2_LINEAR = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # qkv, attproj, fc, fcproj
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4096, 16384])
+@pytest.mark.parametrize("C, OC", GPT2_LINEAR)
+def test_gpu_linear_124m(M, C, OC):
+    rand = Rand("cuda", BF16, 20)
+    inp, weight, bias = linear_inputs(rand, M, C, OC)
+    out = poisoned((M, OC), BF16, "cuda")
+    mm.matmul_forward(out, inp, weight, bias)
+    check(out, ref.matmul_forward(inp.to(F32), weight.to(F32), bias.to(F32)), BF16, "out")
+
+    dout, dweight0, dbias0 = rand(M, OC), rand(OC, C), rand(OC)
+    dinp, dweight, dbias = poisoned((M, C), BF16, "cuda"), dweight0.clone(), dbias0.clone()
+    scratch = torch.empty(mm.bias_scratch_numel(M, OC, "cuda"), device="cuda")
+    mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=scratch)
+    e_dinp, e_dweight, e_dbias = ref.matmul_backward(dout.to(F32), inp.to(F32), weight.to(F32))
+    check(dinp, e_dinp, BF16, "dinp")
+    check(dweight, dweight0.to(F32) + e_dweight, BF16, "dweight")
+    check(dbias, dbias0.to(F32) + e_dbias, BF16, "dbias")
+    again = dbias0.clone()
+    mm.matmul_backward_bias(again, dout, scratch=scratch)
+    assert torch.equal(again, dbias), "bias reduction is not deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4096, 16384])
+def test_gpu_fc_gelu_124m(M):
+    """fc forward with GELU (levels 0, 1), fcproj backward with dgelu (levels 0, 2, 3) and the fused
+    bias_gelu_backward, at 768 -> 3072 -> 768."""
+    C, OC = 768, 3072
+    rand = Rand("cuda", BF16, 21)
+    inp, weight, bias = linear_inputs(rand, M, C, OC)
+    e_pre = ref.matmul_forward(inp.to(F32), weight.to(F32), bias.to(F32))
+    for level in (0, 1):
+        out, pre = poisoned((M, OC), BF16, "cuda"), poisoned((M, OC), BF16, "cuda")
+        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_fusion=level)
+        check(pre, e_pre, BF16, f"pre_gelu level {level}")
+        check(out, ref.gelu_forward(e_pre), BF16, f"out level {level}")
+        if level == 1:
+            out2, pre2 = poisoned((M, OC), BF16, "cuda"), poisoned((M, OC), BF16, "cuda")
+            mm.matmul_forward(out2, inp, weight, bias, pre_gelu=pre2, gelu_fusion=level)
+            assert torch.equal(out, out2) and torch.equal(pre, pre2)
+
+    # fcproj (3072 -> 768): its input is gelu(pre)
+    w_proj = rand(C, OC, scale=OC ** -0.5)
+    act = rand(M, OC)
+    dout = rand(M, C)
+    e_dact = ref.gelu_backward(pre.to(F32), dout.to(F32) @ w_proj.to(F32))
+    for level in (0, 2, 3):
+        dinp, dweight, dbias = poisoned((M, OC), BF16, "cuda"), torch.zeros_like(w_proj), torch.zeros(C, device="cuda",
+                                                                                                      dtype=BF16)
+        mm.matmul_backward(dinp, dweight, dbias, dout, act, w_proj, pre_gelu=pre, gelu_fusion=level)
+        check(dinp, e_dact, BF16, f"dinp level {level}")
+    d = poisoned((M, OC), BF16, "cuda")
+    mm.matmul_backward(d, torch.zeros_like(w_proj), None, dout, act, w_proj)
+    db_fc0 = rand(OC)
+    db_fc = db_fc0.clone()
+    mm.bias_gelu_backward(db_fc, None, d, pre)
+    check(d, e_dact, BF16, "bias_gelu_backward d")
+    check(db_fc, db_fc0.to(F32) + e_dact.sum(0), BF16, "bias_gelu_backward dbias")
+
+
+@pytest.mark.gpu
+def test_gpu_lm_head():
+    """wte as the classifier: (4096, 768) -> (4096, 50304), no bias."""
+    M, C, OC = 4096, 768, 50304
+    rand = Rand("cuda", BF16, 22)
+    inp, weight, _ = linear_inputs(rand, M, C, OC, bias=False)
+    out = poisoned((M, OC), BF16, "cuda")
+    mm.matmul_forward(out, inp, weight)
+    check(out, ref.matmul_forward(inp.to(F32), weight.to(F32)), BF16, "logits")
+    del out
+    dout, dweight0 = rand(M, OC, scale=1e-2), rand(OC, C, scale=1e-2)
+    dinp, dweight = poisoned((M, C), BF16, "cuda"), dweight0.clone()
+    mm.matmul_backward(dinp, dweight, None, dout, inp, weight)
+    e_dinp, e_dweight, _ = ref.matmul_backward(dout.to(F32), inp.to(F32), weight.to(F32), has_bias=False)
+    check(dinp, e_dinp, BF16, "dinp")
+    check(dweight, dweight0.to(F32) + e_dweight, BF16, "dweight")
+
+
+@pytest.mark.gpu
+def test_gpu_dweight_accumulates_in_one_gemm():
+    """dweight.addmm_(dout.T, inp): cuBLAS with beta = 1 on dweight itself; no copy, no separate add."""
+    from torch.profiler import ProfilerActivity, profile
+    M, C, OC = 16384, 768, 3072
+    rand = Rand("cuda", BF16, 23)
+    dout, inp, dweight = rand(M, OC), rand(M, C), rand(OC, C)
+    dweight.addmm_(dout.t(), inp)  # warm-up (cuBLAS handles, heuristics)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dweight.addmm_(dout.t(), inp)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert names, "profiler saw no CUDA kernels"
+    assert not any("memcpy" in n.lower() or "elementwise" in n.lower() or "copy" in n.lower() for n in names), names
+    assert len(names) <= 2, names  # the GEMM (plus a split-K reduction at most)
