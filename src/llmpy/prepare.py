@@ -1,0 +1,411 @@
+"""`llmpy prepare`: text -> llm.c token shards (`{name}_val_000000.bin`, `{name}_train_000000.bin`, ...).
+
+SOURCE is a local text file (one document), a folder of .txt files (each one document, sorted by
+path), or a named dataset fetched like llm.c's dev/data scripts:
+
+  tinyshakespeare  karpathy/char-rnn's input.txt, documents at blank lines, val = first 32768 tokens
+  tinystories      roneneldan/TinyStories' TinyStories_all_data.tar.gz, one story per document,
+                   val = the stories of data00.json
+  fineweb          HuggingFaceFW/fineweb sample-10BT (needs the `datasets` package), val = first shard
+  fineweb-edu      HuggingFaceFW/fineweb-edu sample-10BT, likewise
+
+Named datasets take precedence over a local path of the same name (write ./NAME for the path).
+Every document is preceded by one end-of-text token. Downloads are kept in --cache-dir.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from .data import shard_name, write_shard
+from .errors import LlmpyError
+from .tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
+
+DEFAULT_SHARD_SIZE = 10**8  # tokens, llm.c's fineweb shard size
+MAX_SHARD_SIZE = 2**31 - 1  # the header's int32 count
+DEFAULT_VAL_FRACTION = 0.1
+
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStories_all_data.tar.gz"
+FINEWEB_REPOS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+NAMED_DATASETS = ("tinyshakespeare", "tinystories", "fineweb", "fineweb-edu")
+
+_urlopen = urllib.request.urlopen  # module attribute so tests can take the network away
+
+
+def default_download_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "llmpy" / "downloads"
+
+
+# ----------------------------------------------------------------------------------------------
+# downloads
+
+def download(url: str, dest: Path, sha256: str | None = None) -> Path:
+    """Fetch `url` to `dest` (kept and reused once complete) with a progress bar; atomic."""
+    from tqdm import tqdm
+
+    dest = Path(dest)
+    if dest.is_file():
+        return dest
+    _ensure_dir(dest.parent, "download folder")
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    digest = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as f, _urlopen(url, timeout=60) as resp:
+            total = int(resp.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=None) as bar:
+                while chunk := resp.read(1 << 20):
+                    f.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, ValueError) as e:  # URLError, HTTPError, timeouts and disk errors are OSErrors
+        _unlink(tmp)
+        reason = getattr(e, "reason", None) or e
+        raise LlmpyError(f"cannot download {url} ({reason}); without network, place the file at {dest}") from None
+    except BaseException:
+        _unlink(tmp)
+        raise
+    if sha256 and digest.hexdigest() != sha256:
+        _unlink(tmp)
+        raise LlmpyError(f"{url}: downloaded data has sha256 {digest.hexdigest()}, expected {sha256}")
+    os.replace(tmp, dest)
+    return dest
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _ensure_dir(folder: Path, what: str) -> Path:
+    """Create `folder` and check that a file can be written in it, failing early with its name."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".llmpy-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise LlmpyError(f"{folder}: cannot create or write the {what} ({e.strerror or e})") from None
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------
+# sources: each yields (is_val_hint, documents) groups; the hint is used only by the default split of
+# sources that define one (tinystories), otherwise the first val tokens of the stream are the val split
+
+@dataclass
+class Source:
+    name: str
+    groups: Callable[[], Iterator[tuple[bool, list[str]]]]
+    default_val_tokens: int | None = None   # llm.c's fixed val size, where it has one
+    hinted_split: bool = False              # the groups' hints define the default split
+    streaming: bool = False                 # too big to count before writing
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlmpyError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise LlmpyError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _local_file(path: Path) -> Source:
+    return Source(path.stem, lambda: iter([(False, [_read_text(path)])]))
+
+
+def _local_folder(folder: Path) -> Source:
+    files = sorted((p for p in folder.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
+    if not files:
+        raise LlmpyError(f"{folder}: folder holds no .txt files")
+
+    def groups():
+        batch: list[str] = []
+        size = 0
+        for p in files:
+            batch.append(_read_text(p))
+            size += len(batch[-1])
+            if size > 1 << 24:
+                yield False, batch
+                batch, size = [], 0
+        if batch:
+            yield False, batch
+    return Source(folder.resolve().name, groups)
+
+
+def _tinyshakespeare(cache: Path) -> Source:
+    def groups():
+        text = _read_text(download(TINYSHAKESPEARE_URL, cache / "tinyshakespeare" / "input.txt",
+                                   sha256=TINYSHAKESPEARE_SHA256))
+        # llm.c: one document per blank-line-separated section, keeping the separator
+        sections = text.split("\n\n")
+        yield False, [s + "\n\n" if i < len(sections) - 1 else s for i, s in enumerate(sections)]
+    return Source("tinyshakespeare", groups, default_val_tokens=32768)
+
+
+_TINYSTORIES_MEMBER = re.compile(r"data\d+\.json")
+
+
+def _tinystories_files(cache: Path) -> list[Path]:
+    import tarfile
+
+    folder = cache / "TinyStories_all_data"
+    done = folder / ".complete"
+    if not done.is_file():
+        archive = download(TINYSTORIES_URL, cache / "TinyStories_all_data.tar.gz")
+        _ensure_dir(folder, "download folder")
+        try:
+            with tarfile.open(archive, "r:gz") as tar:
+                for m in tar:
+                    name = os.path.basename(m.name)
+                    if m.isfile() and _TINYSTORIES_MEMBER.fullmatch(name):
+                        # only the base name is used, so no member can write outside `folder`
+                        with tar.extractfile(m) as src:
+                            _write_atomic_stream(folder / name, src)
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise LlmpyError(f"{archive}: cannot unpack ({e}); delete it to download it again") from None
+        done.write_text("ok\n")
+    files = sorted(folder.glob("data*.json"))
+    if not files:
+        raise LlmpyError(f"{folder}: no data*.json files in the unpacked TinyStories archive")
+    return files
+
+
+def _write_atomic_stream(dest: Path, src) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            while chunk := src.read(1 << 20):
+                f.write(chunk)
+        os.replace(tmp, dest)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _tinystories(cache: Path) -> Source:
+    def groups():
+        for i, path in enumerate(_tinystories_files(cache)):
+            try:
+                stories = json.loads(path.read_text(encoding="utf-8"))
+                docs = [s["story"].strip() for s in stories]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise LlmpyError(f"{path}: not a TinyStories JSON file ({e})") from None
+            for j in range(0, len(docs), 4096):
+                yield i == 0, docs[j:j + 4096]  # llm.c: data00.json is the val split
+    return Source("tinystories", groups, hinted_split=True, streaming=True)
+
+
+def _fineweb(name: str, shard_size: int) -> Source:
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is None:
+        raise LlmpyError(f"{name} needs the `datasets` package, which is not installed (pip install datasets)")
+
+    def groups():
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(FINEWEB_REPOS[name], name="sample-10BT", split="train", streaming=True)
+            batch: list[str] = []
+            for row in ds:
+                batch.append(row["text"])
+                if len(batch) == 1024:
+                    yield False, batch
+                    batch = []
+            if batch:
+                yield False, batch
+        except (OSError, ConnectionError, ValueError) as e:
+            raise LlmpyError(f"cannot read {FINEWEB_REPOS[name]} through `datasets` ({type(e).__name__}: {e})") from None
+    return Source(name, groups, default_val_tokens=shard_size, streaming=True)
+
+
+def resolve_source(source: str, cache: Path, shard_size: int) -> Source:
+    key = source.strip().lower()
+    if key == "tinyshakespeare":
+        return _tinyshakespeare(cache)
+    if key == "tinystories":
+        return _tinystories(cache)
+    if key in FINEWEB_REPOS:
+        return _fineweb(key, shard_size)
+    path = Path(source).expanduser()
+    if path.is_file():
+        return _local_file(path)
+    if path.is_dir():
+        return _local_folder(path)
+    raise LlmpyError(f"{source}: no such file or folder, and not a named dataset "
+                     f"({', '.join(NAMED_DATASETS)})")
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+
+class ShardWriter:
+    """Cuts one split's token stream into shards of exactly `shard_size` tokens (the last shorter)."""
+
+    def __init__(self, outdir: Path, name: str, split: str, shard_size: int):
+        self.outdir, self.name, self.split, self.shard_size = outdir, name, split, shard_size
+        self.buf = np.empty(min(shard_size, 1 << 24), dtype=np.uint16)
+        self.fill = 0
+        self.written: list[tuple[Path, int]] = []
+
+    def add(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self.fill == len(self.buf) and len(self.buf) < self.shard_size:
+                self.buf = np.resize(self.buf, min(self.shard_size, 2 * len(self.buf)))
+            take = min(len(tokens), len(self.buf) - self.fill)
+            self.buf[self.fill:self.fill + take] = tokens[:take]
+            self.fill += take
+            tokens = tokens[take:]
+            if self.fill == self.shard_size:
+                self._flush()
+
+    def _flush(self) -> None:
+        path = self.outdir / shard_name(self.name, self.split, len(self.written))
+        write_shard(path, self.buf[:self.fill])
+        self.written.append((path, self.fill))
+        self.fill = 0
+
+    def close(self) -> list[tuple[Path, int]]:
+        if self.fill:
+            self._flush()
+        return self.written
+
+
+def _token_chunks(src: Source, tok: Tokenizer) -> Iterator[tuple[bool, np.ndarray]]:
+    for hint, docs in src.groups():
+        yield hint, tok.encode_documents(docs)
+
+
+def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: str = "gpt2",
+            tokenizer_dir: str | None = None, val_fraction: float | None = None,
+            val_tokens: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
+            name: str | None = None, cache_dir: str | os.PathLike | None = None,
+            log=print) -> dict[str, list[tuple[Path, int]]]:
+    """Tokenize SOURCE into shards; returns {"val": [(path, tokens)...], "train": [...]}."""
+    from tqdm import tqdm
+
+    if not 0 < shard_size <= MAX_SHARD_SIZE:
+        raise LlmpyError(f"--shard-size {shard_size} must be between 1 and {MAX_SHARD_SIZE}")
+    if val_fraction is not None and val_tokens is not None:
+        raise LlmpyError("give --val-fraction or --val-tokens, not both")
+    if val_fraction is not None and not 0 <= val_fraction < 1:
+        raise LlmpyError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if val_tokens is not None and val_tokens < 0:
+        raise LlmpyError(f"--val-tokens {val_tokens} must not be negative")
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_download_dir()
+    src = resolve_source(source, cache, shard_size)
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise LlmpyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
+    name = name or re.sub(r"[^A-Za-z0-9._-]+", "_", src.name) or "data"
+    out = Path(outdir).expanduser() if outdir is not None else Path("data") / name
+    _ensure_dir(out, "output folder")
+    tok = load_tokenizer(tokenizer, tokenizer_dir)
+
+    chunks: Iterable[tuple[bool, np.ndarray]] = _token_chunks(src, tok)
+    use_hints = src.hinted_split and val_fraction is None and val_tokens is None
+    n_val = None
+    if not use_hints:
+        if val_tokens is not None:
+            n_val = val_tokens
+        elif val_fraction is None and src.default_val_tokens is not None:
+            n_val = src.default_val_tokens
+        else:
+            if src.streaming:
+                raise LlmpyError(f"--val-fraction needs the whole token count, which {src.name} is too large "
+                                 "to hold; use --val-tokens")
+            chunks = list(chunks)  # small enough to count before splitting
+            total = sum(len(c) for _, c in chunks)
+            frac = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+            n_val = int(round(total * frac))
+
+    writers = {s: ShardWriter(out, name, s, shard_size) for s in ("val", "train")}
+    seen = 0
+    with tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {src.name}", disable=None) as bar:
+        for hint, tokens in chunks:
+            if use_hints:
+                writers["val" if hint else "train"].add(tokens)
+            else:
+                k = max(0, min(len(tokens), n_val - seen))
+                writers["val"].add(tokens[:k])
+                writers["train"].add(tokens[k:])
+            seen += len(tokens)
+            bar.update(len(tokens))
+    result = {s: w.close() for s, w in writers.items()}
+    if not result["train"]:
+        raise LlmpyError(f"{source}: all {seen} tokens went to the val split; nothing left to train on "
+                         "(lower --val-tokens / --val-fraction)")
+    _remove_stale(out, name, result)
+    for split in ("val", "train"):
+        files = result[split]
+        total = sum(n for _, n in files)
+        log(f"{split}: {total:,} tokens in {len(files)} shard(s)" + (f", {files[0][0]} .." if files else ""))
+    log(f"tokenizer {tok.name} (vocab {tok.vocab_size}); train on {out / (name + '_train_*.bin')}"
+        + (f", validate on {out / (name + '_val_*.bin')}" if result["val"] else ""))
+    return result
+
+
+def _remove_stale(out: Path, name: str, result) -> None:
+    """Shards of an earlier, bigger run would be picked up by the glob: delete them."""
+    keep = {p.name for files in result.values() for p, _ in files}
+    pattern = re.compile(re.escape(name) + r"_(train|val)_\d{6}\.bin")
+    for p in out.iterdir():
+        if pattern.fullmatch(p.name) and p.name not in keep:
+            _unlink(p)
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("source", metavar="SOURCE",
+                        help=f"a text file, a folder of .txt files, or one of: {', '.join(NAMED_DATASETS)}")
+    parser.add_argument("-o", "--output-dir", default=None, metavar="OUTDIR",
+                        help="folder for the shards (default: data/NAME)")
+    parser.add_argument("--name", default=None, help="shard name prefix (default: dataset, file or folder name)")
+    parser.add_argument("--tokenizer", choices=TOKENIZER_NAMES, default="gpt2",
+                        help="gpt2 (BPE, 50257 tokens) or bytes (257 tokens, offline); default gpt2")
+    parser.add_argument("--tokenizer-dir", default=None, metavar="DIR",
+                        help="folder with GPT-2's encoder.json and vocab.bpe (default: $LLMPY_GPT2_DIR, "
+                             "else tiktoken's cache or download)")
+    val = parser.add_mutually_exclusive_group()
+    val.add_argument("--val-fraction", type=float, default=None,
+                     help=f"fraction of the tokens (from the start) for validation (default {DEFAULT_VAL_FRACTION}, "
+                          "or the dataset's llm.c split)")
+    val.add_argument("--val-tokens", type=int, default=None, metavar="N",
+                     help="the first N tokens are the validation split")
+    parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, metavar="N",
+                        help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:,})")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help=f"where downloads are kept (default {default_download_dir()})")
+
+
+def run(args: argparse.Namespace) -> int:
+    prepare(args.source, args.output_dir, tokenizer=args.tokenizer, tokenizer_dir=args.tokenizer_dir,
+            val_fraction=args.val_fraction, val_tokens=args.val_tokens, shard_size=args.shard_size,
+            name=args.name, cache_dir=args.cache_dir, log=lambda msg: print(msg, file=sys.stdout))
+    return 0
+
+
+__all__ = ["add_arguments", "run", "prepare", "download", "resolve_source", "ShardWriter",
+           "NAMED_DATASETS", "DEFAULT_SHARD_SIZE"]

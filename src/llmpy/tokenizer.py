@@ -1,0 +1,240 @@
+"""Tokenizers: GPT-2's byte-level BPE (through tiktoken) and a 257-symbol byte tokenizer.
+
+`load_tokenizer("gpt2")` reads encoder.json + vocab.bpe from a folder (argument, else the
+`LLMPY_GPT2_DIR` environment variable) and only when neither is given asks tiktoken for its own
+"gpt2" encoding, which comes from tiktoken's cache or the network. `load_tokenizer("bytes")`
+needs nothing: ids 0..255 are the UTF-8 bytes and 256 is the end-of-text token.
+
+`encode_documents(docs)` puts one end-of-text token before each document, as llm.c's data scripts
+do, and returns the token stream as uint16, ready for `llmpy.data.write_shard`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .errors import LlmpyError
+
+GPT2_EOT = 50256
+GPT2_VOCAB_SIZE = 50257
+ENDOFTEXT = "<|endoftext|>"
+# GPT-2's pre-tokenization regex, as published with the model (tiktoken runs it with fancy-regex)
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_DIR_ENV = "LLMPY_GPT2_DIR"
+# file names of OpenAI's release and their HuggingFace copies (byte-identical)
+_GPT2_FILE_NAMES = (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt"))
+TOKENIZER_NAMES = ("gpt2", "bytes")
+
+
+class Tokenizer:
+    """Common interface: name, vocab_size, eot, encode, decode, encode_documents."""
+
+    name: str
+    vocab_size: int
+    eot: int
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the {self.name} vocabulary of {self.vocab_size}")
+        return ids
+
+    def encode_documents(self, docs: Iterable[str]) -> np.ndarray:
+        """One EOT, then the document's tokens, for each document; as a uint16 array."""
+        docs = list(docs)
+        parts = []
+        eot = np.array([self.eot], dtype=np.uint16)
+        for ids in self.encode_batch(docs):
+            parts.append(eot)
+            parts.append(np.asarray(ids, dtype=np.uint16))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot={self.eot})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255 and end-of-text as 256: works offline with no files."""
+
+    name = "bytes"
+    vocab_size = 257
+    eot = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_documents(self, docs: Iterable[str]) -> np.ndarray:
+        # fast path: bytes map straight onto uint16 ids without Python lists
+        parts = []
+        eot = np.array([self.eot], dtype=np.uint16)
+        for d in docs:
+            parts.append(eot)
+            parts.append(np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint16))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = self._check_ids(ids)
+        out, run = [], bytearray()
+        for i in ids:
+            if i == self.eot:
+                out.append(run.decode("utf-8", errors="replace"))
+                out.append(ENDOFTEXT)
+                run = bytearray()
+            else:
+                run.append(i)
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+def _gpt2_byte_symbols() -> dict[str, int]:
+    """GPT-2's files spell each byte as one printable character: printable Latin-1 bytes as
+    themselves, the other 68 bytes as chr(256), chr(257), ... in byte order."""
+    kept = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def gpt2_mergeable_ranks(encoder_json: str | os.PathLike, vocab_bpe: str | os.PathLike) -> dict[bytes, int]:
+    """tiktoken's `mergeable_ranks` (token bytes -> id) from GPT-2's two files, checked against
+    each other: tiktoken merges by rank, so merge i of vocab.bpe must be token 256 + i."""
+    symbols = _gpt2_byte_symbols()
+
+    def to_bytes(s: str, where: Path) -> bytes:
+        try:
+            return bytes(symbols[c] for c in s)
+        except KeyError as e:
+            raise LlmpyError(f"{where}: {s!r} contains {e.args[0]!r}, not a GPT-2 byte symbol") from None
+
+    enc_path, bpe_path = Path(encoder_json), Path(vocab_bpe)
+    try:
+        encoder = json.loads(enc_path.read_text(encoding="utf-8"))
+        merges_text = bpe_path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise LlmpyError(f"{e.filename}: GPT-2 tokenizer file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LlmpyError(f"{enc_path} / {bpe_path}: cannot read the GPT-2 tokenizer files ({e})") from None
+    if not isinstance(encoder, dict):
+        raise LlmpyError(f"{enc_path}: expected a JSON object of token -> id")
+    ranks = {to_bytes(k, enc_path): v for k, v in encoder.items() if k != ENDOFTEXT}
+    if encoder.get(ENDOFTEXT) != GPT2_EOT or len(ranks) != GPT2_EOT or sorted(ranks.values()) != list(range(GPT2_EOT)):
+        raise LlmpyError(f"{enc_path}: not GPT-2's encoder (expected ids 0..{GPT2_EOT - 1} and "
+                         f"{ENDOFTEXT} = {GPT2_EOT}, found {len(encoder)} entries)")
+    lines = [ln for ln in merges_text.split("\n")[1:] if ln.strip()]  # line 0 is "#version: 0.2"
+    if len(lines) != GPT2_EOT - 256:
+        raise LlmpyError(f"{bpe_path}: {len(lines)} merges, GPT-2 has {GPT2_EOT - 256}")
+    for i, line in enumerate(lines):
+        a, _, b = line.partition(" ")
+        if ranks.get(to_bytes(a, bpe_path) + to_bytes(b, bpe_path)) != 256 + i:
+            raise LlmpyError(f"{bpe_path}: merge {i} ({line!r}) is not token {256 + i} of {enc_path}; "
+                             "the two files do not belong together")
+    return ranks
+
+
+class GPT2Tokenizer(Tokenizer):
+    """GPT-2's BPE, 50257 tokens, end-of-text 50256 (wraps a tiktoken.Encoding)."""
+
+    name = "gpt2"
+    vocab_size = GPT2_VOCAB_SIZE
+    eot = GPT2_EOT
+
+    def __init__(self, encoding):
+        self.encoding = encoding
+        if encoding.n_vocab != GPT2_VOCAB_SIZE or encoding.eot_token != GPT2_EOT:
+            raise LlmpyError(f"tiktoken encoding {encoding.name!r} is not GPT-2's "
+                             f"({encoding.n_vocab} tokens, end-of-text {encoding.eot_token})")
+
+    @classmethod
+    def from_files(cls, encoder_json: str | os.PathLike, vocab_bpe: str | os.PathLike) -> "GPT2Tokenizer":
+        import tiktoken
+
+        ranks = gpt2_mergeable_ranks(encoder_json, vocab_bpe)
+        enc = tiktoken.Encoding("gpt2-local", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                special_tokens={ENDOFTEXT: GPT2_EOT}, explicit_n_vocab=GPT2_VOCAB_SIZE)
+        return cls(enc)
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike) -> "GPT2Tokenizer":
+        return cls.from_files(*find_gpt2_files(directory))
+
+    @classmethod
+    def from_tiktoken(cls) -> "GPT2Tokenizer":
+        """tiktoken's own "gpt2" encoding: from its cache, else downloaded by tiktoken."""
+        import tiktoken
+
+        try:
+            enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # network and cache failures come as many exception types
+            raise LlmpyError(f"cannot load GPT-2 BPE through tiktoken ({type(e).__name__}: {e}); offline, "
+                             f"set {GPT2_DIR_ENV} to a folder holding encoder.json and vocab.bpe") from None
+        return cls(enc)
+
+    def encode(self, text: str) -> list[int]:
+        # text "<|endoftext|>" is ordinary text here, as in llm.c's data scripts
+        return self.encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode(self._check_ids(ids), errors="replace")
+
+
+def find_gpt2_files(directory: str | os.PathLike) -> tuple[Path, Path]:
+    """(encoder.json, vocab.bpe) in `directory`, or HuggingFace's (vocab.json, merges.txt)."""
+    d = Path(directory).expanduser()
+    if not d.is_dir():
+        raise LlmpyError(f"{d}: GPT-2 tokenizer folder not found")
+    for enc, bpe in _GPT2_FILE_NAMES:
+        if (d / enc).is_file() and (d / bpe).is_file():
+            return d / enc, d / bpe
+    raise LlmpyError(f"{d}: holds neither encoder.json + vocab.bpe nor vocab.json + merges.txt")
+
+
+def find_gpt2_dir(directory: str | os.PathLike | None = None) -> Path | None:
+    """The folder to read GPT-2's files from: `directory`, else $LLMPY_GPT2_DIR, else None."""
+    if directory is not None:
+        find_gpt2_files(directory)
+        return Path(directory).expanduser()
+    env = os.environ.get(GPT2_DIR_ENV)
+    if env:
+        try:
+            find_gpt2_files(env)
+        except LlmpyError as e:
+            raise LlmpyError(f"{GPT2_DIR_ENV}={env}: {e}") from None
+        return Path(env).expanduser()
+    return None
+
+
+def load_tokenizer(name: str = "gpt2", directory: str | os.PathLike | None = None) -> Tokenizer:
+    """"gpt2" (local files when a folder is known, else tiktoken) or "bytes"."""
+    key = name.strip().lower()
+    if key in ("bytes", "byte"):
+        return ByteTokenizer()
+    if key == "gpt2":
+        d = find_gpt2_dir(directory)
+        return GPT2Tokenizer.from_dir(d) if d is not None else GPT2Tokenizer.from_tiktoken()
+    raise LlmpyError(f"unknown tokenizer {name!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
+
+
+__all__ = ["Tokenizer", "ByteTokenizer", "GPT2Tokenizer", "load_tokenizer", "find_gpt2_dir",
+           "find_gpt2_files", "gpt2_mergeable_ranks", "GPT2_EOT", "GPT2_VOCAB_SIZE", "TOKENIZER_NAMES"]

@@ -1,0 +1,538 @@
+"""Token shards, the data loader, the default corpus and `llmpy prepare` (all offline)."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import secrets
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmpy import prepare as prep
+from llmpy.data import (HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, DataLoader, EvalLoader, default_corpus, default_dataset,
+                        read_shard, shard_num_tokens, write_shard)
+from llmpy.errors import LlmpyError
+from llmpy.tokenizer import ByteTokenizer
+
+
+def _shared_data() -> Path | None:
+    for p in (Path(__file__).resolve().parents[2] / "shared" / "data",
+              Path(os.environ.get("LLMPY_SHARED_DATA", "")) if os.environ.get("LLMPY_SHARED_DATA") else None):
+        if p is not None and p.is_dir():
+            return p
+    return None
+
+
+SHARED = _shared_data()
+
+
+@pytest.fixture
+def rng():
+    seed = secrets.randbits(32)
+    print(f"rng seed {seed}")  # shown by pytest when a test fails, to reproduce it
+    return np.random.default_rng(seed)
+
+
+def make_shards(folder: Path, sizes, rng, unique=False, vocab=65536, prefix="d"):
+    """Shards with random tokens; with unique=True every token value occurs once over all shards,
+    so a token identifies its position."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pool = rng.permutation(vocab) if unique else None
+    assert not unique or sum(sizes) <= vocab
+    out, at = [], 0
+    for i, n in enumerate(sizes):
+        toks = pool[at:at + n] if unique else rng.integers(0, vocab, n)
+        at += n
+        write_shard(folder / f"{prefix}_train_{i:06d}.bin", toks)
+        out.append(np.asarray(toks, dtype=np.uint16))
+    return out
+
+
+def take(loader, n):
+    return [loader.next_batch() for _ in range(n)]
+
+
+def reference_windows(shards, B, T, world=1):
+    """llm.c's sequential order, written out directly: per shard, each window of world*B*T tokens
+    (while window + 1 token fits), the whole window plus one token."""
+    W = world * B * T
+    out = []
+    for toks in shards:
+        for w in range((len(toks) - 1) // W):
+            out.append(toks[w * W: w * W + W + 1].astype(np.int64))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# shard files
+
+def test_shard_roundtrip_and_header(tmp_path, rng):
+    n = int(rng.integers(1, 5000))
+    toks = rng.integers(0, 65536, n)
+    toks[0], toks[-1] = 65535, 0
+    path = write_shard(tmp_path / "s.bin", toks)
+    raw = path.read_bytes()
+    header = np.frombuffer(raw[:1024], dtype="<i4")
+    assert (header[0], header[1], header[2]) == (SHARD_MAGIC, SHARD_VERSION, n) == (20240520, 1, n)
+    assert not header[3:].any()
+    assert len(raw) == 4 * HEADER_INTS + 2 * n
+    assert np.array_equal(np.frombuffer(raw[1024:], dtype="<u2"), toks)
+    back = read_shard(path)
+    assert back.dtype == np.uint16 and np.array_equal(back, toks)
+    assert shard_num_tokens(path) == n
+    assert sorted(os.listdir(tmp_path)) == ["s.bin"]  # no temporary files left behind
+
+
+def test_write_shard_overwrites_atomically(tmp_path, rng):
+    path = tmp_path / "s.bin"
+    write_shard(path, rng.integers(0, 100, 50))
+    new = rng.integers(0, 100, 7)
+    write_shard(path, new)
+    assert np.array_equal(read_shard(path), new)
+
+
+@pytest.mark.parametrize("bad", [65536, -1, 70000])
+def test_write_shard_refuses_ids_outside_uint16(tmp_path, rng, bad):
+    toks = rng.integers(0, 65536, 100)
+    pos = int(rng.integers(0, 100))
+    toks[pos] = bad
+    path = tmp_path / "out.bin"
+    with pytest.raises(LlmpyError, match=rf"out\.bin.*{bad} at position {pos}"):
+        write_shard(path, toks)
+    assert not path.exists() and os.listdir(tmp_path) == []
+
+
+def _corrupt(path: Path, case: str, rng):
+    raw = bytearray(path.read_bytes())
+    if case == "magic":
+        raw[0:4] = np.int32(1234).tobytes()
+    elif case == "version":
+        raw[4:8] = np.int32(7).tobytes()
+    elif case == "truncated":
+        raw = raw[:len(raw) - 2 * int(rng.integers(1, 10))]
+    elif case == "trailing":
+        raw += b"\x00" * int(rng.integers(1, 9))
+    elif case == "short_header":
+        raw = raw[:int(rng.integers(0, 1024))]
+    elif case == "odd_byte":
+        raw = raw[:-1]
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("magic", r"bad magic 1234 \(expected 20240520\): not an llm\.c token shard"),
+    ("version", r"version 7"),
+    ("truncated", r"truncated"),
+    ("trailing", r"trailing bytes"),
+    ("short_header", r"shorter than the 1024-byte header"),
+    ("odd_byte", r"truncated"),
+])
+def test_bad_shards_are_refused_by_reader_and_loader(tmp_path, rng, case, message):
+    shards = make_shards(tmp_path, [300, 400, 500], rng)
+    bad = tmp_path / "d_train_000001.bin"
+    _corrupt(bad, case, rng)
+    with pytest.raises(LlmpyError, match=message) as e:
+        read_shard(bad)
+    assert str(bad) in str(e.value)
+    with pytest.raises(LlmpyError, match=message) as e:
+        DataLoader(str(tmp_path / "*.bin"), 3, 5)
+    assert str(bad) in str(e.value)
+    assert len(shards) == 3
+
+
+def test_shard_too_small_for_one_window(tmp_path, rng):
+    B, T, world = 3, 7, 2
+    W = B * T * world
+    make_shards(tmp_path, [5 * W, W, 3 * W], rng)  # the middle one lacks the one extra token
+    with pytest.raises(LlmpyError, match=r"d_train_000001\.bin: .*too small.*43 tokens"):
+        DataLoader(str(tmp_path / "*.bin"), B, T, rank=1, world_size=world)
+    # one more token makes it exactly big enough
+    write_shard(tmp_path / "d_train_000001.bin", rng.integers(0, 65536, W + 1))
+    assert len(DataLoader(str(tmp_path / "*.bin"), B, T, rank=1, world_size=world)) == 4 + 1 + 2
+
+
+def test_token_beyond_vocab_names_shard_id_and_position(tmp_path, rng):
+    vocab = 257
+    make_shards(tmp_path, [500, 600], rng, vocab=vocab)
+    toks = rng.integers(0, vocab, 700)
+    pos = int(rng.integers(0, 700))
+    toks[pos] = vocab + int(rng.integers(0, 1000))
+    write_shard(tmp_path / "d_train_000002.bin", toks)
+    loader = DataLoader(str(tmp_path / "*.bin"), 2, 9, vocab_size=vocab)
+    # the first two shards are fine; the error comes when the bad shard is first opened
+    n_ok = (499 // 18) + (599 // 18)
+    take(loader, n_ok)
+    with pytest.raises(LlmpyError, match=rf"d_train_000002\.bin: token id {toks[pos]} at position {pos}"):
+        loader.next_batch()
+    # without a vocab size the loader does not look (any uint16 is a valid shard token)
+    assert len(take(DataLoader(str(tmp_path / "*.bin"), 2, 9), n_ok + 1)) == n_ok + 1
+
+
+def test_no_files_match(tmp_path):
+    with pytest.raises(LlmpyError, match=r"nothing_\*\.bin: no files match"):
+        DataLoader(str(tmp_path / "nothing_*.bin"), 2, 2)
+    with pytest.raises(LlmpyError, match=r"missing\.bin: no such token shard"):
+        DataLoader(tmp_path / "missing.bin", 2, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# loader order
+
+def test_sequential_order_matches_llmc_and_wraps(tmp_path, rng):
+    B, T = int(rng.integers(1, 4)) * 2 + 1, int(rng.integers(2, 9)) * 2 + 1  # odd
+    sizes = [int(rng.integers(B * T + 1, 6 * B * T)) for _ in range(4)]
+    shards = make_shards(tmp_path, sizes, rng)
+    loader = DataLoader(str(tmp_path / "d_train_*.bin"), B, T)
+    ref = reference_windows(shards, B, T)
+    assert len(loader) == len(ref)
+    assert loader.num_tokens == sum(sizes)
+    assert loader.tokens_per_epoch == len(ref) * B * T
+    for epoch in range(2):
+        for k, want in enumerate(ref):
+            x, y = loader.next_batch()
+            assert x.dtype == torch.int64 and y.dtype == torch.int64
+            assert x.shape == (B, T) and y.shape == (B, T)
+            assert np.array_equal(x.numpy().ravel(), want[:-1]), (epoch, k)
+            assert np.array_equal(y.numpy().ravel(), want[1:]), (epoch, k)
+        assert loader.state_dict()["epoch"] == epoch + 1
+    loader.reset()
+    assert np.array_equal(loader.next_batch()[0].numpy().ravel(), ref[0][:-1])
+
+
+def test_list_of_paths_keeps_given_order(tmp_path, rng):
+    shards = make_shards(tmp_path, [40, 90], rng)
+    paths = [tmp_path / "d_train_000001.bin", tmp_path / "d_train_000000.bin"]
+    loader = DataLoader(paths, 1, 13)
+    ref = reference_windows(shards[::-1], 1, 13)
+    for want in ref:
+        assert np.array_equal(loader.next_batch()[0].numpy().ravel(), want[:-1])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_are_disjoint_and_cover_the_single_rank_windows(tmp_path, rng, world, shuffle):
+    B, T = 3, 5
+    W = world * B * T
+    sizes = [int(rng.integers(W + 1, 12 * W)) for _ in range(3)]
+    make_shards(tmp_path, sizes, rng, unique=True)
+    pattern = str(tmp_path / "*.bin")
+    seed = int(rng.integers(0, 2**31))
+    ranks = [DataLoader(pattern, B, T, rank=r, world_size=world, shuffle=shuffle, seed=seed) for r in range(world)]
+    # a single rank with world*B rows reads the same windows of world*B*T tokens, in the same order
+    whole = DataLoader(pattern, world * B, T, shuffle=shuffle, seed=seed)
+    assert all(len(r) == len(whole) for r in ranks)
+    for _ in range(len(whole) + 2):  # one pass and into the next epoch
+        xs, ys = zip(*(r.next_batch() for r in ranks))
+        X, Y = whole.next_batch()
+        assert torch.equal(torch.cat(xs), X) and torch.equal(torch.cat(ys), Y)
+        values = [set(x.numpy().ravel().tolist()) for x in xs]  # token values are unique positions
+        assert sum(len(v) for v in values) == len(set().union(*values)) == W
+
+
+def test_shuffle_is_a_permutation_deterministic_per_seed(tmp_path, rng):
+    B, T = 3, 3
+    sizes = [int(rng.integers(8 * B * T, 20 * B * T)) for _ in range(3)]
+    shards = make_shards(tmp_path, sizes, rng)
+    pattern = str(tmp_path / "*.bin")
+    seed = int(rng.integers(0, 2**31))
+    a = DataLoader(pattern, B, T, shuffle=True, seed=seed)
+    b = DataLoader(pattern, B, T, shuffle=True, seed=seed)
+    c = DataLoader(pattern, B, T, shuffle=True, seed=seed + 1)
+    n = len(a)
+    epoch_a = [a.next_batch() for _ in range(n)]
+    epoch_b = [b.next_batch() for _ in range(n)]
+    epoch_c = [c.next_batch() for _ in range(n)]
+    assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(epoch_a, epoch_b))
+    key = lambda batches: [tuple(x.numpy().ravel()) + tuple(y.numpy().ravel()[-1:]) for x, y in batches]
+    ref = [tuple(w[:-1]) + (w[-1],) for w in reference_windows(shards, B, T)]
+    # each epoch is a reordering of exactly the sequential windows, and the orders differ
+    assert sorted(key(epoch_a)) == sorted(ref) == sorted(key(epoch_c))
+    assert key(epoch_a) != ref
+    assert key(epoch_a) != key(epoch_c)
+    second = [a.next_batch() for _ in range(n)]
+    assert sorted(key(second)) == sorted(ref) and key(second) != key(epoch_a)
+
+
+def test_shuffle_orders_shards_and_windows_per_epoch_and_seed(tmp_path, rng):
+    B, T = 3, 3
+    W = B * T
+    sizes = [int(rng.integers(10 * W + 1, 20 * W)) for _ in range(4)]
+    shards = make_shards(tmp_path, sizes, rng, unique=True)
+    where = {int(t): (s, i) for s, toks in enumerate(shards) for i, t in enumerate(toks)}
+    pattern = str(tmp_path / "*.bin")
+
+    def visits(seed, epochs):
+        loader = DataLoader(pattern, B, T, shuffle=True, seed=seed)
+        out = []
+        for _ in range(epochs):
+            epoch = [where[int(loader.next_batch()[0][0, 0])] for _ in range(len(loader))]
+            shard_order = [s for k, (s, _) in enumerate(epoch) if k == 0 or epoch[k - 1][0] != s]
+            # a shard is read whole before the next (llm.c), every window of every shard once
+            assert sorted(shard_order) == list(range(len(shards)))
+            windows = {s: [off // W for t, off in epoch if t == s] for s in range(len(shards))}
+            assert all(sorted(w) == list(range((n - 1) // W)) for w, n in zip(windows.values(), sizes))
+            out.append((shard_order, windows))
+        return out
+
+    seed = int(rng.integers(0, 2**31))
+    a, b = visits(seed, 5), visits(seed + 1, 5)
+    assert len({tuple(order) for order, _ in a}) > 1  # the shard order changes between epochs
+    assert [order for order, _ in a] != [order for order, _ in b]  # and between seeds
+    for s in range(len(shards)):
+        seq = list(range((sizes[s] - 1) // W))
+        assert any(w[s] != seq for _, w in a)  # windows inside a shard are shuffled
+        assert a[0][1][s] != a[1][1][s]  # differently in each epoch
+        assert a[0][1][s] != b[0][1][s]  # and for each seed
+
+
+def _same(batches1, batches2):
+    return len(batches1) == len(batches2) and all(
+        torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(batches1, batches2))
+
+
+@pytest.mark.parametrize("where", ["mid", "last_of_epoch", "epoch_boundary", "later_epoch"])
+def test_state_restore_gives_bitwise_equal_batches(tmp_path, rng, where):
+    B, T, world = 3, 7, 2
+    W = world * B * T
+    make_shards(tmp_path, [int(rng.integers(W + 1, 6 * W)) for _ in range(3)], rng)
+    pattern = str(tmp_path / "*.bin")
+    seed = int(rng.integers(0, 2**31))
+    rank = int(rng.integers(0, world))
+    a = DataLoader(pattern, B, T, rank=rank, world_size=world, shuffle=True, seed=seed)
+    n = len(a)
+    k = {"mid": int(rng.integers(1, n)), "last_of_epoch": n - 1, "epoch_boundary": n,
+         "later_epoch": 2 * n + int(rng.integers(0, n))}[where]
+    take(a, k)
+    state = json.loads(json.dumps(a.state_dict()))  # must survive JSON
+    following = take(a, n + 3)  # crosses at least one epoch boundary
+    b = DataLoader(pattern, B, T, rank=rank, world_size=world, shuffle=True, seed=seed)
+    b.load_state_dict(state)
+    assert _same(take(b, n + 3), following)
+    # the state holds no rank: another rank restored from it continues where that rank would be
+    other = (rank + 1) % world
+    c = DataLoader(pattern, B, T, rank=other, world_size=world, shuffle=True, seed=seed)
+    d = DataLoader(pattern, B, T, rank=other, world_size=world, shuffle=True, seed=seed)
+    take(c, k)
+    d.load_state_dict(state)
+    assert _same(take(d, 4), take(c, 4))
+
+
+def test_state_mismatch_and_malformed_state_are_refused(tmp_path, rng):
+    make_shards(tmp_path, [500, 700], rng)
+    pattern = str(tmp_path / "*.bin")
+    a = DataLoader(pattern, 2, 8, shuffle=True, seed=5)
+    take(a, 3)
+    state = a.state_dict()
+    with pytest.raises(LlmpyError, match=r"T=8.*T=9"):
+        DataLoader(pattern, 2, 9, shuffle=True, seed=5).load_state_dict(state)
+    with pytest.raises(LlmpyError, match=r"seed=5.*seed=6"):
+        DataLoader(pattern, 2, 8, shuffle=True, seed=6).load_state_dict(state)
+    with pytest.raises(LlmpyError, match="num_shards"):
+        DataLoader(tmp_path / "d_train_000000.bin", 2, 8, shuffle=True, seed=5).load_state_dict(state)
+    with pytest.raises(LlmpyError, match="malformed"):
+        DataLoader(pattern, 2, 8, shuffle=True, seed=5).load_state_dict({"version": 1})
+    bad = dict(state, window_pos=10**6)
+    with pytest.raises(LlmpyError, match="window 1000000"):
+        DataLoader(pattern, 2, 8, shuffle=True, seed=5).load_state_dict(bad)
+
+
+def test_eval_loader_repeats_the_first_batches(tmp_path, rng):
+    B, T = 5, 3
+    shards = make_shards(tmp_path, [int(rng.integers(B * T + 1, 10 * B * T)) for _ in range(2)], rng)
+    ev = EvalLoader(str(tmp_path / "*.bin"), B, T, vocab_size=65536)
+    ref = reference_windows(shards, B, T)
+    m = int(rng.integers(1, len(ref) + 1))
+    for _ in range(2):
+        got = list(ev.batches(m))
+        assert len(got) == m
+        for (x, y), want in zip(got, ref):
+            assert np.array_equal(x.numpy().ravel(), want[:-1]) and np.array_equal(y.numpy().ravel(), want[1:])
+    assert len(list(ev.batches())) == len(ref)
+    with pytest.raises(LlmpyError, match=rf"{len(ref) + 1} validation batches.*only {len(ref)}"):
+        list(ev.batches(len(ref) + 1))
+
+
+def test_bad_loader_arguments(tmp_path, rng):
+    make_shards(tmp_path, [100], rng)
+    p = str(tmp_path / "*.bin")
+    for kwargs in ({"B": 0, "T": 4}, {"B": 2, "T": -1}, {"B": 2, "T": 2, "rank": 2, "world_size": 2}):
+        with pytest.raises(LlmpyError):
+            DataLoader(p, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# default corpus
+
+def test_default_corpus_and_dataset(tmp_path):
+    cap = 300_000
+    docs = default_corpus(max_bytes=cap)
+    assert docs and docs == default_corpus(max_bytes=cap)
+    assert sum(len(d.encode()) for d in docs) <= cap
+    assert any("def " in d for d in docs)
+    files = default_dataset(cache_dir=tmp_path, max_bytes=cap)
+    assert files.vocab_size == 257 and files.tokenizer == "bytes"
+    train, val = read_shard(files.train), read_shard(files.val)
+    n_val = max(1, round(len(docs) * 0.05))
+    tok = ByteTokenizer()
+    assert np.array_equal(train, tok.encode_documents(docs[:-n_val]))
+    assert np.array_equal(val, tok.encode_documents(docs[-n_val:]))
+    # reused when valid, rebuilt when damaged
+    mtime = os.stat(files.train).st_mtime_ns
+    assert default_dataset(cache_dir=tmp_path, max_bytes=cap) == files
+    assert os.stat(files.train).st_mtime_ns == mtime
+    Path(files.val).write_bytes(Path(files.val).read_bytes()[:-2])
+    default_dataset(cache_dir=tmp_path, max_bytes=cap)
+    assert np.array_equal(read_shard(files.val), tok.encode_documents(docs[-n_val:]))
+    DataLoader(files.train, 4, 64, vocab_size=257).next_batch()
+
+
+# ----------------------------------------------------------------------------------------------
+# llmpy prepare
+
+def run_prepare(argv) -> int:
+    parser = argparse.ArgumentParser()
+    prep.add_arguments(parser)
+    return prep.run(parser.parse_args([str(a) for a in argv]))
+
+
+def _split_tokens(outdir: Path, name: str, split: str):
+    files = sorted(outdir.glob(f"{name}_{split}_*.bin"))
+    return files, (np.concatenate([read_shard(f) for f in files]) if files else np.zeros(0, np.uint16))
+
+
+def test_prepare_text_file_bytes(tmp_path, rng):
+    text = "".join(rng.choice(list("abcdé \n🙂xyz."), int(rng.integers(2000, 5000))))
+    src = tmp_path / "story.txt"
+    src.write_text(text, encoding="utf-8")
+    shard = int(rng.integers(100, 700))
+    out = tmp_path / "out"
+    assert run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-fraction", "0.2", "--shard-size", shard]) == 0
+    stream = ByteTokenizer().encode_documents([text])
+    n_val = round(len(stream) * 0.2)
+    val_files, val = _split_tokens(out, "story", "val")
+    train_files, train = _split_tokens(out, "story", "train")
+    assert np.array_equal(val, stream[:n_val]) and np.array_equal(train, stream[n_val:])
+    assert val_files[0].name == "story_val_000000.bin" and train_files[0].name == "story_train_000000.bin"
+    for files in (val_files, train_files):
+        assert all(shard_num_tokens(f) == shard for f in files[:-1]) and 0 < shard_num_tokens(files[-1]) <= shard
+    assert not [p for p in os.listdir(out) if not p.endswith(".bin")]  # no temporaries left
+    # a second run with bigger shards leaves no stale shards behind for the glob to pick up
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 10, "--shard-size", 10**6])
+    assert sorted(os.listdir(out)) == ["story_train_000000.bin", "story_val_000000.bin"]
+    assert np.array_equal(np.concatenate([read_shard(out / "story_val_000000.bin"),
+                                          read_shard(out / "story_train_000000.bin")]), stream)
+
+
+def test_prepare_folder_each_file_a_document(tmp_path, rng):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    names = ["b.txt", "a.txt", "sub/0.txt", "z.txt"]
+    texts = {}
+    for n in names:
+        texts[n] = "".join(rng.choice(list("hello world\n"), int(rng.integers(50, 300))))
+        (folder / n).write_text(texts[n])
+    (folder / "ignored.md").write_text("not a txt file")
+    out = tmp_path / "o"
+    run_prepare([folder, "-o", out, "--tokenizer", "bytes", "--val-tokens", 0])
+    _, train = _split_tokens(out, "corpus", "train")
+    assert not list(out.glob("*_val_*"))
+    order = ["a.txt", "b.txt", "sub/0.txt", "z.txt"]  # by relative path
+    assert np.array_equal(train, ByteTokenizer().encode_documents([texts[n] for n in order]))
+    assert int((train == 256).sum()) == 4
+
+
+@pytest.mark.skipif(SHARED is None or not (SHARED / "gpt2" / "vocab.bpe").is_file(),
+                    reason=f"GPT-2 tokenizer files not found under {Path(__file__).resolve().parents[2] / 'shared' / 'data'} "
+                           "or $LLMPY_SHARED_DATA")
+def test_prepare_with_gpt2_from_local_files(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text("Hello world\n\nHello world")
+    out = tmp_path / "o"
+    run_prepare([src, "-o", out, "--tokenizer-dir", SHARED / "gpt2", "--val-tokens", 1])
+    _, val = _split_tokens(out, "t", "val")
+    _, train = _split_tokens(out, "t", "train")
+    assert val.tolist() == [50256]
+    assert train.tolist() == [15496, 995, 198, 198, 15496, 995]
+
+
+class _FakeResponse(io.BytesIO):
+    def __init__(self, data):
+        super().__init__(data)
+        self.headers = {"Content-Length": str(len(data))}
+
+
+@pytest.mark.skipif(SHARED is None or not (SHARED / "tinyshakespeare" / "input.txt").is_file(),
+                    reason="tinyshakespeare/input.txt not found under shared/data or $LLMPY_SHARED_DATA")
+def test_prepare_tinyshakespeare_with_fake_download(tmp_path, monkeypatch):
+    data = (SHARED / "tinyshakespeare" / "input.txt").read_bytes()
+    urls = []
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: urls.append(url) or _FakeResponse(data))
+    out, cache = tmp_path / "o", tmp_path / "cache"
+    run_prepare(["tinyshakespeare", "-o", out, "--tokenizer", "bytes", "--cache-dir", cache])
+    assert urls == [prep.TINYSHAKESPEARE_URL]
+    text = data.decode()
+    sections = text.split("\n\n")
+    stream = ByteTokenizer().encode_documents([s + "\n\n" for s in sections[:-1]] + sections[-1:])
+    _, val = _split_tokens(out, "tinyshakespeare", "val")
+    _, train = _split_tokens(out, "tinyshakespeare", "train")
+    assert len(val) == 32768  # llm.c's val split
+    assert np.array_equal(np.concatenate([val, train]), stream)
+    assert int((stream == 256).sum()) == len(sections)
+    # the download is kept: a second run does not fetch again
+    run_prepare(["tinyshakespeare", "-o", out, "--tokenizer", "bytes", "--cache-dir", cache])
+    assert len(urls) == 1
+
+
+@pytest.mark.parametrize("dataset", ["tinyshakespeare", "tinystories"])
+def test_named_dataset_without_network_fails_cleanly(tmp_path, monkeypatch, dataset):
+    def offline(url, timeout):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(prep, "_urlopen", offline)
+    cache = tmp_path / "cache"
+    with pytest.raises(LlmpyError, match=r"cannot download https://.*name resolution.*place the file at"):
+        run_prepare([dataset, "-o", tmp_path / "o", "--tokenizer", "bytes", "--cache-dir", cache])
+    leftovers = [p for p in cache.rglob("*") if p.is_file()]
+    assert leftovers == []  # no partial download left behind
+
+
+def test_download_checks_sha256(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: _FakeResponse(b"not shakespeare"))
+    with pytest.raises(LlmpyError, match="sha256"):
+        run_prepare(["tinyshakespeare", "-o", tmp_path / "o", "--tokenizer", "bytes", "--cache-dir", tmp_path / "c"])
+    assert not list((tmp_path / "c").rglob("*.txt"))
+
+
+def test_fineweb_without_datasets_package(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "datasets" else real(n, *a))
+    with pytest.raises(LlmpyError, match=r"fineweb needs the `datasets` package"):
+        run_prepare(["fineweb", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+
+
+def test_prepare_bad_inputs(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("some text")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(LlmpyError, match=rf"{blocker / 'out'}: cannot create or write the output folder"):
+        run_prepare([src, "-o", blocker / "out", "--tokenizer", "bytes"])
+    with pytest.raises(LlmpyError, match=r"nope\.txt: no such file or folder, and not a named dataset"):
+        run_prepare([tmp_path / "nope.txt", "--tokenizer", "bytes"])
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(LlmpyError, match=r"latin1\.txt: not UTF-8"):
+        run_prepare([tmp_path / "latin1.txt", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LlmpyError, match=r"empty: folder holds no \.txt files"):
+        run_prepare([tmp_path / "empty", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+    with pytest.raises(LlmpyError, match="--shard-size 0"):
+        run_prepare([src, "-o", tmp_path / "o", "--tokenizer", "bytes", "--shard-size", 0])
+    with pytest.raises(LlmpyError, match="nothing left to train on"):
+        run_prepare([src, "-o", tmp_path / "o", "--tokenizer", "bytes", "--val-tokens", 1000])
+    with pytest.raises(SystemExit):  # argparse: the two val options exclude each other
+        run_prepare([src, "--val-tokens", 5, "--val-fraction", "0.1"])

@@ -1,0 +1,181 @@
+"""Tokenizers: GPT-2 BPE from the verified local files (offline) and the byte tokenizer."""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmpy.errors import LlmpyError
+from llmpy.tokenizer import (ByteTokenizer, GPT2Tokenizer, find_gpt2_dir, gpt2_mergeable_ranks,
+                             load_tokenizer)
+
+
+def _shared_data() -> Path:
+    here = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if here.is_dir() or not os.environ.get("LLMPY_SHARED_DATA"):
+        return here
+    return Path(os.environ["LLMPY_SHARED_DATA"])
+
+
+SHARED = _shared_data()
+GPT2_DIR = SHARED / "gpt2"
+SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
+
+needs_gpt2 = pytest.mark.skipif(not (GPT2_DIR / "encoder.json").is_file() or not (GPT2_DIR / "vocab.bpe").is_file(),
+                                reason=f"{GPT2_DIR}/encoder.json and vocab.bpe not found (set LLMPY_SHARED_DATA)")
+
+
+@pytest.fixture
+def rng():
+    seed = secrets.randbits(32)
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    if not (GPT2_DIR / "encoder.json").is_file() or not (GPT2_DIR / "vocab.bpe").is_file():
+        pytest.skip(f"{GPT2_DIR}/encoder.json and vocab.bpe not found (set LLMPY_SHARED_DATA)")
+    return GPT2Tokenizer.from_files(GPT2_DIR / "encoder.json", GPT2_DIR / "vocab.bpe")
+
+
+def _random_text(rng, n):
+    alphabet = list("abcXYZ 019'.,;\n\t") + ["é", "ß", "€", "日本", "🙂", "\u00a0", "'s", " 've", "  "]
+    return "".join(rng.choice(alphabet, n))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-2
+
+def test_gpt2_known_ids(gpt2):
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert gpt2.eot == 50256 and gpt2.vocab_size == 50257
+    assert gpt2.decode([15496, 995]) == "Hello world"
+    assert gpt2.decode([50256]) == "<|endoftext|>"
+    # special-token text is ordinary text when encoding documents, as in llm.c's scripts
+    assert 50256 not in gpt2.encode("<|endoftext|>")
+
+
+def test_gpt2_round_trip_on_shakespeare(gpt2, rng):
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not found (set LLMPY_SHARED_DATA)")
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    start = int(rng.integers(0, len(text) - 20000))
+    piece = text[start:start + 20000]
+    ids = gpt2.encode(piece)
+    assert 0 < len(ids) < len(piece) and max(ids) < 50256
+    assert gpt2.decode(ids) == piece
+    assert text.startswith("First Citizen:") and gpt2.encode("First Citizen:") == [5962, 22307, 25]
+
+
+def test_gpt2_round_trip_on_random_unicode(gpt2, rng):
+    for _ in range(5):
+        s = _random_text(rng, int(rng.integers(1, 400)))
+        assert gpt2.decode(gpt2.encode(s)) == s
+
+
+def test_gpt2_pattern_agrees_with_tiktokens_own(gpt2, rng):
+    """Our transcription of GPT-2's split regex against the (equivalent, faster) one tiktoken ships."""
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    ref = tiktoken.Encoding("ref", pat_str=r50k_pat_str,
+                            mergeable_ranks=gpt2_mergeable_ranks(GPT2_DIR / "encoder.json", GPT2_DIR / "vocab.bpe"),
+                            special_tokens={"<|endoftext|>": 50256})
+    texts = [_random_text(rng, int(rng.integers(1, 2000))) for _ in range(20)]
+    texts += ["I'm sure they'll've  done it's   \n\n  ok?!  ", " \t\n", "a  b   c\n\n\nd", "123456 7.5e-3"]
+    if SHAKESPEARE.is_file():
+        texts.append(SHAKESPEARE.read_text(encoding="utf-8")[:50000])
+    for t in texts:
+        assert gpt2.encode(t) == ref.encode_ordinary(t), repr(t[:80])
+
+
+def test_gpt2_encode_documents(gpt2, rng):
+    docs = [_random_text(rng, int(rng.integers(0, 100))) for _ in range(int(rng.integers(2, 6)))]
+    stream = gpt2.encode_documents(docs)
+    assert stream.dtype == np.uint16
+    expect = []
+    for d in docs:
+        expect += [50256] + gpt2.encode(d)
+    assert stream.tolist() == expect
+
+
+def test_gpt2_decode_refuses_ids_outside_vocab(gpt2):
+    with pytest.raises(ValueError, match="50257"):
+        gpt2.decode([15496, 50257])
+
+
+@needs_gpt2
+def test_huggingface_file_names_and_env_var(monkeypatch, tmp_path, gpt2):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "vocab.json").write_bytes((GPT2_DIR / "encoder.json").read_bytes())
+    (hf / "merges.txt").write_bytes((GPT2_DIR / "vocab.bpe").read_bytes())
+    assert find_gpt2_dir(hf) == hf
+    monkeypatch.setenv("LLMPY_GPT2_DIR", str(hf))
+    tok = load_tokenizer("gpt2")
+    assert isinstance(tok, GPT2Tokenizer) and tok.encode(" the Hello world") == gpt2.encode(" the Hello world")
+    monkeypatch.setenv("LLMPY_GPT2_DIR", str(tmp_path / "missing"))
+    with pytest.raises(LlmpyError, match=r"LLMPY_GPT2_DIR=.*missing: GPT-2 tokenizer folder not found"):
+        load_tokenizer("gpt2")
+    with pytest.raises(LlmpyError, match=r"holds neither encoder\.json"):
+        load_tokenizer("gpt2", tmp_path)
+
+
+@needs_gpt2
+def test_mismatched_merges_are_refused(tmp_path, rng):
+    lines = (GPT2_DIR / "vocab.bpe").read_text(encoding="utf-8").split("\n")
+    i = int(rng.integers(1, len(lines) - 3))
+    lines[i], lines[i + 1] = lines[i + 1], lines[i]  # swap two merges: ranks no longer match ids
+    bad = tmp_path / "vocab.bpe"
+    bad.write_text("\n".join(lines), encoding="utf-8")
+    with pytest.raises(LlmpyError, match=r"vocab\.bpe: merge .* do not belong together"):
+        gpt2_mergeable_ranks(GPT2_DIR / "encoder.json", bad)
+    with pytest.raises(LlmpyError, match=r"nope\.json: GPT-2 tokenizer file not found"):
+        gpt2_mergeable_ranks(tmp_path / "nope.json", bad)
+
+
+def test_from_tiktoken_failure_is_a_clear_error(monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    monkeypatch.delenv("LLMPY_GPT2_DIR", raising=False)
+    with pytest.raises(LlmpyError, match=r"cannot load GPT-2 BPE through tiktoken.*no network.*LLMPY_GPT2_DIR"):
+        load_tokenizer("gpt2")
+
+
+# ----------------------------------------------------------------------------------------------
+# bytes
+
+def test_byte_tokenizer(rng):
+    tok = load_tokenizer("bytes")
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 257 and tok.eot == 256
+    s = _random_text(rng, 300)
+    ids = tok.encode(s)
+    assert ids == list(s.encode("utf-8")) and max(ids) < 256
+    assert tok.decode(ids) == s
+    assert tok.decode([104, 105, 256, 0xC3]) == "hi<|endoftext|>\ufffd"  # a broken byte is replaced
+    with pytest.raises(ValueError):
+        tok.decode([257])
+
+
+def test_byte_encode_documents(rng):
+    tok = ByteTokenizer()
+    docs = [_random_text(rng, int(rng.integers(0, 50))) for _ in range(int(rng.integers(1, 8)))]
+    stream = tok.encode_documents(docs)
+    assert stream.dtype == np.uint16
+    expect = []
+    for d in docs:
+        expect += [256] + list(d.encode("utf-8"))
+    assert stream.tolist() == expect
+    assert tok.encode_documents([]).tolist() == []
+
+
+def test_unknown_tokenizer_name():
+    with pytest.raises(LlmpyError, match=r"unknown tokenizer 'sentencepiece': expected one of gpt2, bytes"):
+        load_tokenizer("sentencepiece")
