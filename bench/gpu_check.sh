@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
+# GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [sanitize]
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/llmpy_out}
+mkdir -p "$OUT"
+stages=${*:-tests bench sanitize}
+KERNEL_TESTS="tests/test_encoder.py tests/test_layernorm.py tests/test_attention.py tests/test_flash_attention.py
+  tests/test_matmul.py tests/test_gelu.py tests/test_fused_classifier.py tests/test_adamw.py tests/test_global_norm.py"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+summary=()
+for stage in $stages; do
+  t0=$(date +%s)
+  case $stage in
+    tests)
+      timeout 420 python3 -m pytest -q -rfEx -p no:cacheprovider $KERNEL_TESTS 2>&1 | tee "$OUT/tests.log"
+      rc=$? ;;
+    bench)
+      timeout 420 python3 -m bench.bench_kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
+      rc=$? ;;
+    sanitize)
+      # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any
+      # out-of-bounds or misaligned access
+      timeout 420 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+        python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" $KERNEL_TESTS 2>&1 | tee "$OUT/sanitize.log"
+      rc=$? ;;
+  esac
+  summary+=("$stage rc=$rc $(( $(date +%s) - t0 ))s")
+done
+echo "=== summary"; printf '%s\n' "${summary[@]}"
+grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
+grep -E "ERROR SUMMARY" "$OUT/sanitize.log" 2>/dev/null | tail -1

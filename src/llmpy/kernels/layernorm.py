@@ -1,0 +1,344 @@
+"""LayerNorm forward and backward, the residual add, and the residual add fused with the next LayerNorm.
+
+The functions are those of `reference.py` (same names), as llm.c's llmc/layernorm.cuh computes them:
+
+- `layernorm_forward`: a row of C channels per (b, t), held in registers while it is normalised, so the
+  variance is the two-pass sum of (x - mean)^2 over values already loaded, not E[x^2] - E[x]^2, at the
+  cost of one read of the input. Small rows are packed several to a program (a [ROWS, BLOCK_C] tile) so
+  every program moves a few KiB, as llm.c's kernel3 gives each warp a row. mean and rstd are fp32 and
+  kept for the backward.
+- `residual_forward`: an elementwise add in wide vectors.
+- `fused_residual_forward`: residual = inp1 + inp2 and its LayerNorm in one pass (llm.c's
+  fused_residual_forward5), saving a write and a read of the residual stream at each block boundary.
+  The LayerNorm is taken of the residual as STORED (rounded to floatX), not of the fp32 sum: the backward
+  recomputes norm from the stored residual and the saved mean/rstd, so the two must describe the same
+  numbers, and the result equals residual_forward followed by layernorm_forward bit for bit.
+- `layernorm_backward`: accumulates dinp += d(loss)/d(inp) (the residual-stream gradient flows through,
+  as llm.c's kernel10 does) and dweight += sum over rows of dout * norm, dbias += sum of dout. The
+  parameter gradients are reduced in two fixed levels instead of with atomics, so they are bitwise
+  reproducible: kernel 1 runs one program per chunk of consecutive rows (num_chunks = scratch.shape[0],
+  by default LN_BACKWARD_CHUNKS: a constant, not a device query, so the split - and so the bits - depend
+  only on the row count), each writing dinp for its rows and its chunk's partial sums into an fp32
+  scratch row; kernel 2 sums the scratch rows in a fixed order and adds them into dweight/dbias, with
+  stochastic rounding when those are bf16 (llm.c's treatment of parameter gradients).
+
+Storage ("floatX") is bf16 or fp32; arithmetic is fp32. The launchers only launch: no allocation, no host
+sync, shapes decide everything, so they can be captured in CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import LAYERNORM_EPS
+from .common import cdiv, interpreting, store_rounded
+
+# Tuning knobs: chosen for C=768 on an H200 from register counts (ptxas: no spills), not yet measured;
+# bench/kernels/bench_layernorm.py is the place to tune them.
+# Row kernels: a program's tile is [ROWS, BLOCK_C], BLOCK_C = C padded to a power of two, with rows
+# packed until the tile holds about *_TILE values (at most *_MAX_ROWS rows), ~8 values per thread.
+# C=768: the forward takes 2 rows in 8 warps, the backward 1 row in 4 warps.
+FWD_TILE, FWD_MAX_ROWS = 2048, 16
+BWD_TILE, BWD_MAX_ROWS = 1024, 4
+# residual_forward: values per program (32 per thread at 4 warps: a few 16-byte vectors each)
+RESIDUAL_BLOCK = 4096
+# Chunks of rows in the backward's first level: about 8 programs per SM of a 132-SM H200 - all resident at
+# once (56 registers x 128 threads each), enough loads in flight to keep HBM busy - while the second
+# level reads only num_chunks * 2 * C fp32 values (6 MiB at C=768, against ~400 MB for the first level at
+# B=64, T=1024). A constant, not a device query: the split, and so the bits, depend on the row count only.
+LN_BACKWARD_CHUNKS = 1024
+# second level: a program sums [REDUCE_BLOCK_K chunks, REDUCE_BLOCK_C columns] tiles (48 programs at C=768)
+REDUCE_BLOCK_K, REDUCE_BLOCK_C, REDUCE_WARPS = 512, 16, 8
+
+# Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even: under the
+# interpreter the kernels round explicitly, so CPU results carry the GPU's bits.
+EXPLICIT_RNE = interpreting()
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+
+@triton.jit
+def _to_floatx(x, ptr, EXPLICIT_RNE: tl.constexpr):
+    """fp32 x in ptr's element dtype, rounded to nearest even."""
+    if EXPLICIT_RNE and ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _normalize_rows(x, mask, offs, rows, row_ok, cols, col_ok, out_ptr, mean_ptr, rstd_ptr,
+                    weight_ptr, bias_ptr, C, eps, EXPLICIT_RNE: tl.constexpr):
+    """x: a [ROWS, BLOCK_C] fp32 tile of rows (zero where masked). Stores mean, rstd and the normed rows."""
+    mean = tl.sum(x, axis=1) / C
+    # two-pass variance from the registers: masked lanes must not contribute (x - mean) there
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / C
+    rstd = 1.0 / tl.sqrt(var + eps)
+    # weight/bias are shared by every program: keep them in cache
+    w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(out_ptr + offs, _to_floatx(y, out_ptr, EXPLICIT_RNE), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layernorm_forward_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, bias_ptr, N, C, eps,
+                              BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+                              EXPLICIT_RNE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_C)
+    row_ok = rows < N
+    col_ok = cols < C
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    # the input is read exactly once here: stream it past the cache
+    x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    _normalize_rows(x, mask, offs, rows, row_ok, cols, col_ok, out_ptr, mean_ptr, rstd_ptr,
+                    weight_ptr, bias_ptr, C, eps, EXPLICIT_RNE)
+
+
+@triton.jit
+def _fused_residual_forward_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr, inp1_ptr, inp2_ptr,
+                                   weight_ptr, bias_ptr, N, C, eps,
+                                   BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+                                   EXPLICIT_RNE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_C)
+    row_ok = rows < N
+    col_ok = cols < C
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    a = tl.load(inp1_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    b = tl.load(inp2_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    r = _to_floatx(a + b, residual_ptr, EXPLICIT_RNE)
+    tl.store(residual_ptr + offs, r, mask=mask)
+    # normalise what was stored (rounded to floatX), so the backward, which reads the stored residual,
+    # sees the same numbers the forward normalised
+    _normalize_rows(r.to(tl.float32), mask, offs, rows, row_ok, cols, col_ok, normed_ptr, mean_ptr,
+                    rstd_ptr, weight_ptr, bias_ptr, C, eps, EXPLICIT_RNE)
+
+
+@triton.jit
+def _residual_forward_kernel(out_ptr, inp1_ptr, inp2_ptr, numel, BLOCK: tl.constexpr,
+                             EXPLICIT_RNE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    a = tl.load(inp1_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    b = tl.load(inp2_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tl.store(out_ptr + offs, _to_floatx(a + b, out_ptr, EXPLICIT_RNE), mask=mask)
+
+
+@triton.jit
+def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_ptr, mean_ptr, rstd_ptr,
+                               N, C, rows_per_chunk, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+                               EXPLICIT_RNE: tl.constexpr):
+    """One program per chunk of consecutive rows: dinp += for each row, the chunk's sums of dout * norm
+    and of dout into scratch[chunk, 0, :] and scratch[chunk, 1, :]. An empty chunk writes zeros."""
+    chunk = tl.program_id(0)
+    start = chunk * rows_per_chunk
+    end = tl.minimum(start + rows_per_chunk, N)
+    cols = tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    # per-lane partial sums, reduced over the ROWS axis once at the end (not every iteration)
+    dw_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
+    db_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
+    for r0 in range(start, end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        row_ok = rows < end
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        # masked lanes have dout = 0 and w = 0, so they add nothing to the sums below
+        norm = (x - mean[:, None]) * rstd[:, None]
+        dnorm = dout * w[None, :]
+        dnorm_mean = tl.sum(dnorm, axis=1) / C
+        dnorm_norm_mean = tl.sum(dnorm * norm, axis=1) / C
+        dval = (dnorm - dnorm_mean[:, None] - norm * dnorm_norm_mean[:, None]) * rstd[:, None]
+        old = tl.load(dinp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dinp_ptr + offs, _to_floatx(old + dval, dinp_ptr, EXPLICIT_RNE), mask=mask)
+        dw_acc += dout * norm
+        db_acc += dout
+    base = scratch_ptr + chunk.to(tl.int64) * 2 * C
+    tl.store(base + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    tl.store(base + C + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["seed"])  # a new seed every step must not mean a new compilation
+def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, scratch_ptr, num_chunks, C, seed,
+                                      BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                                      SEED_IN_MEMORY: tl.constexpr, STOCHASTIC: tl.constexpr,
+                                      EXPLICIT_RNE: tl.constexpr):
+    """Sum scratch[:, 0|1, cols] over the chunks in a fixed order; dweight/dbias[cols] += the sums."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    ks = tl.arange(0, BLOCK_K)
+    dw_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    for k0 in range(0, num_chunks, BLOCK_K):
+        k = k0 + ks
+        mask = (k < num_chunks)[:, None] & col_ok[None, :]
+        offs = k.to(tl.int64)[:, None] * 2 * C + cols[None, :]
+        dw_acc += tl.load(scratch_ptr + offs, mask=mask, other=0.0)
+        db_acc += tl.load(scratch_ptr + offs + C, mask=mask, other=0.0)
+    dw = tl.load(dweight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(dw_acc, axis=0)
+    db = tl.load(dbias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(db_acc, axis=0)
+    # a seed read from device memory lets a captured CUDA graph get a fresh seed every replay
+    if SEED_IN_MEMORY:
+        s = tl.load(seed)
+    else:
+        s = seed
+    # distinct Philox counters for the two tensors
+    if STOCHASTIC:
+        store_rounded(dweight_ptr + cols, dw, col_ok, s, cols, True)
+        store_rounded(dbias_ptr + cols, db, col_ok, s, cols + C, True)
+    else:
+        tl.store(dweight_ptr + cols, _to_floatx(dw, dweight_ptr, EXPLICIT_RNE), mask=col_ok)
+        tl.store(dbias_ptr + cols, _to_floatx(db, dbias_ptr, EXPLICIT_RNE), mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+
+_FLOATX = (torch.float32, torch.bfloat16)
+
+
+def _row_tile(C: int, max_elems: int, max_rows: int):
+    """(BLOCK_C, ROWS, num_warps) for a row kernel (see FWD_TILE above)."""
+    block_c = triton.next_power_of_2(C)
+    rows = max(1, min(max_rows, max_elems // block_c))
+    num_warps = max(1, min(16, rows * block_c // 256))
+    return block_c, rows, num_warps
+
+
+def _check_rows(t: torch.Tensor, name: str, C: int, dtype=None):
+    assert t.is_contiguous(), f"{name} must be contiguous"
+    assert t.shape[-1] == C, f"{name}: last dim {t.shape[-1]}, expected C={C}"
+    assert dtype is None or t.dtype == dtype, f"{name}: dtype {t.dtype}, expected {dtype}"
+
+
+def _check_stats(t: torch.Tensor, name: str, N: int):
+    assert t.is_contiguous() and t.dtype == torch.float32, f"{name} must be contiguous fp32"
+    assert t.numel() == N, f"{name}: {t.numel()} elements, expected one per row ({N})"
+
+
+def _check_param(t: torch.Tensor, name: str, C: int):
+    assert t.is_contiguous() and t.numel() == C, f"{name} must be contiguous with C={C} elements"
+    assert t.dtype in _FLOATX, f"{name}: dtype {t.dtype}"
+
+
+def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM_EPS):
+    """out (..., C) = layernorm(inp) * weight + bias; mean, rstd (...) fp32 saved for the backward."""
+    C = inp.shape[-1]
+    N = inp.numel() // C
+    assert inp.dtype in _FLOATX, f"inp: dtype {inp.dtype}"
+    _check_rows(inp, "inp", C)
+    _check_rows(out, "out", C, inp.dtype)
+    assert out.shape == inp.shape, f"out {tuple(out.shape)} vs inp {tuple(inp.shape)}"
+    _check_stats(mean, "mean", N)
+    _check_stats(rstd, "rstd", N)
+    _check_param(weight, "weight", C)
+    _check_param(bias, "bias", C)
+    block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS)
+    _layernorm_forward_kernel[(cdiv(N, rows),)](out, mean, rstd, inp, weight, bias, N, C, eps,
+                                                BLOCK_C=block_c, ROWS=rows, EXPLICIT_RNE=EXPLICIT_RNE,
+                                                num_warps=num_warps)
+    return out, mean, rstd
+
+
+def residual_forward(out, inp1, inp2):
+    """out = inp1 + inp2 (elementwise, fp32 sum rounded once to out's dtype)."""
+    assert inp1.shape == inp2.shape == out.shape, "residual_forward: shapes differ"
+    assert inp1.dtype == inp2.dtype == out.dtype and out.dtype in _FLOATX, "residual_forward: dtypes"
+    assert out.is_contiguous() and inp1.is_contiguous() and inp2.is_contiguous(), "must be contiguous"
+    numel = out.numel()
+    _residual_forward_kernel[(cdiv(numel, RESIDUAL_BLOCK),)](out, inp1, inp2, numel, BLOCK=RESIDUAL_BLOCK,
+                                                             EXPLICIT_RNE=EXPLICIT_RNE, num_warps=4)
+    return out
+
+
+def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bias, eps: float = LAYERNORM_EPS):
+    """residual = inp1 + inp2 (rounded to floatX), then normed, mean, rstd = layernorm(residual) as stored.
+
+    Equals residual_forward then layernorm_forward bit for bit, with one read of the residual fewer.
+    """
+    C = inp1.shape[-1]
+    N = inp1.numel() // C
+    assert inp1.dtype in _FLOATX, f"inp1: dtype {inp1.dtype}"
+    for t, name in ((inp1, "inp1"), (inp2, "inp2"), (residual, "residual"), (normed, "normed")):
+        _check_rows(t, name, C, inp1.dtype)
+        assert t.shape == inp1.shape, f"{name} {tuple(t.shape)} vs inp1 {tuple(inp1.shape)}"
+    _check_stats(mean, "mean", N)
+    _check_stats(rstd, "rstd", N)
+    _check_param(weight, "weight", C)
+    _check_param(bias, "bias", C)
+    block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS)
+    _fused_residual_forward_kernel[(cdiv(N, rows),)](residual, normed, mean, rstd, inp1, inp2, weight, bias,
+                                                     N, C, eps, BLOCK_C=block_c, ROWS=rows,
+                                                     EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
+    return residual, normed, mean, rstd
+
+
+def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int = LN_BACKWARD_CHUNKS):
+    """Shape of the fp32 scratch layernorm_backward needs for num_rows = B*T rows: (chunks, 2, C).
+
+    One buffer serves every layer (each call overwrites it). Its first dim is the number of row chunks
+    of the first reduction level; the gradients' bits depend on it, so keep it fixed for reproducibility.
+    """
+    return (max(1, min(num_chunks, num_rows)), 2, C)
+
+
+def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd,
+                       seed: int | torch.Tensor = 0, stochastic: bool | None = None):
+    """Accumulate the LayerNorm gradients: dinp += dL/dinp, dweight += sum(dout * norm), dbias += sum(dout).
+
+    scratch: fp32 (num_chunks, 2, C), contiguous, any num_chunks >= 1 (see layernorm_backward_scratch_shape);
+    its contents are overwritten. seed: an int, or a one-element int64/int32 device tensor read by the
+    kernel (so a captured CUDA graph can be replayed with a fresh seed). stochastic: round dweight/dbias
+    stochastically; by default when they are bf16 (only then allowed). dinp must not alias dout or inp.
+    """
+    C = inp.shape[-1]
+    N = inp.numel() // C
+    assert inp.dtype in _FLOATX, f"inp: dtype {inp.dtype}"
+    for t, name in ((dinp, "dinp"), (dout, "dout"), (inp, "inp")):
+        _check_rows(t, name, C, inp.dtype)
+        assert t.shape == inp.shape, f"{name} {tuple(t.shape)} vs inp {tuple(inp.shape)}"
+    _check_stats(mean, "mean", N)
+    _check_stats(rstd, "rstd", N)
+    _check_param(weight, "weight", C)
+    _check_param(dweight, "dweight", C)
+    _check_param(dbias, "dbias", C)
+    assert dweight.dtype == dbias.dtype, "dweight and dbias must share a dtype"
+    assert scratch.dtype == torch.float32 and scratch.is_contiguous(), "scratch must be contiguous fp32"
+    assert scratch.dim() == 3 and scratch.shape[1:] == (2, C), f"scratch {tuple(scratch.shape)}: want (chunks, 2, {C})"
+    if stochastic is None:
+        stochastic = dweight.dtype == torch.bfloat16
+    assert not stochastic or dweight.dtype == torch.bfloat16, "stochastic rounding is for bf16 gradients"
+    seed_in_memory = isinstance(seed, torch.Tensor)
+    if seed_in_memory:
+        assert seed.numel() == 1 and seed.dtype in (torch.int32, torch.int64) and seed.device == inp.device, \
+            "seed tensor: one int32/int64 on the kernels' device"
+
+    num_chunks = scratch.shape[0]
+    rows_per_chunk = cdiv(N, num_chunks)
+    block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS)
+    _layernorm_backward_kernel[(num_chunks,)](dinp, scratch, dout, inp, weight, mean, rstd,
+                                              N, C, rows_per_chunk, BLOCK_C=block_c, ROWS=rows,
+                                              EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
+    _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](dweight, dbias, scratch, num_chunks, C, seed,
+                                                                  BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C,
+                                                                  SEED_IN_MEMORY=seed_in_memory,
+                                                                  STOCHASTIC=stochastic,
+                                                                  EXPLICIT_RNE=EXPLICIT_RNE,
+                                                                  num_warps=REDUCE_WARPS)
+    return dinp, dweight, dbias

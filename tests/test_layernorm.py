@@ -1,0 +1,354 @@
+"""The LayerNorm and residual kernels against reference.py's functions of the same names.
+
+CPU (Triton interpreter) on tiny, odd shapes; the GPU tests at GPT-2 124M shapes. Outputs are poisoned
+with NaN before each call (accumulated ones are pre-filled with random values), and every output buffer
+has a guard band after it that must survive (no stray writes past the masks).
+"""
+import pytest
+import torch
+
+from llmpy import reference as ref
+from llmpy.kernels.layernorm import (LN_BACKWARD_CHUNKS, fused_residual_forward, layernorm_backward,
+                                     layernorm_backward_scratch_shape, layernorm_forward,
+                                     residual_forward)
+
+F32, BF16 = torch.float32, torch.bfloat16
+# ||out - ref|| / ||ref||: outputs stored in floatX
+TOL = {F32: 1e-5, BF16: 1e-2}
+# mean and rstd are fp32 computed from the same (rounded) inputs as the reference, whatever floatX is
+STATS_TOL = 1e-5
+SHAPES = [(2, 3, 64), (3, 5, 40), (1, 7, 24)]
+DTYPES = [F32, BF16]
+GUARD = 37  # elements after each output buffer that must stay untouched
+SENTINEL = 1024.0  # exact in bf16
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def bits(t):
+    """The raw bits, so NaNs compare equal to themselves and -0.0 differs from 0.0."""
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def bitwise_equal(a, b):
+    return torch.equal(bits(a), bits(b))
+
+
+class Guarded:
+    """A contiguous output tensor followed, in the same allocation, by GUARD sentinel elements."""
+
+    def __init__(self, shape, dtype, device, fill=float("nan"), values=None):
+        n = 1
+        for s in shape:
+            n *= s
+        self.n = n
+        self.buf = torch.full((n + GUARD,), SENTINEL, dtype=dtype, device=device)
+        self.t = self.buf[:n].view(shape)
+        if values is None:
+            self.t.fill_(fill)
+        else:
+            self.t.copy_(values)
+
+    def check_guard(self):
+        assert torch.all(self.buf[self.n:] == SENTINEL), "write past the end of the output"
+
+
+def make_gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, gen, device, dtype=F32, scale=1.0, shift=0.0):
+    """Fresh normal values drawn on the CPU (reproducible), moved to device, stored in dtype."""
+    return (torch.randn(shape, generator=gen) * scale + shift).to(device=device, dtype=dtype)
+
+
+def ln_params(C, gen, device, dtype):
+    weight = randn((C,), gen, device, dtype, scale=0.2, shift=1.0)
+    bias = randn((C,), gen, device, dtype, scale=0.2)
+    return weight, bias
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+
+def run_layernorm_forward(inp, weight, bias):
+    shape, N = inp.shape, inp.numel() // inp.shape[-1]
+    out = Guarded(shape, inp.dtype, inp.device)
+    mean = Guarded((N,), F32, inp.device)
+    rstd = Guarded((N,), F32, inp.device)
+    layernorm_forward(out.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1]), inp, weight, bias)
+    for g in (out, mean, rstd):
+        g.check_guard()
+    return out.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1])
+
+
+def check_layernorm_forward(shape, dtype, device, seed):
+    gen = make_gen(seed)
+    C = shape[-1]
+    # a non-zero mean, so a one-pass E[x^2] - E[x]^2 variance would lose digits
+    inp = randn(shape, gen, device, dtype, scale=2.0, shift=3.0)
+    weight, bias = ln_params(C, gen, device, dtype)
+    out, mean, rstd = run_layernorm_forward(inp, weight, bias)
+    r_out, r_mean, r_rstd = ref.layernorm_forward(inp.float(), weight.float(), bias.float())
+    assert out.dtype == dtype and mean.dtype == F32 and rstd.dtype == F32
+    assert rel_err(out, r_out) < TOL[dtype]
+    assert rel_err(mean, r_mean) < STATS_TOL
+    assert rel_err(rstd, r_rstd) < STATS_TOL
+    # determinism: a second run into fresh poisoned outputs is bitwise the same
+    out2, mean2, rstd2 = run_layernorm_forward(inp, weight, bias)
+    assert bitwise_equal(out, out2) and bitwise_equal(mean, mean2) and bitwise_equal(rstd, rstd2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layernorm_forward(shape, dtype, device):
+    check_layernorm_forward(shape, dtype, device, seed=1)
+
+
+def test_layernorm_forward_many_rows_per_program(device):
+    # C=24 packs many rows per program: 37 rows leave the last program partly masked
+    check_layernorm_forward((37, 24), F32, device, seed=2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# residual
+
+def check_residual_forward(shape, dtype, device, seed):
+    gen = make_gen(seed)
+    a, b = randn(shape, gen, device, dtype), randn(shape, gen, device, dtype)
+    out = Guarded(shape, dtype, device)
+    residual_forward(out.t, a, b)
+    out.check_guard()
+    # one fp32 add rounded once to floatX is exactly what torch does
+    assert bitwise_equal(out.t, a + b)
+    assert rel_err(out.t, ref.residual_forward(a.float(), b.float())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + [(3, 1500)])
+def test_residual_forward(shape, dtype, device):
+    # (3, 1500): 4500 values, more than one program's block, the last one masked
+    check_residual_forward(shape, dtype, device, seed=3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fused residual + layernorm
+
+def run_fused(inp1, inp2, weight, bias):
+    shape, N = inp1.shape, inp1.numel() // inp1.shape[-1]
+    residual = Guarded(shape, inp1.dtype, inp1.device)
+    normed = Guarded(shape, inp1.dtype, inp1.device)
+    mean = Guarded((N,), F32, inp1.device)
+    rstd = Guarded((N,), F32, inp1.device)
+    fused_residual_forward(residual.t, normed.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1]),
+                           inp1, inp2, weight, bias)
+    for g in (residual, normed, mean, rstd):
+        g.check_guard()
+    return residual.t, normed.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1])
+
+
+def check_fused(shape, dtype, device, seed):
+    gen = make_gen(seed)
+    C = shape[-1]
+    inp1 = randn(shape, gen, device, dtype, scale=2.0, shift=1.0)
+    inp2 = randn(shape, gen, device, dtype)
+    weight, bias = ln_params(C, gen, device, dtype)
+    res, normed, mean, rstd = run_fused(inp1, inp2, weight, bias)
+    r_res, r_normed, r_mean, r_rstd = ref.fused_residual_forward(inp1.float(), inp2.float(), weight.float(),
+                                                                 bias.float())
+    assert rel_err(res, r_res) < TOL[dtype]
+    assert rel_err(normed, r_normed) < TOL[dtype]
+    # the statistics are those of the residual as stored (rounded to floatX), the one the backward reads
+    s_normed, s_mean, s_rstd = ref.layernorm_forward(res.float(), weight.float(), bias.float())
+    assert rel_err(mean, s_mean) < STATS_TOL
+    assert rel_err(rstd, s_rstd) < STATS_TOL
+    assert rel_err(normed, s_normed) < TOL[dtype]
+    # and the whole thing is residual_forward then layernorm_forward, bit for bit
+    res2 = torch.full_like(res, float("nan"))
+    residual_forward(res2, inp1, inp2)
+    out2, mean2, rstd2 = run_layernorm_forward(res2, weight, bias)
+    assert bitwise_equal(res, res2) and bitwise_equal(normed, out2)
+    assert bitwise_equal(mean, mean2) and bitwise_equal(rstd, rstd2)
+    # determinism
+    again = run_fused(inp1, inp2, weight, bias)
+    assert all(bitwise_equal(x, y) for x, y in zip((res, normed, mean, rstd), again))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_residual_forward(shape, dtype, device):
+    check_fused(shape, dtype, device, seed=4)
+
+
+def test_fused_residual_normalises_the_rounded_residual(device):
+    # bf16: the stats of the stored residual differ measurably from those of the fp32 sum
+    gen = make_gen(5)
+    shape = (4, 64)
+    inp1 = randn(shape, gen, device, BF16, scale=3.0, shift=2.0)
+    inp2 = randn(shape, gen, device, BF16, scale=3.0)
+    weight, bias = ln_params(64, gen, device, BF16)
+    res, _, _, rstd = run_fused(inp1, inp2, weight, bias)
+    _, _, rstd_rounded = ref.layernorm_forward(res.float(), weight.float(), bias.float())
+    _, _, rstd_exact = ref.layernorm_forward(inp1.float() + inp2.float(), weight.float(), bias.float())
+    assert rel_err(rstd_rounded, rstd_exact) > 10 * STATS_TOL  # the test can tell them apart
+    assert rel_err(rstd, rstd_rounded) < STATS_TOL
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward
+
+def backward_inputs(shape, dtype, device, seed):
+    gen = make_gen(seed)
+    C = shape[-1]
+    inp = randn(shape, gen, device, dtype, scale=2.0, shift=1.0)
+    weight, _ = ln_params(C, gen, device, dtype)
+    dout = randn(shape, gen, device, dtype)
+    _, mean, rstd = ref.layernorm_forward(inp.float(), weight.float(), weight.float())
+    # the accumulated outputs start from random values, not zeros
+    dinp0 = randn(shape, gen, device, dtype, scale=0.5)
+    dweight0 = randn((C,), gen, device, dtype)
+    dbias0 = randn((C,), gen, device, dtype)
+    return inp, weight, dout, mean.contiguous(), rstd.contiguous(), dinp0, dweight0, dbias0
+
+
+def run_backward(inp, weight, dout, mean, rstd, dinp0, dweight0, dbias0, num_chunks=None, seed=0,
+                 stochastic=None):
+    shape, C = inp.shape, inp.shape[-1]
+    N = inp.numel() // C
+    if num_chunks is None:
+        sshape = layernorm_backward_scratch_shape(N, C)
+    else:
+        sshape = (num_chunks, 2, C)
+    scratch = Guarded(sshape, F32, inp.device)  # NaN: every chunk row must be written before it is read
+    dinp = Guarded(shape, inp.dtype, inp.device, values=dinp0)
+    dweight = Guarded((C,), dweight0.dtype, inp.device, values=dweight0)
+    dbias = Guarded((C,), dbias0.dtype, inp.device, values=dbias0)
+    layernorm_backward(dinp.t, dweight.t, dbias.t, scratch.t, dout, inp, weight, mean, rstd,
+                       seed=seed, stochastic=stochastic)
+    for g in (scratch, dinp, dweight, dbias):
+        g.check_guard()
+    return dinp.t, dweight.t, dbias.t
+
+
+def check_backward(shape, dtype, device, seed, num_chunks=None):
+    args = backward_inputs(shape, dtype, device, seed)
+    inp, weight, dout, mean, rstd, dinp0, dweight0, dbias0 = args
+    dinp, dweight, dbias = run_backward(*args, num_chunks=num_chunks, seed=123)
+    r_dinp, r_dweight, r_dbias = ref.layernorm_backward(dout.float(), inp.float(), weight.float(), mean, rstd)
+    assert rel_err(dinp, dinp0.float() + r_dinp) < TOL[dtype]
+    assert rel_err(dweight, dweight0.float() + r_dweight) < TOL[dtype]
+    assert rel_err(dbias, dbias0.float() + r_dbias) < TOL[dtype]
+    if dtype == F32:  # the increments themselves, not hidden behind the pre-fill
+        assert rel_err(dinp - dinp0, r_dinp) < 10 * TOL[dtype]
+        assert rel_err(dweight - dweight0, r_dweight) < 10 * TOL[dtype]
+        assert rel_err(dbias - dbias0, r_dbias) < 10 * TOL[dtype]
+    # determinism: same inputs, same scratch shape, same seed -> the same bits
+    again = run_backward(*args, num_chunks=num_chunks, seed=123)
+    assert all(bitwise_equal(x, y) for x, y in zip((dinp, dweight, dbias), again))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layernorm_backward(shape, dtype, device):
+    check_backward(shape, dtype, device, seed=6)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 4, 40])
+def test_layernorm_backward_chunking(num_chunks, device):
+    # 15 rows: one chunk loops over all of them; 2 and 4 give uneven chunks (the last one shorter); 40
+    # leaves empty chunks, which must write zeros into their scratch rows
+    check_backward((3, 5, 40), F32, device, seed=7, num_chunks=num_chunks)
+
+
+def test_layernorm_backward_scratch_shape():
+    assert layernorm_backward_scratch_shape(15, 40) == (15, 2, 40)
+    assert layernorm_backward_scratch_shape(64 * 1024, 768) == (LN_BACKWARD_CHUNKS, 2, 768)
+
+
+def test_layernorm_backward_stochastic_rounding(device):
+    args = backward_inputs((2, 3, 64), BF16, device, seed=8)
+    inp, weight, dout, mean, rstd, dinp0, dweight0, dbias0 = args
+    _, r_dweight, r_dbias = ref.layernorm_backward(dout.float(), inp.float(), weight.float(), mean, rstd)
+    exact = torch.cat([dweight0.float() + r_dweight, dbias0.float() + r_dbias])
+    nearest = exact.to(BF16)
+    results = {}
+    for seed in (1, 2):
+        _, dw, db = run_backward(*args, seed=seed)
+        got = torch.cat([dw, db])
+        # within one bf16 ulp (at most 2^-7 relative) of the fp32 sum, rounded up or down
+        assert torch.all((got.float() - exact).abs() <= exact.abs() * 2.0 ** -7 * (1 + 1e-3))
+        # stochastic: some values went the other way than round-to-nearest (expected ~1/4 of them)
+        assert int((got != nearest).sum()) > 0
+        results[seed] = got
+    assert not bitwise_equal(results[1], results[2])  # another seed, other roundings
+    # the seed read from device memory (CUDA-graph friendly) is the same seed
+    _, dw, db = run_backward(*args, seed=torch.tensor([2], dtype=torch.int64, device=device))
+    assert bitwise_equal(torch.cat([dw, db]), results[2])
+    # stochastic=False: round to nearest, at most half an ulp off
+    _, dw, db = run_backward(*args, seed=1, stochastic=False)
+    got = torch.cat([dw, db])
+    assert torch.all((got.float() - exact).abs() <= exact.abs() * 2.0 ** -8 * (1 + 1e-3))
+
+
+def test_layernorm_backward_stochastic_rounding_is_unbiased(device):
+    # dbias += an increment of ~0.45 ulp: round-to-nearest (or truncation) would never move it;
+    # stochastic rounding moves it by the increment on average over seeds
+    gen = make_gen(9)
+    shape, C = (1, 2, 64), 64
+    inp = randn(shape, gen, device, BF16, scale=2.0)
+    weight, _ = ln_params(C, gen, device, BF16)
+    _, mean, rstd = ref.layernorm_forward(inp.float(), weight.float(), weight.float())
+    ulp = 2.0 ** -7  # bf16 spacing in [1, 2)
+    dout = ((torch.rand(shape, generator=gen) * 0.1 + 0.95) * 0.45 * ulp / 2).to(device=device, dtype=BF16)
+    dbias0 = (1.0 + torch.rand(C, generator=gen) * 0.5).to(device=device, dtype=BF16)
+    dinp0 = torch.zeros(shape, dtype=BF16, device=device)
+    increment = dout.float().sum((0, 1))
+    assert torch.all(increment < 0.5 * ulp)
+    moved = torch.zeros(C, dtype=torch.float64, device=device)
+    n_seeds = 12  # 768 samples: the ratio below has a standard deviation of ~0.04
+    for seed in range(n_seeds):
+        _, _, db = run_backward(inp, weight, dout, mean, rstd, dinp0, dbias0.clone(), dbias0, num_chunks=1,
+                                seed=seed)
+        moved += (db.float() - dbias0.float()).double()
+    ratio = float(moved.sum() / n_seeds / increment.double().sum())
+    assert abs(ratio - 1.0) < 0.2, ratio
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: GPT-2 124M shapes, bf16, against the reference in fp32 on the GPU
+
+GPU_SHAPES = [(4, 1024, 768), (16, 1024, 768), (64, 1024, 768)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_layernorm_forward(shape):
+    check_layernorm_forward(shape, BF16, "cuda", seed=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_residual_forward(shape):
+    check_residual_forward(shape, BF16, "cuda", seed=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_fused_residual_forward(shape):
+    check_fused(shape, BF16, "cuda", seed=13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_layernorm_backward(shape):
+    check_backward(shape, BF16, "cuda", seed=14)
+
+
+@pytest.mark.gpu
+def test_gpu_layernorm_fp32_storage():
+    check_layernorm_forward((4, 1024, 768), F32, "cuda", seed=15)
+    check_fused((4, 1024, 768), F32, "cuda", seed=16)
+    check_backward((4, 1024, 768), F32, "cuda", seed=17)
