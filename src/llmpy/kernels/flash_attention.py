@@ -1,0 +1,397 @@
+"""Causal flash attention, forward and backward, reading q/k/v in place from the QKV matmul's output.
+
+llm.c's classic path permutes qkv (B, T, 3C) into q, k, v (B, NH, T, hs), materialises the (B, NH, T, T)
+scores and softmax, and permutes the result back; its cuDNN path calls a fused kernel instead. These
+kernels are that fused kernel, written in Triton:
+
+* forward: one program per (query block, batch*head). q is loaded once; key/value blocks stream
+  through with an online softmax (running max and sum, fp32, in base 2 with log2(e) folded into the
+  scale so each exponential is one exp2). Only key blocks at or below the diagonal are visited, and only
+  the diagonal ones pay for the causal mask. The output lands directly in the (B, T, C) layout the
+  projection matmul reads, and the log-sum-exp of each row (natural log, fp32) is saved so the backward
+  can rebuild the probabilities without another softmax pass.
+* backward: a small kernel computes delta = rowsum(dout * out) per (b, h, t); then one kernel whose
+  program i owns key block i (accumulating dk, dv over the query blocks at or after it) and query block i
+  (accumulating dq over the key blocks up to it). Every gradient element is owned by one program, so
+  there are no atomics and the result is bitwise reproducible. The halves also even out the causal
+  triangle: key block i meets the T - i*BLOCK query rows after it, query block i the i*BLOCK keys before
+  it, so every program does about T rows of work. They can run as two launches instead
+  (config "fused_bwd": False).
+
+Both read q, k, v through the row stride 3C (no permute pass) and write dq, dk, dv into the (B, T, 3C)
+gradient the QKV matmul's backward consumes. Head sizes need not be powers of two: the head dimension is
+padded to the next power of two with masked loads (80, 96 -> 128; 24 -> 32). Storage is bf16 or fp32;
+products accumulate in fp32; in fp32 storage the dots use IEEE fp32 (no TF32) so results match the
+reference to ~1e-6.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import DOT_UPCAST, interpreting
+
+LOG2E = 1.4426950408889634  # (kernels spell their constants out: Triton jit code reads no plain globals)
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+@triton.jit
+def _mm(a, b, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # the interpreter's bf16 dot is broken: upcast there (bf16 values are exact in fp32, same result)
+    if DOT_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    if DOT_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _load_tile(ptr, rows, cols, row_stride, T, HS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+               EVEN_HS: tl.constexpr):
+    """(len(rows), len(cols)) tile; rows past T and padded head channels read as 0."""
+    ptrs = ptr + rows[:, None] * row_stride + cols[None, :]
+    if CHECK_ROWS:
+        if EVEN_HS:
+            x = tl.load(ptrs, mask=(rows < T)[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows < T)[:, None] & (cols < HS)[None, :], other=0.0)
+    else:
+        if EVEN_HS:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=(cols < HS)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(ptr, x, rows, cols, row_stride, T, HS: tl.constexpr, EVEN_HS: tl.constexpr):
+    ptrs = ptr + rows[:, None] * row_stride + cols[None, :]
+    if EVEN_HS:
+        tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(rows < T)[:, None])
+    else:
+        tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(rows < T)[:, None] & (cols < HS)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+
+@triton.jit
+def _fwd_block(acc, l_i, m_i, q, k_base, v_base, n0, offs_m, offs_d, row_stride, T, scale_log2,
+               HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_HS: tl.constexpr,
+               DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One key/value block of the online softmax. Scores are kept in base 2: s2 = q.k * scale * log2(e)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    # off-diagonal blocks lie entirely below row offs_m[0] < T: no row mask needed there
+    k = _load_tile(k_base, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS)
+    s = _mm(q, tl.trans(k), DOT_UPCAST, PREC) * scale_log2
+    if MASKED:
+        # causal: key n visible from query m iff n <= m; this also hides keys >= T from every row < T
+        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+    # m_i is finite after the first block (key 0 is visible from every row), so no -inf - -inf
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_tile(v_base, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS)
+    acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_UPCAST, PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _flash_fwd_kernel(qkv_ptr, out_ptr, lse_ptr, T, NH, C, scale_log2,
+                      HS: tl.constexpr, HS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # the last query blocks have the most keys: schedule them first so the tail of the grid is short
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // NH
+    h = bh % NH
+    EVEN_HS: tl.constexpr = HS == HS_PAD
+    row_stride = 3 * C
+    q_base = qkv_ptr + b.to(tl.int64) * T * row_stride + h * HS
+    k_base = q_base + C
+    v_base = q_base + 2 * C
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HS_PAD)
+    q = _load_tile(q_base, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HS_PAD], dtype=tl.float32)
+    # key blocks wholly below the diagonal: no mask (BLOCK_M is a multiple of BLOCK_N, so m0 is aligned)
+    for n0 in range(0, m0, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
+                                   scale_log2, HS, BLOCK_N, False, EVEN_HS, DOT_UPCAST, PREC)
+    # the diagonal blocks, masked
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
+                                   scale_log2, HS, BLOCK_N, True, EVEN_HS, DOT_UPCAST, PREC)
+
+    acc = acc / l_i[:, None]
+    out_base = out_ptr + b.to(tl.int64) * T * C + h * HS
+    _store_tile(out_base, acc, offs_m, offs_d, C, T, HS, EVEN_HS)
+    # natural-log LSE of the scaled scores: log(2^m * l) = (m + log2 l) * ln 2
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, lse, mask=offs_m < T)
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward
+
+@triton.jit
+def _flash_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, NH, C,
+                            HS: tl.constexpr, HS_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d]: the softmax backward's row sum
+    sum_j P_tj dP_tj, since dP_tj = dout_t . v_j and sum_j P_tj v_j = out_t."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // NH
+    h = bh % NH
+    EVEN_HS: tl.constexpr = HS == HS_PAD
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HS_PAD)
+    base = b.to(tl.int64) * T * C + h * HS
+    o = _load_tile(out_ptr + base, offs_t, offs_d, C, T, HS, True, EVEN_HS).to(tl.float32)
+    do = _load_tile(dout_ptr + base, offs_t, offs_d, C, T, HS, True, EVEN_HS).to(tl.float32)
+    tl.store(delta_ptr + bh.to(tl.int64) * T + offs_t, tl.sum(o * do, 1), mask=offs_t < T)
+
+
+@triton.jit
+def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n, offs_d, row_stride, C, T,
+                scale_log2, HS: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_HS: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One query block's contribution to a key block's dk, dv, computed transposed (keys x queries) so
+    the products land in dk, dv without transposing the accumulators.
+
+    Query rows >= T read q = dout = lse = delta = 0, so their p is finite and dv, dk get p * 0 from them."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = _load_tile(q_base, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS)
+    do = _load_tile(do_base, offs_m, offs_d, C, T, HS, True, EVEN_HS)
+    lse2 = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
+    # P^T from the saved LSE: p = exp(s - lse) = exp2(s2 - lse * log2 e)
+    sT = _mm(k, tl.trans(q), DOT_UPCAST, PREC)
+    pT = tl.exp2(sT * scale_log2 - lse2[None, :])
+    if MASKED:
+        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+    dv = _mma(pT.to(do.dtype), do, dv, DOT_UPCAST, PREC)
+    dpT = _mm(v, tl.trans(do), DOT_UPCAST, PREC)
+    dsT = pT * (dpT - delta[None, :])
+    dk = _mma(dsT.to(q.dtype), q, dk, DOT_UPCAST, PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T, scale_log2,
+              HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_HS: tl.constexpr,
+              DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One key block's contribution to a query block's dq."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k = _load_tile(k_base, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS)
+    v = _load_tile(v_base, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS)
+    s = _mm(q, tl.trans(k), DOT_UPCAST, PREC)
+    p = tl.exp2(s * scale_log2 - lse2[:, None])
+    if MASKED:
+        # also hides keys >= T (read as 0) from the rows < T that are stored
+        p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+    dp = _mm(do, tl.trans(v), DOT_UPCAST, PREC)
+    ds = p * (dp - delta[:, None])
+    return _mma(ds.to(k.dtype), k, dq, DOT_UPCAST, PREC)
+
+
+@triton.jit
+def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C, sm_scale, scale_log2,
+                      HS: tl.constexpr, HS_PAD: tl.constexpr,
+                      BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                      BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                      DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr,
+                      DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // NH
+    h = bh % NH
+    EVEN_HS: tl.constexpr = HS == HS_PAD
+    row_stride = 3 * C
+    q_base = qkv_ptr + b.to(tl.int64) * T * row_stride + h * HS
+    k_base = q_base + C
+    v_base = q_base + 2 * C
+    do_base = dout_ptr + b.to(tl.int64) * T * C + h * HS
+    dq_base = dqkv_ptr + b.to(tl.int64) * T * row_stride + h * HS
+    lse_base = lse_ptr + bh.to(tl.int64) * T
+    delta_base = delta_ptr + bh.to(tl.int64) * T
+    offs_d = tl.arange(0, HS_PAD)
+
+    if DO_DKDV:
+        # this program's key block; the query blocks that see it start at its first row
+        n0 = pid * BLOCK_N1
+        offs_n = n0 + tl.arange(0, BLOCK_N1)
+        k = _load_tile(k_base, offs_n, offs_d, row_stride, T, HS, True, EVEN_HS)
+        v = _load_tile(v_base, offs_n, offs_d, row_stride, T, HS, True, EVEN_HS)
+        dk = tl.zeros([BLOCK_N1, HS_PAD], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N1, HS_PAD], dtype=tl.float32)
+        # diagonal query blocks (BLOCK_N1 is a multiple of BLOCK_M1), masked
+        for m0 in range(n0, tl.minimum(n0 + BLOCK_N1, T), BLOCK_M1):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n, offs_d,
+                                 row_stride, C, T, scale_log2, HS, BLOCK_M1, True, EVEN_HS, DOT_UPCAST, PREC)
+        # query blocks wholly after the key block: every pair visible
+        for m0 in range(n0 + BLOCK_N1, T, BLOCK_M1):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n, offs_d,
+                                 row_stride, C, T, scale_log2, HS, BLOCK_M1, False, EVEN_HS, DOT_UPCAST, PREC)
+        # dS is the gradient of the scaled scores; the scale moves onto dk (and dq below)
+        _store_tile(dq_base + C, dk * sm_scale, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
+        _store_tile(dq_base + 2 * C, dv, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
+
+    if DO_DQ:
+        m0 = pid * BLOCK_M2
+        offs_m = m0 + tl.arange(0, BLOCK_M2)
+        q = _load_tile(q_base, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS)
+        do = _load_tile(do_base, offs_m, offs_d, C, T, HS, True, EVEN_HS)
+        lse2 = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
+        dq = tl.zeros([BLOCK_M2, HS_PAD], dtype=tl.float32)
+        for n0 in range(0, m0, BLOCK_N2):
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
+                           scale_log2, HS, BLOCK_N2, False, EVEN_HS, DOT_UPCAST, PREC)
+        for n0 in range(m0, tl.minimum(m0 + BLOCK_M2, T), BLOCK_N2):
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
+                           scale_log2, HS, BLOCK_N2, True, EVEN_HS, DOT_UPCAST, PREC)
+        _store_tile(dq_base, dq * sm_scale, offs_m, offs_d, row_stride, T, HS, EVEN_HS)
+
+
+# ----------------------------------------------------------------------------------------------------
+# configuration
+
+# Default tiles for 16-bit storage on H200 (sm_90), keyed by head size (the next key up serves sizes in
+# between). Forward: 128-row query tiles over 64-key tiles, 8 warps (two warpgroups of wgmma). Backward:
+# narrow query tiles against wide key tiles for dk/dv and the mirror for dq. How chosen, so far: compiled
+# ahead of time for sm_90 with Triton's ptxas and picked among the shapes standard for Hopper those that
+# pipeline their loads (cp.async) and do not spill registers (hs 64: fwd 121 regs, bwd 199; hs 128: fwd
+# 224, bwd 249); NOT yet timed. `python -m bench.kernels.bench_flash_attention` times a sweep of candidates
+# at B=64, T=1024; copy the fastest into this table.
+_CONFIGS_16 = {
+    64: dict(BLOCK_M=128, BLOCK_N=64, fwd_warps=8, fwd_stages=3,
+             BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, bwd_warps=8, bwd_stages=3, fused_bwd=True),
+    128: dict(BLOCK_M=128, BLOCK_N=64, fwd_warps=8, fwd_stages=3,
+              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=8, bwd_stages=2, fused_bwd=True),
+}
+# fp32 storage is the correctness configuration: IEEE fp32 dots (CUDA-core FMAs, no TF32), with tiles
+# small enough not to spill.
+_CONFIGS_32 = {
+    64: dict(BLOCK_M=32, BLOCK_N=32, fwd_warps=4, fwd_stages=2,
+             BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2, fused_bwd=True),
+    128: dict(BLOCK_M=32, BLOCK_N=16, fwd_warps=4, fwd_stages=2,
+              BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2, fused_bwd=True),
+}
+# The interpreter runs every program in Python: the smallest tiles tl.dot accepts (16).
+_CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1,
+                         BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1,
+                         fused_bwd=True)
+_DELTA_BLOCK_T = 64
+
+# Override hook: FLASH_CONFIGS[hs] (or FLASH_CONFIGS[(hs, dtype)], which wins) = dict of the fields above
+# to replace, e.g. FLASH_CONFIGS[64] = {"BLOCK_M": 64, "fwd_warps": 8}. Read at every launch; a new value
+# compiles a new kernel variant on its next use (so set it before CUDA-graph capture).
+FLASH_CONFIGS: dict = {}
+
+
+def flash_config(hs: int, dtype: torch.dtype) -> dict:
+    """The tile configuration for head size hs and storage dtype (table, then FLASH_CONFIGS overrides)."""
+    if interpreting():
+        cfg = dict(_CONFIG_INTERPRET)
+    else:
+        table = _CONFIGS_32 if dtype == torch.float32 else _CONFIGS_16
+        cfg = dict(table[min(k for k in table if k >= hs)])  # hs <= 128 is asserted by the launchers
+    cfg.update(FLASH_CONFIGS.get(hs, {}))
+    cfg.update(FLASH_CONFIGS.get((hs, dtype), {}))
+    # the loops split the causal triangle at block boundaries, which needs these divisibilities
+    assert cfg["BLOCK_M"] % cfg["BLOCK_N"] == 0, cfg
+    assert cfg["BLOCK_N1"] % cfg["BLOCK_M1"] == 0, cfg
+    assert cfg["BLOCK_M2"] % cfg["BLOCK_N2"] == 0, cfg
+    assert not cfg["fused_bwd"] or cfg["BLOCK_N1"] == cfg["BLOCK_M2"], "fused backward needs BLOCK_N1 == BLOCK_M2"
+    return cfg
+
+
+def _head_dims(C: int, num_heads: int):
+    assert C % num_heads == 0, (C, num_heads)
+    hs = C // num_heads
+    assert 1 <= hs <= 128, f"head size {hs} unsupported (max 128)"
+    # tl.dot needs every dimension >= 16
+    return hs, max(16, triton.next_power_of_2(hs))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit operands
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+
+def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor, num_heads: int):
+    """Causal attention of qkv (B, T, 3C) into out (B, T, C); lse (B, NH, T) fp32 gets each row's
+    log-sum-exp of the scaled scores (natural log), kept for the backward. Returns (out, lse)."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    assert C3 == 3 * C and out.shape == (B, T, C) and lse.shape == (B, num_heads, T), (qkv.shape, out.shape, lse.shape)
+    assert qkv.dtype in (torch.float32, torch.bfloat16) and out.dtype == qkv.dtype and lse.dtype == torch.float32
+    assert qkv.is_contiguous() and out.is_contiguous() and lse.is_contiguous()
+    assert qkv.device == out.device == lse.device
+    hs, hs_pad = _head_dims(C, num_heads)
+    cfg = flash_config(hs, qkv.dtype)
+    scale = 1.0 / math.sqrt(hs)
+    grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * num_heads)
+    _flash_fwd_kernel[grid](qkv, out, lse, T, num_heads, C, scale * LOG2E,
+                            HS=hs, HS_PAD=hs_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                            DOT_UPCAST=DOT_UPCAST, PREC=_precision(qkv.dtype),
+                            num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
+    return out, lse
+
+
+def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
+                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None):
+    """Gradient of qkv (B, T, 3C) from dout (B, T, C), written over dqkv (B, T, 3C), given the forward's
+    out and lse. delta (B, NH, T) fp32 is scratch; pass it preallocated to keep the launcher allocation-free
+    (CUDA-graph capture). Deterministic: no atomics. Returns dqkv."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    assert dqkv.shape == qkv.shape and dout.shape == (B, T, C) and out.shape == (B, T, C)
+    assert lse.shape == (B, num_heads, T) and lse.dtype == torch.float32
+    assert qkv.dtype in (torch.float32, torch.bfloat16)
+    assert dqkv.dtype == dout.dtype == out.dtype == qkv.dtype
+    for t in (dqkv, dout, qkv, out, lse):
+        assert t.is_contiguous() and t.device == qkv.device
+    if delta is None:
+        delta = torch.empty((B, num_heads, T), dtype=torch.float32, device=qkv.device)
+    assert delta.shape == (B, num_heads, T) and delta.dtype == torch.float32 and delta.is_contiguous()
+    hs, hs_pad = _head_dims(C, num_heads)
+    cfg = flash_config(hs, qkv.dtype)
+    scale = 1.0 / math.sqrt(hs)
+    prec = _precision(qkv.dtype)
+
+    _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
+        out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
+
+    common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
+                  BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,
+                  num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
+    args = (qkv, dout, lse, delta, dqkv, T, num_heads, C, scale, scale * LOG2E)
+    if cfg["fused_bwd"]:
+        # program i: key block i's dk, dv and query block i's dq (BLOCK_N1 == BLOCK_M2)
+        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, DO_DKDV=True, DO_DQ=True, **common)
+    else:
+        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, DO_DKDV=True, DO_DQ=False, **common)
+        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_M2"]), B * num_heads)](*args, DO_DKDV=False, DO_DQ=True, **common)
+    return dqkv
