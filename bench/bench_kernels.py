@@ -15,8 +15,23 @@ import torch
 
 from bench.timing import copy_bandwidth_gbs
 
-MODULES = ["encoder", "layernorm", "matmul", "gelu", "attention", "flash_attention", "fused_classifier",
-           "adamw", "global_norm"]
+# memory-bound kernels first; the modules with tile sweeps (long to compile) last
+MODULES = ["encoder", "layernorm", "gelu", "fused_classifier", "adamw", "global_norm", "attention", "matmul",
+           "flash_attention"]
+
+HEADER = (f"{'kernel':44s} {'MB':>9s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} | {'baseline':28s} {'ms':>8s} "
+          f"{'compiled':>8s}")
+
+
+def format_row(r: dict, copy_gbs: float) -> str:
+    gbs = r["bytes"] / (r["ms"] * 1e-3) / 1e9 if r.get("ms") and r["bytes"] else 0.0
+    r["gbs"], r["pct_copy"] = gbs, 100 * gbs / copy_gbs
+    ms = f"{r['ms']:.3f}" if r.get("ms") else "-"
+    base = f"{r['baseline_ms']:.3f}" if r.get("baseline_ms") else "-"
+    comp = f"{r['compiled_ms']:.3f}" if r.get("compiled_ms") else "-"
+    pct = f"{r['pct_copy']:.0f}" if r["bytes"] and r.get("ms") else "-"
+    return (f"{r['kernel'][:44]:44s} {r['bytes'] / 1e6:9.1f} {ms:>8s} {gbs:7.0f} {pct:>6s} | "
+            f"{str(r.get('baseline', ''))[:28]:28s} {base:>8s} {comp:>8s}  {r.get('note', '')}")
 
 
 def main():
@@ -33,26 +48,22 @@ def main():
         try:
             mod = importlib.import_module(f"bench.kernels.bench_{name}")
             got = mod.bench()
+            print(HEADER)
             for r in got:
                 r.setdefault("module", name)
+                print(format_row(r, copy_gbs), flush=True)
             rows.extend(got)
-            print(f"[{name}] {len(got)} rows", flush=True)
         except Exception:
             print(f"[{name}] FAILED", flush=True)
             traceback.print_exc()
             torch.cuda.empty_cache()
-    print()
-    hdr = f"{'kernel':44s} {'MB':>9s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} | {'baseline':28s} {'ms':>8s} {'compiled':>8s}"
-    print(hdr)
-    print("-" * len(hdr))
+        if args.json:  # after every module, so a run cut short still leaves its rows
+            with open(args.json, "w") as f:
+                json.dump({"copy_gbs": copy_gbs, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print("\n" + HEADER)
+    print("-" * len(HEADER))
     for r in rows:
-        gbs = r["bytes"] / (r["ms"] * 1e-3) / 1e9 if r["ms"] and r["bytes"] else 0.0
-        r["gbs"], r["pct_copy"] = gbs, 100 * gbs / copy_gbs
-        base = f"{r['baseline_ms']:.3f}" if r.get("baseline_ms") else "-"
-        comp = f"{r['compiled_ms']:.3f}" if r.get("compiled_ms") else "-"
-        pct = f"{r['pct_copy']:.0f}" if r["bytes"] else "-"
-        print(f"{r['kernel'][:44]:44s} {r['bytes'] / 1e6:9.1f} {r['ms']:8.3f} {gbs:7.0f} {pct:>6s} | "
-              f"{str(r.get('baseline', ''))[:28]:28s} {base:>8s} {comp:>8s}  {r.get('note', '')}")
+        print(format_row(r, copy_gbs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -1,0 +1,102 @@
+"""Encoder kernels at GPT-2 124M shapes (B=64, T=1024, C=768, Vp=50304, bf16) against PyTorch.
+
+Run on a GPU: PYTHONPATH=src:. python -m bench.kernels.bench_encoder
+nbytes counts each input read once and each output written once: for the forward the ids, one wte row
+per position (the gather), wpe[:T] and out; for the backward the ids and dout, and dwte's touched rows
+and dwpe[:T] each read and written (they accumulate). The backward's sort, its scratch and its second
+read of dout (once for dwpe, once for dwte) are extra traffic, not counted.
+
+Two id distributions: uniform over the vocabulary (runs of 1-3) and a skewed one like text, where a few
+tokens fill ~8% of the batch (runs of thousands, summed in pieces). Baselines: eager PyTorch
+(F.embedding + add; index_add_ + sum, which uses atomics: not deterministic) and torch.compile of the
+same (None where compiling fails).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench.timing import median_ms, row
+from llmpy.kernels.encoder import encoder_backward, encoder_backward_scratch, encoder_forward
+
+B, T, C = 64, 1024, 768
+V, Vp, MAXT = 50257, 50304, 1024
+DTYPE = torch.bfloat16
+
+
+def _compiled_ms(fn, *args):
+    """Median time of torch.compile(fn)(*args), or None if compiling (or running) it fails."""
+    try:
+        cfn = torch.compile(fn, dynamic=False)
+        cfn(*args)  # compile outside the timed region
+        torch.cuda.synchronize()
+        return median_ms(lambda: cfn(*args))
+    except Exception as e:  # a baseline failing must not take the kernel rows down with it
+        print(f"torch.compile failed for {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}")
+        return None
+
+
+def _gbs(nbytes: int, ms: float) -> str:
+    return f"{nbytes / (ms * 1e-3) / 1e9:.0f} GB/s"
+
+
+def _ids(kind: str, dev: str) -> torch.Tensor:
+    ids = torch.randint(0, V, (B, T), device=dev, dtype=torch.int32)
+    if kind == "skewed":
+        r = torch.rand(B, T, device=dev)
+        ids[r < 0.08] = 13     # ~2600 occurrences
+        ids[r < 0.04] = 50256  # ~1300
+        ids[r < 0.02] = 11     # ~1300
+    return ids
+
+
+def bench(dev: str = "cuda") -> list[dict]:
+    torch.manual_seed(0)
+    N = B * T
+    s = torch.empty((), dtype=DTYPE).element_size()
+    wte = torch.randn(Vp, C, device=dev).to(DTYPE)
+    wpe = torch.randn(MAXT, C, device=dev).to(DTYPE)
+    out = torch.empty(B, T, C, device=dev, dtype=DTYPE)
+    dout = torch.randn(B, T, C, device=dev).to(DTYPE)
+    dwte = (torch.randn(Vp, C, device=dev) * 0.01).to(DTYPE)
+    dwpe = (torch.randn(MAXT, C, device=dev) * 0.01).to(DTYPE)
+    scratch = encoder_backward_scratch(B, T, C, dev, torch.int32)
+    seed = torch.tensor([1234], dtype=torch.int64, device=dev)
+    rows = []
+
+    def fwd_eager(i, w, p):
+        return F.embedding(i, w) + p[:T]
+
+    def bwd_eager(gw, gp, g, i):
+        gw.index_add_(0, i.reshape(-1), g.reshape(N, C))
+        gp[:T] += g.sum(0)
+        return gw, gp
+
+    for kind in ("uniform", "skewed"):
+        inp = _ids(kind, dev)
+        touched = int(torch.unique(inp).numel())  # host sync: setup only, outside the timing
+
+        # ---- forward: read ids, the gathered wte rows, wpe[:T]; write out
+        nbytes = N * 4 + N * C * s + T * C * s + N * C * s
+        ms = median_ms(lambda: encoder_forward(out, inp, wte, wpe))
+        rows.append(row(f"encoder_forward ({kind} ids)", nbytes, ms, "F.embedding + wpe",
+                        median_ms(lambda: fwd_eager(inp, wte, wpe)), _compiled_ms(fwd_eager, inp, wte, wpe),
+                        _gbs(nbytes, ms)))
+
+        # ---- backward: read ids and dout; read + write the touched dwte rows and dwpe[:T]
+        nbytes = N * 4 + N * C * s + 2 * touched * C * s + 2 * T * C * s
+        ms = median_ms(lambda: encoder_backward(dwte, dwpe, dout, inp, seed, scratch))
+        sort_ms = median_ms(lambda: torch.sort(inp.reshape(-1), stable=True,
+                                               out=(scratch.sorted_ids, scratch.perm)))
+        inp64 = inp.long()  # index_add_ wants int64 ids
+        rows.append(row(f"encoder_backward ({kind} ids)", nbytes, ms, "index_add_ + sum (atomics)",
+                        median_ms(lambda: bwd_eager(dwte, dwpe, dout, inp64)),
+                        _compiled_ms(bwd_eager, dwte, dwpe, dout, inp64),
+                        _gbs(nbytes, ms) + f"; {touched} distinct ids; of which the torch.sort: {sort_ms:.3f} ms"))
+    return rows
+
+
+if __name__ == "__main__":
+    print(f"B={B} T={T} C={C} Vp={Vp} {DTYPE}")
+    for r in bench():
+        print(r)

@@ -1,0 +1,214 @@
+"""Encoder kernels against reference.encoder_forward / encoder_backward.
+
+The backward accumulates (dwte, dwpe pre-filled with random values), must be atomic-free and bitwise
+reproducible, must split long runs of one token (the `piece` argument makes the split reachable with
+tiny inputs), and rounds bf16 gradients stochastically.
+"""
+import pytest
+import torch
+
+from llmpy import reference as ref
+from llmpy.kernels.encoder import encoder_backward, encoder_backward_scratch, encoder_forward
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+# (B, T, C, Vp, maxT): C = 64, odd C = 40 and 24 (masked column blocks), odd B*T, T < maxT
+SHAPES = [(2, 3, 64, 64, 8), (3, 5, 40, 50, 7), (1, 7, 24, 30, 9), (2, 16, 64, 64, 16)]
+
+
+def rel_err(out, expected):
+    out, expected = out.double(), expected.to(out.device).double()
+    return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def make_ids(kind, B, T, Vp, gen):
+    if kind == "random":  # few distinct ids: many repeats
+        return torch.randint(0, min(Vp, 7), (B, T), generator=gen)
+    if kind == "same":  # one token everywhere: one run of B*T
+        return torch.full((B, T), Vp - 1, dtype=torch.int64)
+    if kind == "distinct":
+        return torch.randperm(Vp, generator=gen)[: B * T].reshape(B, T) if B * T <= Vp else \
+            torch.randint(0, Vp, (B, T), generator=gen)
+    if kind == "mixed":  # one common token among random ones, runs of every length
+        ids = torch.randint(0, Vp, (B, T), generator=gen)
+        ids[torch.rand(B, T, generator=gen) < 0.5] = 3
+        return ids
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("B,T,C,Vp,maxT", SHAPES)
+def test_encoder_forward(device, dtype, ids_dtype, B, T, C, Vp, maxT):
+    gen = torch.Generator().manual_seed(B * 100 + C)
+    inp = make_ids("mixed", B, T, Vp, gen).to(ids_dtype)
+    wte = torch.randn(Vp, C, generator=gen).to(dtype)
+    wpe = torch.randn(maxT, C, generator=gen).to(dtype)
+    out = torch.full((B, T, C), float("nan"), dtype=dtype, device=device)
+    encoder_forward(out, inp.to(device), wte.to(device), wpe.to(device))
+    expected = ref.encoder_forward(inp.long(), wte.float(), wpe.float())
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) elements"
+    assert rel_err(out.float().cpu(), expected) < TOL[dtype]
+    out2 = torch.full_like(out, float("nan"))
+    encoder_forward(out2, inp.to(device), wte.to(device), wpe.to(device))
+    assert torch.equal(out, out2)
+
+
+def run_backward(dout, inp, dwte0, dwpe0, device, seed=1234, **kw):
+    dwte, dwpe = dwte0.clone().to(device), dwpe0.clone().to(device)
+    encoder_backward(dwte, dwpe, dout.to(device), inp.to(device), seed, **kw)
+    return dwte, dwpe
+
+
+def backward_case(B, T, C, Vp, maxT, dtype, kind, seed):
+    gen = torch.Generator().manual_seed(seed)
+    inp = make_ids(kind, B, T, Vp, gen)
+    dout = torch.randn(B, T, C, generator=gen).to(dtype)
+    dwte0 = torch.randn(Vp, C, generator=gen).to(dtype)
+    dwpe0 = torch.randn(maxT, C, generator=gen).to(dtype)
+    return inp, dout, dwte0, dwpe0
+
+
+def check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, dtype):
+    """Everything on the kernel's device; the reference in fp32 from the same (bf16-rounded) inputs."""
+    dev = dwte.device
+    inp, dout, dwte0, dwpe0 = inp.to(dev), dout.to(dev), dwte0.to(dev), dwpe0.to(dev)
+    B, T, C = dout.shape
+    Vp, maxT = dwte0.shape[0], dwpe0.shape[0]
+    with torch.device(dev):  # reference.encoder_backward allocates its outputs on the default device
+        g_wte, g_wpe = ref.encoder_backward(dout.float(), inp.long(), Vp, maxT)
+    exp_wte, exp_wpe = dwte0.float() + g_wte, dwpe0.float() + g_wpe
+    assert rel_err(dwte.float(), exp_wte) < TOL[dtype]
+    assert rel_err(dwpe.float(), exp_wpe) < TOL[dtype]
+    # rows of tokens that do not occur and positions >= T are left exactly as they were
+    untouched = torch.ones(Vp, dtype=torch.bool, device=dev)
+    untouched[inp.reshape(-1).long()] = False
+    assert torch.equal(dwte[untouched], dwte0[untouched])
+    assert torch.equal(dwpe[T:], dwpe0[T:])
+    # each touched row is close to its own expectation (a wrong row would hide in a global norm)
+    touched = ~untouched
+    row_err = (dwte.float()[touched] - exp_wte[touched]).norm(dim=1) / exp_wte[touched].norm(dim=1)
+    assert float(row_err.max()) < 10 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind,B,T,C,Vp,maxT", [("random", *SHAPES[0]), ("mixed", *SHAPES[1]), ("same", *SHAPES[2]),
+                                                ("distinct", *SHAPES[3]), ("mixed", *SHAPES[3]),
+                                                ("same", *SHAPES[1])])
+def test_encoder_backward(device, dtype, kind, B, T, C, Vp, maxT):
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, dtype, kind, seed=B * 1000 + T * 10 + C)
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device)
+    check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind,piece", [("same", 1), ("same", 4), ("mixed", 2), ("mixed", 3), ("random", 4)])
+def test_encoder_backward_long_runs_split(device, dtype, kind, piece):
+    """Runs longer than `piece` are summed in pieces and combined in a second kernel: runs that span
+    one boundary, many boundaries, start on a boundary or end on one."""
+    B, T, C, Vp, maxT = 3, 7, 40, 48, 9
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, dtype, kind, seed=piece)
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, piece=piece)
+    check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, dtype)
+    again = run_backward(dout, inp, dwte0, dwpe0, device, piece=piece)
+    assert torch.equal(dwte, again[0]) and torch.equal(dwpe, again[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encoder_backward_deterministic_and_scratch(device, dtype):
+    """Same inputs and seed: the same bits; a preallocated scratch and a tensor seed give the same bits."""
+    B, T, C, Vp, maxT = 2, 9, 64, 40, 12
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, dtype, "mixed", seed=11)
+    a = run_backward(dout, inp, dwte0, dwpe0, device, seed=77)
+    b = run_backward(dout, inp, dwte0, dwpe0, device, seed=77)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    scratch = encoder_backward_scratch(B, T, C, device, torch.int64)
+    seed_t = torch.tensor([77], dtype=torch.int64, device=device)
+    c = run_backward(dout, inp, dwte0, dwpe0, device, seed=seed_t, scratch=scratch)
+    assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    if dtype == torch.bfloat16:  # the seed matters when rounding stochastically
+        d = run_backward(dout, inp, dwte0, dwpe0, device, seed=78)
+        assert not torch.equal(a[0], d[0]) and not torch.equal(a[1], d[1])
+
+
+def test_encoder_backward_stochastic_rounding_is_unbiased(device):
+    """bf16 gradients of 1..2 with increments of ~0.13 ulp: round-to-nearest never moves them,
+    stochastic rounding moves them by the increment on average."""
+    B, T, C, Vp = 2, 8, 256, 16
+    gen = torch.Generator().manual_seed(5)
+    inp = torch.randperm(Vp, generator=gen)[: B * T].reshape(B, T)  # every row of dwte touched once
+    dout = (torch.rand(B, T, C, generator=gen) * 1e-3 + 0.5e-3).to(torch.bfloat16)
+    dwte0 = (1 + torch.rand(Vp, C, generator=gen)).to(torch.bfloat16)
+    dwpe0 = (1 + torch.rand(T, C, generator=gen)).to(torch.bfloat16)
+    g_wte, g_wpe = ref.encoder_backward(dout.float(), inp, Vp, T)
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, seed=2024)
+    for got, init, inc in ((dwte, dwte0, g_wte), (dwpe, dwpe0, g_wpe)):
+        moved = float((got.float().cpu() - init.float()).mean())
+        want = float(inc.mean())
+        assert abs(moved - want) < 0.2 * want, (moved, want)
+    rtn = run_backward(dout, inp, dwte0, dwpe0, device, stochastic=False)
+    assert torch.equal(rtn[0].cpu(), dwte0) and torch.equal(rtn[1].cpu(), dwpe0), \
+        "round-to-nearest must leave them: else the test could not tell the roundings apart"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [4, 16, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encoder_gpt2_shapes_gpu(B, dtype):
+    T, C, V, Vp, maxT = 1024, 768, 50257, 50304, 1024
+    gen = torch.Generator(device="cuda").manual_seed(B)
+    # a Zipf-like mix: a few very common tokens (runs of thousands, split into pieces) and a long tail
+    inp = torch.randint(0, V, (B, T), generator=gen, device="cuda", dtype=torch.int32)
+    r = torch.rand(B, T, generator=gen, device="cuda")
+    inp[r < 0.05] = 13
+    inp[r < 0.02] = 50256
+    inp[r < 0.01] = 11
+    wte = torch.randn(Vp, C, generator=gen, device="cuda").to(dtype)
+    wpe = torch.randn(maxT, C, generator=gen, device="cuda").to(dtype)
+    out = torch.full((B, T, C), float("nan"), dtype=dtype, device="cuda")
+    encoder_forward(out, inp, wte, wpe)
+    expected = ref.encoder_forward(inp.long(), wte.float(), wpe.float())
+    assert torch.isfinite(out).all()
+    assert rel_err(out.float(), expected) < TOL[dtype]
+
+    dout = torch.randn(B, T, C, generator=gen, device="cuda").to(dtype)
+    dwte0 = (torch.randn(Vp, C, generator=gen, device="cuda") * 0.1).to(dtype)
+    dwpe0 = (torch.randn(maxT, C, generator=gen, device="cuda") * 0.1).to(dtype)
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, "cuda", seed=B)
+    check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, dtype)
+    again = run_backward(dout, inp, dwte0, dwpe0, "cuda", seed=B)
+    assert torch.equal(dwte, again[0]) and torch.equal(dwpe, again[1])
+
+
+@pytest.mark.gpu
+def test_encoder_backward_in_cuda_graph():
+    """The backward (device sort included) captures in a CUDA graph; replays with new ids and a new seed
+    written into the seed tensor give the eager result bit for bit."""
+    B, T, C, Vp, maxT = 4, 1024, 768, 50304, 1024
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inp = torch.randint(0, 50257, (B, T), generator=gen, device="cuda", dtype=torch.int32)
+    inp[torch.rand(B, T, generator=gen, device="cuda") < 0.1] = 198  # a run longer than a piece
+    dout = torch.randn(B, T, C, generator=gen, device="cuda").to(torch.bfloat16)
+    dwte0 = torch.randn(Vp, C, generator=gen, device="cuda").to(torch.bfloat16)
+    dwpe0 = torch.randn(maxT, C, generator=gen, device="cuda").to(torch.bfloat16)
+    dwte, dwpe = dwte0.clone(), dwpe0.clone()
+    scratch = encoder_backward_scratch(B, T, C, "cuda", torch.int32)
+    seed = torch.tensor([1], dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels before capture
+        encoder_backward(dwte, dwpe, dout, inp, seed, scratch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        encoder_backward(dwte, dwpe, dout, inp, seed, scratch)
+    for step, new_seed in enumerate((5, 6)):
+        if step:
+            inp.copy_(torch.randint(0, 64, (B, T), generator=gen, device="cuda", dtype=torch.int32))
+        dwte.copy_(dwte0)
+        dwpe.copy_(dwpe0)
+        seed.fill_(new_seed)
+        graph.replay()
+        eager = run_backward(dout, inp, dwte0, dwpe0, "cuda", seed=new_seed)
+        torch.cuda.synchronize()
+        assert torch.equal(dwte, eager[0]) and torch.equal(dwpe, eager[1])
