@@ -276,17 +276,16 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
 # configuration
 
 # Default tiles for 16-bit storage on H200 (sm_90), keyed by head size (the next key up serves sizes in
-# between). Forward: 128-row query tiles over 64-key tiles, 8 warps (two warpgroups of wgmma). Backward:
-# narrow query tiles against wide key tiles for dk/dv and the mirror for dq. How chosen, so far: compiled
-# ahead of time for sm_90 with Triton's ptxas and picked among the shapes standard for Hopper those that
-# pipeline their loads (cp.async) and do not spill registers (hs 64: fwd 121 regs, bwd 199; hs 128: fwd
-# 224, bwd 249); NOT yet timed. `python -m bench.kernels.bench_flash_attention` times a sweep of candidates
-# at B=64, T=1024; copy the fastest into this table.
+# between). Chosen by timing a sweep of candidates on an H200 (2026-12-01, triton 3.6, B=64 T=1024 NH=12
+# hs=64 and B=32 NH=6 hs=128; bench/RESULTS.md): forward 128x64 tiles with 8 warps at hs 64 (0.365 ms)
+# and 64x64 with 4 warps at hs 128 (0.166 ms); backward 32-row query tiles against 64-key tiles, 4 warps,
+# 3 stages for both (1.135 ms and 0.507 ms, against 1.357 and 1.179 ms for the first, untimed guesses).
+# `python -m bench.kernels.bench_flash_attention` reruns the sweep.
 _CONFIGS_16 = {
     64: dict(BLOCK_M=128, BLOCK_N=64, fwd_warps=8, fwd_stages=3,
-             BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, bwd_warps=8, bwd_stages=3, fused_bwd=True),
-    128: dict(BLOCK_M=128, BLOCK_N=64, fwd_warps=8, fwd_stages=3,
-              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=8, bwd_stages=2, fused_bwd=True),
+             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3, fused_bwd=True),
+    128: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3,
+              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3, fused_bwd=True),
 }
 # fp32 storage is the correctness configuration: IEEE fp32 dots (CUDA-core FMAs, no TF32), with tiles
 # small enough not to spill.
