@@ -1,0 +1,453 @@
+"""Whole-step benchmark: GPT-2 training steps of llmpy side by side with the PyTorch baseline.
+
+    PYTHONPATH=src:. python -m bench.bench_step [--systems torch-compile,llmpy] [--model d12] \
+        [--B 64] [--T 1024] [--steps 40] [--warmup-median-from 11] [--json out.json]
+
+Every system trains the same model from the same start: llm.c's random init (`init.init_parameters`,
+seed --seed) and the same fresh random token batches (seed --data-seed), no gradient accumulation,
+constant learning rate, AdamW, clipping at --grad-clip. Systems:
+
+  torch-compile  bench/torch_gpt2.py (nn.Module, SDPA flash, bf16 autocast, fused AdamW) + torch.compile
+  torch-eager    the same without torch.compile
+  llmpy          llmpy.model.GPT2Model (Triton kernels, cuBLASLt, CUDA graph)
+
+Each system runs in its own subprocess, so the peak memory is its own and no compile cache is shared;
+by default each gets fresh, empty TorchInductor/Triton cache directories (a cold start); --cache-dir DIR
+keeps them in DIR (run twice for a warm start). Per system: median ms of steps
+--warmup-median-from..--steps, tokens/s, MFU (llm.c's formula: config.flops_per_token(T) FLOPs a token
+against --peak-tflops, 989 for H100/H200 bf16 dense), peak memory (torch.cuda.max_memory_allocated and
+the device's used memory from cudaMemGetInfo), the first step's time (compile / kernel JIT / graph
+capture included) and the time from the subprocess's spawn to the end of the first step. The losses of
+the first steps are printed side by side: same init and data, so they must agree closely.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from llmpy.config import parse_descriptor
+
+_IMPORT_TIME = time.time()  # the in-process stand-in for the spawn time (tests, --child without parent)
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("torch-compile", "torch-eager", "llmpy")
+DEFAULT_SYSTEMS = "torch-compile,llmpy"
+GB = 1e9
+
+# measured 2026-11-30 on one H200 (shared/ANCHORS.md), printed under the table for scale
+ANCHORS = {
+    "llm.c cuDNN -r 0": {"ms": 112.3, "mem_gb": 27.9},
+    "llm.c cuDNN -r 1": {"ms": 113.6, "mem_gb": 23.7},
+    "torch.compile + SDPA flash": {"ms": 129.4, "mem_gb": 35.5},
+    "torch eager + SDPA flash": {"ms": 372.1, "mem_gb": 81.9},
+    "target": {"ms": 100.0, "mem_gb": 24.0},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_step", description=__doc__.split("\n")[0])
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma list of {', '.join(SYSTEMS)}")
+    ap.add_argument("--model", default="d12", help="llm.c model descriptor (d12, layers=2,channels=32,...)")
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup-median-from", type=int, default=11,
+                    help="the median step time is over steps N..--steps (1-based)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=42, help="seed of llm.c's random init (and llmpy's model seed)")
+    ap.add_argument("--data-seed", type=int, default=1337, help="seed of the random token batches")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H100/H200: 989)")
+    ap.add_argument("--print-steps", type=int, default=10, help="steps whose loss is printed side by side")
+    ap.add_argument("--json", default=None, help="write every figure (and per-step times/losses) here")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only runs the torch systems (a smoke test)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="keep TorchInductor/Triton caches here (default: fresh empty ones, a cold start)")
+    ap.add_argument("--child-timeout", type=float, default=480.0, help="seconds a system may take in all")
+    # the torch baseline
+    ap.add_argument("--sdpa", default="flash", choices=("flash", "cudnn", "efficient", "math", "default"),
+                    help="SDPA backend of the torch systems")
+    # llmpy's options (passed to GPT2Model only when given, except those with a default here)
+    ap.add_argument("--recompute", type=int, default=None, help="llmpy: llm.c's -r (0, 1, 2)")
+    ap.add_argument("--gelu-fusion", type=int, default=None, help="llmpy: llm.c's -ge (0, 1, 2)")
+    ap.add_argument("--attention", default="auto", help="llmpy: attention path")
+    ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
+    # internal: one system in this process, its result to a file
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--spawn-time", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.system_list = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in args.system_list if s not in SYSTEMS]
+    if bad or not args.system_list:
+        ap.error(f"--systems: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(SYSTEMS)}")
+    if args.child is not None and args.child not in SYSTEMS:
+        ap.error(f"--child: unknown system {args.child}")
+    for name in ("B", "T", "steps", "warmup_median_from"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    config = parse_descriptor(args.model)
+    if args.T > config.max_seq_len:
+        ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
+    return args
+
+
+def llmpy_options(args) -> dict:
+    """The keyword arguments GPT2Model gets besides config, params, B, T."""
+    opts = {"master_weights": True, "attention": args.attention, "seed": args.seed,
+            "cuda_graph": not args.no_graph}
+    if args.recompute is not None:
+        opts["recompute"] = args.recompute
+    if args.gelu_fusion is not None:
+        opts["gelu_fusion"] = args.gelu_fusion
+    return opts
+
+
+# ----------------------------------------------------------------------------------------------------
+# one system, in this process
+
+def make_batches(vocab_size: int, B: int, T: int, steps: int, seed: int, pin: bool = False):
+    """`steps` fresh batches of random token ids in [0, vocab): each a (B*T+1)-token stream cut into
+    inputs and next-token targets as llm.c's loader does; int64 CPU tensors of shape (B, T)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        buf = torch.randint(0, vocab_size, (B * T + 1,), generator=g, dtype=torch.int64)
+        if pin:
+            buf = buf.pin_memory()
+        batches.append((buf[:-1].view(B, T), buf[1:].view(B, T)))
+    return batches
+
+
+def _set_sdpa_backend(torch, name: str) -> None:
+    """Allow only the chosen SDPA backend (global flags, so eager and torch.compile's trace both see it)."""
+    if name == "default":
+        return
+    cuda = torch.backends.cuda
+    cuda.enable_flash_sdp(name == "flash")
+    cuda.enable_mem_efficient_sdp(name == "efficient")
+    cuda.enable_math_sdp(name == "math")
+    if hasattr(cuda, "enable_cudnn_sdp"):
+        cuda.enable_cudnn_sdp(name == "cudnn")
+
+
+def _build_torch(args, config, flat, compiled: bool):
+    import torch
+    from bench.torch_gpt2 import TorchTrainer, from_flat
+    if args.device.startswith("cuda"):
+        _set_sdpa_backend(torch, args.sdpa)
+    module = from_flat(config, flat, device=args.device)
+    model = torch.compile(module) if compiled else module  # mode default: max-autotune would take far longer
+    trainer = TorchTrainer(module, model, lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
+    return lambda step, batch: trainer.step(batch[0], batch[1], lr=args.lr)
+
+
+def _build_llmpy(args, config, flat):
+    import torch
+    from llmpy.model import GPT2Model
+    model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
+    # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
+    return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)
+
+
+def _used_bytes(torch) -> int:
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def _write(path, obj) -> None:
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+
+
+def run_system(args, system: str) -> dict:
+    """Train `args.steps` steps of `system` here; returns the raw result (summarize() adds the figures).
+    The result file is rewritten after every step, so a timeout still leaves the steps done so far."""
+    import torch
+    t_spawn = args.spawn_time if args.spawn_time is not None else _IMPORT_TIME
+    cuda = args.device.startswith("cuda")
+    res = {"system": system, "ok": False, "error": None, "device": args.device, "torch": torch.__version__,
+           "step_ms": [], "losses": [], "norms": [], "import_s": time.time() - t_spawn}
+    if system == "llmpy":
+        res["options"] = llmpy_options(args)
+    else:
+        res["options"] = {"compile": system == "torch-compile", "sdpa": args.sdpa if cuda else "n/a",
+                          "autocast": "bf16" if cuda else "off", "fused_adamw": cuda}
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except Exception:  # the CPU smoke run may lack triton
+        res["triton"] = None
+    try:
+        if cuda:
+            if not torch.cuda.is_available():
+                raise RuntimeError("--device cuda but no CUDA device here")
+            res["device_name"] = torch.cuda.get_device_name()
+            torch.cuda.init()
+            res["used_at_start_bytes"] = _used_bytes(torch)  # the CUDA context and whatever else is there
+            torch.cuda.reset_peak_memory_stats()
+        config = parse_descriptor(args.model)
+        t = time.perf_counter()
+        from llmpy.init import init_parameters
+        flat = init_parameters(config, args.seed)
+        res["init_s"] = time.perf_counter() - t
+        batches = make_batches(config.vocab_size, args.B, args.T, args.steps, args.data_seed, pin=cuda)
+        t = time.perf_counter()
+        if system == "llmpy":
+            step_fn = _build_llmpy(args, config, flat)
+        else:
+            step_fn = _build_torch(args, config, flat, compiled=system == "torch-compile")
+        if cuda:
+            torch.cuda.synchronize()
+        res["build_s"] = time.perf_counter() - t
+        used = []
+        for i in range(args.steps):
+            t0 = time.perf_counter()
+            loss, norm = step_fn(i + 1, batches[i])
+            loss, norm = float(loss), float(norm)  # reading the loss waits for the step, as llm.c's log does
+            if cuda:
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3
+            if i == 0:
+                res["time_to_first_step_s"] = time.time() - t_spawn
+            if cuda and i in (0, args.warmup_median_from - 1, args.steps - 1):
+                used.append(_used_bytes(torch))
+            res["step_ms"].append(ms)
+            res["losses"].append(loss)
+            res["norms"].append(norm)
+            if i < args.print_steps or (i + 1) % 10 == 0 or i + 1 == args.steps:
+                print(f"[{system}] step {i + 1:3d}/{args.steps} | loss {loss:.6f} | norm {norm:.4f} | "
+                      f"{ms:9.1f} ms", flush=True)
+            if not math.isfinite(loss):
+                res["nonfinite_loss_step"] = res.get("nonfinite_loss_step", i + 1)
+            if cuda:
+                res["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+                res["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+                res["device_used_bytes"] = max(used) if used else None
+            _write(args.result_file, res)
+        res["ok"] = True
+    except BaseException as e:  # noqa: BLE001 -- the parent reports it; KeyboardInterrupt too
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback"] = traceback.format_exc()
+        print(res["traceback"], file=sys.stderr, flush=True)
+    _write(args.result_file, res)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# the figures and the tables
+
+def summarize(res: dict, args) -> dict:
+    """Add the derived figures to a system's raw result (in place; returns it)."""
+    config = parse_descriptor(args.model)
+    ms = res.get("step_ms") or []
+    lo = args.warmup_median_from - 1
+    window = ms[lo:] if len(ms) > lo else ms[1:] or ms  # fewer steps than the warm-up: best effort
+    res["median_steps"] = [len(ms) - len(window) + 1, len(ms)] if window else None
+    if not window:
+        res.update(median_ms=None, tokens_per_s=None, mfu=None, compile_s=None, first_step_s=None)
+        return res
+    med = statistics.median(window)
+    tokens = args.B * args.T
+    res["median_ms"] = med
+    res["min_ms"] = min(window)
+    res["max_ms"] = max(window)
+    res["tokens_per_s"] = tokens / (med * 1e-3)
+    res["mfu"] = config.flops_per_token(args.T) * res["tokens_per_s"] / (args.peak_tflops * 1e12)
+    res["first_step_s"] = ms[0] * 1e-3
+    # what the first step spent beyond a normal one: torch.compile's compile, Triton's JIT, graph capture
+    res["compile_s"] = max(0.0, (ms[0] - med) * 1e-3)
+    res["completed_steps"] = len(ms)
+    return res
+
+
+def _fmt(v, spec: str, scale: float = 1.0) -> str:
+    """v * scale formatted by spec, or '-' padded to the spec's width when there is no value."""
+    if v is None:
+        width = "".join(itertools.takewhile(str.isdigit, spec.lstrip("<>^")))
+        return "-".rjust(int(width or 0))
+    return format(v * scale, spec)
+
+
+def format_table(results: dict, args) -> str:
+    """The final comparison: one row per system."""
+    lo = args.warmup_median_from
+    base = results.get("torch-compile", {}).get("median_ms")
+    hdr = (f"{'system':14s} {'ms/step':>9s} {'tok/s':>10s} {'MFU':>6s} {'vs tc':>6s} {'alloc GB':>9s} "
+           f"{'used GB':>8s} {'step1 s':>8s} {'compile s':>9s} {'start->1 s':>10s}  status")
+    lines = [f"median of steps {lo}..{args.steps}, B={args.B} T={args.T} ({args.B * args.T} tokens/step), "
+             f"model {args.model}, MFU against {args.peak_tflops:g} TFLOP/s; GB = 1e9 bytes; "
+             f"'vs tc' = torch-compile's ms / this system's ms", hdr, "-" * len(hdr)]
+    for name, r in results.items():
+        med = r.get("median_ms")
+        speed = f"{base / med:.2f}x" if base and med else "-"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        if r.get("ok"):
+            status = "ok"
+        else:
+            status = f"FAILED ({r.get('error') or 'no result'})"[:80]
+            if r.get("step_ms"):
+                status += f" after {len(r['step_ms'])} steps"
+        if r.get("nonfinite_loss_step"):
+            status += f"; non-finite loss at step {r['nonfinite_loss_step']}"
+        lines.append(
+            f"{name:14s} {_fmt(med, '9.1f')} {_fmt(r.get('tokens_per_s'), '10,.0f')} "
+            f"{mfu:>6s} {speed:>6s} "
+            f"{_fmt(r.get('peak_allocated_bytes'), '9.1f', 1 / GB)} {_fmt(r.get('device_used_bytes'), '8.1f', 1 / GB)} "
+            f"{_fmt(r.get('first_step_s'), '8.1f')} {_fmt(r.get('compile_s'), '9.1f')} "
+            f"{_fmt(r.get('time_to_first_step_s'), '10.1f')}  {status}")
+    lines.append("anchors (H200, shared/ANCHORS.md): " + "; ".join(
+        f"{k} {v['ms']:.1f} ms, {v['mem_gb']:.1f} GB" for k, v in ANCHORS.items()))
+    return "\n".join(lines)
+
+
+def format_losses(results: dict, n: int) -> str:
+    """The losses (and gradient norms) of the first n steps, one column per system; the last line is the
+    largest loss difference from the first system (same init, same data: small, from bf16 rounding)."""
+    names = [k for k, r in results.items() if r.get("losses")]
+    if not names:
+        return "(no losses)"
+    n = min(n, max(len(results[k]["losses"]) for k in names))
+    hdr = f"{'step':>4s} " + " ".join(f"{k + ' loss':>20s} {'norm':>8s}" for k in names)
+    lines = [hdr]
+    for i in range(n):
+        cells = []
+        for k in names:
+            L, N = results[k]["losses"], results[k].get("norms") or []
+            cells.append(f"{L[i]:20.6f} {N[i]:8.4f}" if i < len(L) and i < len(N) else f"{'-':>20s} {'-':>8s}")
+        lines.append(f"{i + 1:4d} " + " ".join(cells))
+    ref = results[names[0]]["losses"]
+    for k in names[1:]:
+        m = min(n, len(ref), len(results[k]["losses"]))
+        if m:
+            d = max(abs(a - b) for a, b in zip(ref[:m], results[k]["losses"][:m]))
+            lines.append(f"max |loss({k}) - loss({names[0]})| over steps 1..{m}: {d:.2e}")
+    return "\n".join(lines)
+
+
+def _git() -> dict:
+    def q(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return ""
+    return {"commit": q("rev-parse", "HEAD") or None, "dirty": bool(q("status", "--porcelain", "--untracked-files=no"))}
+
+
+def build_report(results: dict, args, argv) -> dict:
+    config = parse_descriptor(args.model)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **_git(),
+        "command": "python -m bench.bench_step " + " ".join(argv),
+        "settings": {
+            "model": args.model, "config": config.describe(), "num_parameters": config.num_parameters,
+            "B": args.B, "T": args.T, "tokens_per_step": args.B * args.T, "steps": args.steps,
+            "median_from_step": args.warmup_median_from, "lr": args.lr, "weight_decay": args.weight_decay,
+            "grad_clip": args.grad_clip, "seed": args.seed, "data_seed": args.data_seed,
+            "flops_per_token": config.flops_per_token(args.T), "peak_flops": args.peak_tflops * 1e12,
+            "cache": args.cache_dir or "cold (fresh cache directories)", "device": args.device,
+            "sdpa": args.sdpa, "llmpy_options": llmpy_options(args),
+        },
+        "anchors": ANCHORS,
+        "results": results,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# the parent: one subprocess per system
+
+def run_child_process(system: str, args, argv) -> dict:
+    """Run one system in a fresh Python process (own CUDA context, own caches); its result comes back
+    through a JSON file. Killed with its whole process group (torch.compile's workers) on timeout."""
+    work = Path(tempfile.mkdtemp(prefix=f"bench_step_{system}_"))
+    result_file = work / "result.json"
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    paths = [str(REPO / "src"), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    cache = Path(args.cache_dir) / system if args.cache_dir else work / "cache"
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    env["TRITON_CACHE_DIR"] = str(cache / "triton")
+    cmd = [sys.executable, "-m", "bench.bench_step", *argv, "--child", system,
+           "--result-file", str(result_file), "--spawn-time", repr(time.time())]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
+    error = None
+    try:
+        rc = proc.wait(timeout=args.child_timeout)
+        if rc != 0:
+            error = f"exit status {rc}"
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {args.child_timeout:g} s"
+    except KeyboardInterrupt:
+        error = "interrupted"
+    finally:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the child's own group: it and its compile workers
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    try:
+        res = json.loads(result_file.read_text())
+    except (OSError, ValueError):
+        res = {"system": system, "ok": False, "step_ms": [], "losses": [], "norms": []}
+    if error:
+        res["ok"] = False
+        res["error"] = res.get("error") or error
+    shutil.rmtree(work, ignore_errors=True)
+    if error == "interrupted":
+        raise KeyboardInterrupt
+    return res
+
+
+def main(argv=None, runner=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.child:
+        res = run_system(args, args.child)
+        return 0 if res.get("ok") else 1
+    runner = runner or run_child_process
+    if args.json:  # a bad path should fail now, not after minutes of benchmarking
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for system in args.system_list:
+        print(f"=== {system}", flush=True)
+        t = time.time()
+        res = runner(system, args, argv)
+        res["wall_s"] = time.time() - t
+        results[system] = summarize(res, args)
+        r = results[system]
+        print(f"=== {system}: {'ok' if r.get('ok') else 'FAILED: ' + str(r.get('error'))} | "
+              f"median {_fmt(r.get('median_ms'), '.1f')} ms | first step {_fmt(r.get('first_step_s'), '.1f')} s "
+              f"(compile/warm-up {_fmt(r.get('compile_s'), '.1f')} s) | spawn to first step "
+              f"{_fmt(r.get('time_to_first_step_s'), '.1f')} s | wall {r['wall_s']:.0f} s", flush=True)
+    print("\n=== losses of the first steps (same init, same data)")
+    print(format_losses(results, args.print_steps))
+    print("\n=== whole step")
+    print(format_table(results, args), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(build_report(results, args, argv), f, indent=1)
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
