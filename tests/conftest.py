@@ -20,6 +20,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    # tests marked slow (minutes on the CPU) run only when asked for: pytest -m slow
+    if "slow" not in (config.getoption("markexpr") or ""):
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
 
 
 @pytest.fixture
