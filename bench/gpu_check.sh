@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [step] [sanitize]
+# (model: test_gpt2 on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/llmpy_out}
@@ -17,20 +18,26 @@ for stage in $stages; do
   t0=$(date +%s)
   case $stage in
     tests)
-      timeout 420 python3 -m pytest -q -rfEx -p no:cacheprovider $KERNEL_TESTS 2>&1 | tee "$OUT/tests.log"
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfEx -p no:cacheprovider $KERNEL_TESTS 2>&1 | tee "$OUT/tests.log"
       rc=$? ;;
     bench)
-      timeout 420 python3 -m bench.bench_kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
+      timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_kernels ${BENCH_ARGS:-} --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
+      rc=$? ;;
+    model)
+      timeout ${MODEL_TIMEOUT:-300} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_gpt2.py 2>&1 | tee "$OUT/model.log"
+      rc=$? ;;
+    step)
+      timeout ${STEP_TIMEOUT:-480} python3 -m bench.bench_step ${STEP_ARGS:-} --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log"
       rc=$? ;;
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any
       # out-of-bounds or misaligned access
-      timeout 420 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+      timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
         python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" $KERNEL_TESTS 2>&1 | tee "$OUT/sanitize.log"
       rc=$? ;;
   esac
   summary+=("$stage rc=$rc $(( $(date +%s) - t0 ))s")
 done
 echo "=== summary"; printf '%s\n' "${summary[@]}"
-grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
+grep -E "passed|failed" "$OUT/tests.log" "$OUT/model.log" 2>/dev/null | tail -2
 grep -E "ERROR SUMMARY" "$OUT/sanitize.log" 2>/dev/null | tail -1
