@@ -267,9 +267,10 @@ def test_ten_adamw_steps_follow_torch():
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     model = ref.GPT2Reference(cfg, flat)
     losses_ref, losses_torch = [], []
+    # one batch for all steps, so that the loss must fall (fresh random batches need not)
+    inputs = torch.randint(0, cfg.vocab_size, (2, 9))
+    targets = torch.randint(0, cfg.vocab_size, (2, 9))
     for step in range(1, 11):
-        inputs = torch.randint(0, cfg.vocab_size, (2, 9))
-        targets = torch.randint(0, cfg.vocab_size, (2, 9))
         losses_ref.append(model.forward(inputs, targets))
         model.zero_grad()
         model.backward()

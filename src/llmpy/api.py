@@ -31,7 +31,7 @@ def train(log=print, **options) -> TrainResult:
 def sample(model: GPT2Reference, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 64,
            temperature: float = 1.0, top_k: int = 0, seed: int = 1337) -> str:
     """Continue `prompt`; tokenizer "auto" picks bytes for a 257-token vocab and GPT-2's BPE otherwise."""
-    from .sample import sample_text
+    from .sampler import sample_text
     from .tokenizer import load_tokenizer
     name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")
     return sample_text(model, load_tokenizer(name), prompt, gen_tokens, temperature, top_k, seed)

@@ -9,7 +9,7 @@ from .errors import LlmpyError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import prepare, sample, trainer
+    from . import prepare, sampler, trainer
     from .trainer import OneLineParser
 
     parser = OneLineParser(prog="llmpy", description="GPT-2-family training from Python, llm.c's design.",
@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_arguments(p)
     p.set_defaults(func=prepare.run)
     s = sub.add_parser("sample", help="generate text from a model file", allow_abbrev=False)
-    sample.add_arguments(s)
-    s.set_defaults(func=sample.run)
+    sampler.add_arguments(s)
+    s.set_defaults(func=sampler.run)
     return parser
 
 

@@ -31,13 +31,16 @@ def encoder_forward(inp: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor) -> 
     return wte[inp] + wpe[:T]
 
 
-def encoder_backward(dout: torch.Tensor, inp: torch.Tensor, Vp: int, maxT: int):
-    """Gradients of wte (Vp, C) and wpe (maxT, C) from dout (B, T, C)."""
+def encoder_backward(dout: torch.Tensor, inp: torch.Tensor, Vp: int, maxT: int, dwte=None, dwpe=None):
+    """Gradients of wte (Vp, C) and wpe (maxT, C) from dout (B, T, C). Given dwte / dwpe, they are
+    accumulated into (gradient accumulation) and returned; else fresh ones are returned."""
     B, T, C = dout.shape
-    dwte = torch.zeros(Vp, C, dtype=dout.dtype, device=dout.device)
+    if dwte is None:
+        dwte = torch.zeros(Vp, C, dtype=dout.dtype, device=dout.device)
+    if dwpe is None:
+        dwpe = torch.zeros(maxT, C, dtype=dout.dtype, device=dout.device)
     dwte.index_add_(0, inp.reshape(-1), dout.reshape(B * T, C))
-    dwpe = torch.zeros(maxT, C, dtype=dout.dtype, device=dout.device)
-    dwpe[:T] = dout.sum(0)
+    dwpe[:T] += dout.sum(0)
     return dwte, dwpe
 
 
@@ -54,16 +57,19 @@ def layernorm_forward(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out, mean, rstd
 
 
-def layernorm_backward(dout, inp, weight, mean, rstd):
-    """Returns (dinp, dweight, dbias); dweight and dbias are summed over every row."""
+def layernorm_backward(dout, inp, weight, mean, rstd, dweight=None, dbias=None):
+    """Returns (dinp, dweight, dbias); dweight and dbias are summed over every row (and added into the
+    given buffers when passed)."""
     C = inp.shape[-1]
     norm = (inp - mean[..., None]) * rstd[..., None]
     dnorm = dout * weight
     dnorm_mean = dnorm.mean(-1, keepdim=True)
     dnorm_norm_mean = (dnorm * norm).mean(-1, keepdim=True)
     dinp = (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[..., None]
-    dweight = (dout * norm).reshape(-1, C).sum(0)
-    dbias = dout.reshape(-1, C).sum(0)
+    dw = (dout * norm).reshape(-1, C).sum(0)
+    db = dout.reshape(-1, C).sum(0)
+    dweight = dw if dweight is None else dweight.add_(dw)
+    dbias = db if dbias is None else dbias.add_(db)
     return dinp, dweight, dbias
 
 
@@ -89,15 +95,20 @@ def matmul_forward(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*inp.shape[:-1], weight.shape[0])
 
 
-def matmul_backward(dout, inp, weight, has_bias: bool = True):
-    """Returns (dinp, dweight, dbias or None)."""
+def matmul_backward(dout, inp, weight, has_bias: bool = True, dweight=None, dbias=None):
+    """Returns (dinp, dweight, dbias or None). Given dweight / dbias, the gradients are accumulated
+    into them (one GEMM with beta = 1, as llm.c's matmul_backward) instead of returned fresh."""
     OC, C = weight.shape
     d2 = dout.reshape(-1, OC)
     i2 = inp.reshape(-1, C)
     dinp = (d2 @ weight).reshape(inp.shape)
-    dweight = d2.t() @ i2
-    dbias = d2.sum(0) if has_bias else None
-    return dinp, dweight, dbias
+    if dweight is None:
+        dweight = d2.t() @ i2
+    else:
+        dweight.addmm_(d2.t(), i2)
+    if has_bias:
+        dbias = d2.sum(0) if dbias is None else dbias.add_(d2.sum(0))
+    return dinp, dweight, (dbias if has_bias else None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -222,15 +233,26 @@ def adamw_update(param, grad, m, v, step: int, lr: float, beta1: float = 0.9, be
         sl = slice(s, s + chunk)
         gs = g[sl] * grad_scale
         mm[sl].lerp_(gs, 1.0 - beta1)
-        vv[sl].lerp_(gs * gs, 1.0 - beta2)
-        m_hat = mm[sl] / beta1_correction
-        v_hat = vv[sl] / beta2_correction
-        p[sl] -= lr * (m_hat / (torch.sqrt(v_hat) + eps) + weight_decay * p[sl])
+        vv[sl].lerp_(gs.mul_(gs), 1.0 - beta2)
+        # update = m_hat / (sqrt(v_hat) + eps) + weight_decay * p, built in place in two temporaries
+        denom = vv[sl].div(beta2_correction).sqrt_().add_(eps)
+        update = mm[sl].div(beta1_correction).div_(denom)
+        if weight_decay != 0.0:
+            update.add_(p[sl], alpha=weight_decay)
+        p[sl].sub_(update, alpha=lr)
 
 
-def global_norm(grads: torch.Tensor) -> float:
-    """sqrt(sum of squares) of a flat gradient buffer, accumulated in float64 for a stable oracle."""
-    return math.sqrt(float(torch.sum(grads.double() ** 2)))
+def global_norm(grads: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """sqrt(sum of squares) of a flat gradient buffer: fp32 dot products over chunks that stay in the
+    cache, the chunks' sums added in float64."""
+    g = grads.reshape(-1)
+    if g.dtype not in (torch.float32, torch.float64):
+        g = g.float()
+    total = 0.0
+    for s in range(0, g.numel(), chunk):
+        c = g[s:s + chunk]
+        total += float(torch.dot(c, c))
+    return math.sqrt(total)
 
 
 def clip_scale(norm: float, max_norm: float) -> float:
@@ -314,40 +336,28 @@ class GPT2Reference:
         if dloss is None:
             dloss = 1.0 / (B * T)
         _, dlogits = fused_classifier(self.logits, acts["targets"], cfg.vocab_size, dloss)
-        dlnf, dwte, _ = matmul_backward(dlogits, acts["lnf"], p["wte"], has_bias=False)
-        g["wte"] += dwte
-        dresidual, dw, db = layernorm_backward(dlnf, acts["residual_final"], p["lnfw"], acts["lnf_mean"], acts["lnf_rstd"])
-        g["lnfw"] += dw
-        g["lnfb"] += db
+        dlnf, _, _ = matmul_backward(dlogits, acts["lnf"], p["wte"], has_bias=False, dweight=g["wte"])
+        dresidual, _, _ = layernorm_backward(dlnf, acts["residual_final"], p["lnfw"], acts["lnf_mean"],
+                                             acts["lnf_rstd"], g["lnfw"], g["lnfb"])
         for l in reversed(range(cfg.num_layers)):
             a = acts["layers"][l]
             # MLP block: residual = residual2 + fcproj(gelu(fc(ln2(residual2))))
-            dfch_gelu, dw, db = matmul_backward(dresidual, a["fch_gelu"], p["fcprojw"][l])
-            g["fcprojw"][l] += dw
-            g["fcprojb"][l] += db
+            dfch_gelu, _, _ = matmul_backward(dresidual, a["fch_gelu"], p["fcprojw"][l], True, g["fcprojw"][l],
+                                              g["fcprojb"][l])
             dfch = gelu_backward(a["fch"], dfch_gelu)
-            dln2, dw, db = matmul_backward(dfch, a["ln2"], p["fcw"][l])
-            g["fcw"][l] += dw
-            g["fcb"][l] += db
-            dx, dw, db = layernorm_backward(dln2, a["residual2"], p["ln2w"][l], a["ln2_mean"], a["ln2_rstd"])
-            g["ln2w"][l] += dw
-            g["ln2b"][l] += db
+            dln2, _, _ = matmul_backward(dfch, a["ln2"], p["fcw"][l], True, g["fcw"][l], g["fcb"][l])
+            dx, _, _ = layernorm_backward(dln2, a["residual2"], p["ln2w"][l], a["ln2_mean"], a["ln2_rstd"],
+                                          g["ln2w"][l], g["ln2b"][l])
             dresidual2 = dresidual + dx
             # attention block: residual2 = residual + attproj(attention(qkv(ln1(residual))))
-            datty, dw, db = matmul_backward(dresidual2, a["atty"], p["attprojw"][l])
-            g["attprojw"][l] += dw
-            g["attprojb"][l] += db
+            datty, _, _ = matmul_backward(dresidual2, a["atty"], p["attprojw"][l], True, g["attprojw"][l],
+                                          g["attprojb"][l])
             dqkv = attention_backward(datty, a["qkv"], a["att"], NH)
-            dln1, dw, db = matmul_backward(dqkv, a["ln1"], p["qkvw"][l])
-            g["qkvw"][l] += dw
-            g["qkvb"][l] += db
-            dx, dw, db = layernorm_backward(dln1, a["residual"], p["ln1w"][l], a["ln1_mean"], a["ln1_rstd"])
-            g["ln1w"][l] += dw
-            g["ln1b"][l] += db
+            dln1, _, _ = matmul_backward(dqkv, a["ln1"], p["qkvw"][l], True, g["qkvw"][l], g["qkvb"][l])
+            dx, _, _ = layernorm_backward(dln1, a["residual"], p["ln1w"][l], a["ln1_mean"], a["ln1_rstd"],
+                                          g["ln1w"][l], g["ln1b"][l])
             dresidual = dresidual2 + dx
-        dwte, dwpe = encoder_backward(dresidual, acts["inputs"], cfg.padded_vocab_size, cfg.max_seq_len)
-        g["wte"] += dwte
-        g["wpe"] += dwpe
+        encoder_backward(dresidual, acts["inputs"], cfg.padded_vocab_size, cfg.max_seq_len, g["wte"], g["wpe"])
         self.acts = None  # the activations are spent; a second backward would be a bug
 
     # ---- update

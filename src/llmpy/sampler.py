@@ -1,7 +1,12 @@
-"""Sampling tokens from a model's logits: temperature, top-k, a seeded generator."""
+"""Sampling tokens from a model's logits (temperature, top-k, a seeded generator), and the
+`llmpy sample MODEL --prompt TEXT` command (an llm.c .bin or a HuggingFace safetensors model)."""
 from __future__ import annotations
 
+import argparse
+
 import torch
+
+from .errors import LlmpyError
 
 
 def sample_next(logits: torch.Tensor, vocab_size: int, generator: torch.Generator, temperature: float = 1.0,
@@ -34,3 +39,46 @@ def generate(next_logits, prompt: list[int], steps: int, vocab_size: int, max_se
         if stop_token is not None and tok == stop_token:
             break
     return tokens[len(prompt):]
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("model", metavar="MODEL", help="model file: llm.c .bin, model.safetensors or its folder")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start from end-of-text)")
+    parser.add_argument("-g", "--gen-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default: 0, all)")
+    parser.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
+    parser.add_argument("--tokenizer", choices=("auto", "gpt2", "bytes"), default="auto",
+                        help="auto: bytes for a 257-token vocab, else gpt2")
+
+
+def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
+                seed: int = 1337) -> str:
+    """Continue `prompt` with a model that has forward(inputs) and .logits (the CPU reference model)."""
+    config = model.config
+    start = [tokenizer.eot] + (tokenizer.encode(prompt) if prompt else [])
+
+    def next_logits(ctx):
+        model.forward(torch.tensor([ctx]))
+        return model.logits[0, -1]
+    ids = generate(next_logits, start, gen_tokens, config.vocab_size, config.max_seq_len, seed=seed,
+                   temperature=temperature, top_k=top_k)
+    return tokenizer.decode(ids)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .checkpoint import load_model_file
+    from .reference import GPT2Reference
+    from .tokenizer import load_tokenizer
+    config, flat, _ = load_model_file(args.model)
+    name = args.tokenizer
+    if name == "auto":
+        name = "bytes" if config.vocab_size == 257 else "gpt2"
+    tokenizer = load_tokenizer(name)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise LlmpyError(f"{args.model}: vocab {config.vocab_size} does not match the {name} tokenizer's "
+                         f"{tokenizer.vocab_size}")
+    model = GPT2Reference(config, flat.float())
+    text = sample_text(model, tokenizer, args.prompt, args.gen_tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + text)
+    return 0
