@@ -292,7 +292,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         if opts.model is None:
             opts.model = DEFAULT_CPU_MODEL
             defaults = TrainOptions()
-            for name, value in (("batch_size", 16), ("seq_len", 128), ("learning_rate", 2e-3), ("max_steps", 400),
+            for name, value in (("batch_size", 16), ("seq_len", 128), ("learning_rate", 2e-3), ("max_steps", 300),
                                 ("warmup_steps", 20), ("val_every", 50), ("val_max_steps", 8), ("sample_every", 0),
                                 ("gen_tokens", 192), ("final_lr_frac", 0.1), ("weight_decay", 0.0)):
                 if getattr(opts, name) == getattr(defaults, name):

@@ -5,27 +5,29 @@ loads of llm.c become vectorised loads of contiguous column ranges), fp32 add, o
 
 Backward, accumulating (dwte += ..., dwpe += ..., as gradient accumulation needs), bitwise reproducible:
 
-- dwpe[t] += sum over b of dout[b, t]: one program per [ROWS_T, BLOCK_C] tile of positions, summing the
-  batch in order (a few batches loaded per iteration so loads overlap).
-- dwte: llm.c sorts the positions into buckets by token id on the CPU and gives each bucket a block.
-  Here the sort runs on the device (torch.sort, stable, into preallocated outputs), so there is no host
-  sync and the step can be captured in a CUDA graph (torch.sort's temporary storage comes from the
-  caching allocator, which capture supports). The sorted positions are then cut into pieces: a piece starts at the
-  first position of a run of equal ids, and again at every multiple of PIECE inside a run, so no piece is
-  longer than PIECE rows. A common token (hundreds or thousands of occurrences in a batch) is therefore
-  summed by many programs in parallel instead of one long serial walk.
-  * kernel 1, one program per sorted position (only piece heads work): sums the dout rows of its piece in
-    a fixed order (TILE rows loaded at once, accumulated per lane, then reduced). A run that fits in one
-    piece is finished here: dwte[id] = dwte[id] + sum, written once. Otherwise the piece's sum goes to a
-    small fp32 scratch: each PIECE-aligned block of sorted positions has two slots, slot 0 for the
-    continuation piece that starts exactly at the block boundary, slot 1 for the first piece of a run
-    that starts inside the block and runs past its end (at most one of each per block).
-  * kernel 2, one program per block: if a run starts in the block and crosses its end, adds the run's
-    first partial and the slot-0 partials of the following blocks it covers (fixed order), plus the
-    existing dwte row, and writes the row once.
-  Columns are split over a second grid axis (blocks of up to 256 channels), so a big C needs no loop
-  and the work of one long run is spread further. Every output row is written by exactly one program,
-  in a fixed order of additions: no atomics, same bits run after run.
+- dwpe[t] += sum over b of dout[b, t] (`wpe_backward`): one program per [ROWS_T, BLOCK_C] tile of
+  positions, summing the batch in order, UNROLL batches loaded per iteration so loads overlap.
+- dwte (`wte_backward`): llm.c sorts the positions into buckets by token id on the CPU and gives each
+  bucket a block. Here the sort runs on the device (torch.sort, stable, into preallocated outputs), so
+  there is no host sync and the step can be captured in a CUDA graph (torch.sort's temporary storage
+  comes from the caching allocator, which capture supports). Then a FIXED grid, whatever the ids:
+  * kernel 1, one program per (chunk of CHUNK sorted positions, block of BLOCK_C channels): walks its
+    chunk in tiles of TILE positions. A tile's TILE dout rows are gathered at once (their addresses -
+    the permutation - are known ahead, so the loads are all in flight together, and tl.range pipelines
+    the next tile's loads behind this one's arithmetic), then a segmented inclusive scan over the
+    tile's rows (an associative scan keyed by the sorted id) gives, at every row, the sum of its run so
+    far; a run open at the end of a tile carries into the next tile of the chunk. At the row where a
+    run ends, a run that started in this chunk is finished: dwte[id] = dwte[id] + sum, the row read and
+    written once. A run that crosses a chunk boundary leaves fp32 partial sums in a small scratch of two
+    slots per chunk: slot 0 for the chunk's first run when it began in an earlier chunk (its part in
+    this chunk), slot 1 for the chunk's last run when it began here and goes on past the end.
+  * kernel 2 (the fix-up), one program per (chunk, column block), most of which exit at once: the owner
+    of a run that crossed its chunk's end adds slot 1 and the slot-0 partials of the following chunks
+    the run covers, in chunk order, plus the old dwte row, and writes the row once.
+  Every output row is written by one program with a fixed order of additions (fixed by the ids, the
+  chunk/tile sizes and num_warps: the scan's combine tree follows the register layout): no atomics, the
+  same bits run after run. Runs of any length cost the same per row: a token filling the whole batch is
+  N / CHUNK partials summed by the fix-up.
 
 bf16 gradients are written with stochastic rounding keyed by (seed, element index in the [wte; wpe]
 concatenation, as in llm.c's flat parameter buffer), fp32 ones with a plain store.
@@ -41,16 +43,35 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, store_rounded
+from .common import cdiv, interpreting, store_rounded
 
-# longest run of equal ids one program sums in kernel 1; runs longer than this are split
-ENC_PIECE = 256
-# rows of a piece loaded at once (the gather is TILE independent row loads in flight)
-ENC_TILE = 16
-# kernel 2 adds this many slot-0 partials per iteration
-ENC_COMBINE_TILE = 8
-# batches loaded per iteration of the dwpe loop
-ENC_WPE_UNROLL = 4
+# ---- dwte: tuning knobs (bench/kernels/bench_encoder.py sweeps them; chosen for C=768 on an H200)
+# sorted positions per program of kernel 1 (the name is kept from the earlier piece-wise scheme: the
+# model sizes the encoder's partial-sum scratch as 2 * cdiv(B*T, ENC_PIECE) rows of C fp32)
+ENC_PIECE = 64
+# positions gathered and scanned at once (a power of two)
+ENC_TILE = 32
+# channels per program (a power of two; C=768 = 3 x 256)
+ENC_BLOCK_C = 256
+ENC_WARPS = 8
+# software-pipelining depth of the tile loop (1: none). The gather is two loads deep (permutation,
+# then the rows), so 3 stages are needed for both to be prefetched.
+ENC_STAGES = 3
+# the fix-up adds this many slot-0 partials per iteration, over this many channels per program
+ENC_COMBINE_TILE = 32
+ENC_COMBINE_BLOCK_C = 128
+
+# ---- dwpe
+ENC_WPE_ROWS = 8        # positions per program
+ENC_WPE_BLOCK_C = 256   # channels per program
+ENC_WPE_UNROLL = 4      # batches loaded per iteration
+ENC_WPE_WARPS = 4
+ENC_WPE_STAGES = 1
+
+# Triton's interpreter runs an associative scan one element at a time in Python: there the segmented
+# sums are taken as a masked [TILE, TILE, BLOCK_C] reduction instead (same sums, another order; the
+# tests run both forms on small tiles).
+ENC_SCAN = not interpreting()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -85,13 +106,13 @@ def _encoder_forward_kernel(out_ptr, inp_ptr, wte_ptr, wpe_ptr, N, T, C,
 @triton.jit
 def _wpe_backward_kernel(dwpe_ptr, dout_ptr, seed, B, T, C, stride_b, wte_numel,
                          ROWS_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
-                         STOCHASTIC: tl.constexpr, SEED_IS_PTR: tl.constexpr):
+                         STAGES: tl.constexpr, STOCHASTIC: tl.constexpr, SEED_IS_PTR: tl.constexpr):
     t = tl.program_id(0) * ROWS_T + tl.arange(0, ROWS_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (t < T)[:, None] & (cols < C)[None, :]
     offs = t.to(tl.int64)[:, None] * C + cols[None, :]
     acc = tl.zeros([ROWS_T, BLOCK_C], dtype=tl.float32)
-    for b0 in range(0, B, UNROLL):
+    for b0 in tl.range(0, B, UNROLL, num_stages=STAGES):
         # UNROLL independent loads per iteration, then added in batch order: sum over b in order
         for k in tl.static_range(UNROLL):
             b = b0 + k
@@ -108,74 +129,104 @@ def _wpe_backward_kernel(dwpe_ptr, dout_ptr, seed, B, T, C, stride_b, wte_numel,
 
 
 @triton.jit
-def _wte_backward_pieces_kernel(dwte_ptr, partial_ptr, dout_ptr, sorted_ptr, perm_ptr, seed, N, C,
-                                PIECE: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr,
-                                STOCHASTIC: tl.constexpr, SEED_IS_PTR: tl.constexpr):
-    i = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    tok = tl.load(sorted_ptr + i)
-    prev = tl.load(sorted_ptr + i - 1, mask=i > 0, other=-1)
-    is_start = tok != prev
-    is_cont = (tok == prev) & (i % PIECE == 0)
-    if is_start | is_cont:
-        # the piece ends at the run's end or at the next multiple of PIECE, whichever is first
-        limit = tl.minimum(N, (i // PIECE + 1) * PIECE)
-        acc = tl.zeros([TILE, BLOCK_C], dtype=tl.float32)
-        j = i
-        more = j < limit
-        while more:
-            js = j + tl.arange(0, TILE)
-            ok = js < limit
-            ids = tl.load(sorted_ptr + js, mask=ok, other=-1)
-            ok = ok & (ids == tok)  # sorted ids: the rows of the run are a prefix of the tile
-            src = tl.load(perm_ptr + js, mask=ok, other=0).to(tl.int64)
-            x = tl.load(dout_ptr + src[:, None] * C + cols[None, :], mask=ok[:, None] & col_ok[None, :],
-                        other=0.0, eviction_policy="evict_first")
-            acc += x.to(tl.float32)
-            j += TILE
-            more = (tl.sum(ok.to(tl.int32), axis=0) == TILE) & (j < limit)
-        total = tl.sum(acc, axis=0)
-        # does the run go on past this piece? (ids are sorted, so sorted[limit] == tok means it does)
-        nxt = tl.load(sorted_ptr + limit, mask=limit < N, other=-1)
-        if is_start & (nxt != tok):
-            # the whole run is this piece: finish the row now
-            row = tok.to(tl.int64) * C + cols
-            old = tl.load(dwte_ptr + row, mask=col_ok, other=0.0).to(tl.float32)
-            store_rounded(dwte_ptr + row, old + total, col_ok, _load_seed(seed, SEED_IS_PTR), row, STOCHASTIC)
-        else:
-            # a continuation piece (slot 0), or the first piece of a run that crosses the block's end (slot 1)
-            slot = 2 * (i // PIECE) + tl.where(is_cont, 0, 1)
-            tl.store(partial_ptr + slot.to(tl.int64) * C + cols, total, mask=col_ok)
+def _segment_add(x_a, id_a, x_b, id_b):
+    """Combine of the segmented scan: (a) precedes (b), each the sum of the rows of its last run.
+    The ids are sorted, so id_b == id_a means every row of (b) continues (a)'s last run."""
+    return tl.where(id_a == id_b, x_a + x_b, x_b), id_b
 
 
 @triton.jit
-def _wte_backward_combine_kernel(dwte_ptr, partial_ptr, sorted_ptr, seed, N, C,
-                                 PIECE: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr,
-                                 STOCHASTIC: tl.constexpr, SEED_IS_PTR: tl.constexpr):
+def _run_sums(x, ids, TILE: tl.constexpr, SCAN: tl.constexpr):
+    """Row i of the result: the sum of rows k <= i of x with ids[k] == ids[i] (x: [TILE, BLOCK_C] fp32,
+    ids: [TILE] sorted, so those rows are the run of row i up to i)."""
+    if SCAN:
+        idb = tl.broadcast_to(ids[:, None], x.shape)
+        run, _ = tl.associative_scan((x, idb), 0, _segment_add)
+    else:
+        r = tl.arange(0, TILE)
+        same = (ids[:, None] == ids[None, :]) & (r[None, :] <= r[:, None])  # [i, k]
+        run = tl.sum(tl.where(same[:, :, None], x[None, :, :], 0.0), axis=1)
+    return run
+
+
+@triton.jit
+def _wte_backward_chunks_kernel(dwte_ptr, partial_ptr, dout_ptr, sorted_ptr, perm_ptr, seed, N, C,
+                                CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr,
+                                STAGES: tl.constexpr, SCAN: tl.constexpr,
+                                STOCHASTIC: tl.constexpr, SEED_IS_PTR: tl.constexpr):
+    chunk = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    start = chunk * CHUNK
+    end = tl.minimum(start + CHUNK, N)
+    # the id of a run that began before this chunk (-3: none; no tile row is ever -3 or the pad id -1)
+    cont_id = tl.load(sorted_ptr + start - 1, mask=start > 0, other=-3).to(tl.int32)
+    s = _load_seed(seed, SEED_IS_PTR)
+    ar = tl.arange(0, TILE)
+    # the run open at the end of the previous tile of this chunk: its id and its sum so far
+    carry = tl.zeros([BLOCK_C], dtype=tl.float32)
+    carry_id = cont_id * 0 - 2
+    for t0 in tl.range(start, end, TILE, num_stages=STAGES):
+        js = t0 + ar
+        ok = js < end
+        ids = tl.load(sorted_ptr + js, mask=ok, other=-1).to(tl.int32)
+        nxt = tl.load(sorted_ptr + js + 1, mask=js + 1 < N, other=-1).to(tl.int32)
+        src = tl.load(perm_ptr + js, mask=ok, other=0).to(tl.int64)
+        m2 = ok[:, None] & col_ok[None, :]
+        x = tl.load(dout_ptr + src[:, None] * C + cols[None, :], mask=m2, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        run = _run_sums(x, ids, TILE, SCAN)
+        # the tile's first run may continue one from the previous tile (ids sorted: only its rows match)
+        run += tl.where((ids == carry_id)[:, None], carry[None, :], 0.0)
+
+        is_end = ids != nxt          # the run ends at this row (nxt is -1 past the last position)
+        cont = ids == cont_id        # the chunk's first run, begun in an earlier chunk
+        at_last = js == end - 1      # the chunk's last position
+        # a run begun in this chunk and ending in it: finish the dwte row
+        fin = ok & is_end & (ids != cont_id)
+        rows = ids.to(tl.int64)[:, None] * C + cols[None, :]
+        mf = fin[:, None] & col_ok[None, :]
+        old = tl.load(dwte_ptr + rows, mask=mf, other=0.0).to(tl.float32)
+        store_rounded(dwte_ptr + rows, old + run, mf, s, rows, STOCHASTIC)
+        # partials: the continued run where it ends (or at the chunk's end) -> slot 0; a run begun here
+        # still open at the chunk's end -> slot 1
+        part = ok & ((cont & is_end) | (at_last & (nxt == ids)))
+        slot = 2 * chunk + tl.where(cont, 0, 1)
+        tl.store(partial_ptr + slot.to(tl.int64)[:, None] * C + cols[None, :], run,
+                 mask=part[:, None] & col_ok[None, :])
+        if CHUNK > TILE:
+            last = js == tl.minimum(t0 + TILE, end) - 1
+            carry = tl.sum(tl.where(last[:, None], run, 0.0), axis=0)
+            carry_id = tl.sum(tl.where(last, ids, 0), axis=0)
+
+
+@triton.jit
+def _wte_backward_fixup_kernel(dwte_ptr, partial_ptr, sorted_ptr, seed, N, C,
+                               CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr,
+                               STOCHASTIC: tl.constexpr, SEED_IS_PTR: tl.constexpr):
     blk = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
-    first = blk * PIECE
-    end = (blk + 1) * PIECE
-    tok = tl.load(sorted_ptr + tl.minimum(N, end) - 1)  # the run holding the block's last position
+    first = blk * CHUNK
+    end = (blk + 1) * CHUNK
+    tok = tl.load(sorted_ptr + tl.minimum(N, end) - 1)  # the run holding the chunk's last position
     before = tl.load(sorted_ptr + first - 1, mask=blk > 0, other=-1)
     after = tl.load(sorted_ptr + end, mask=end < N, other=-1)
-    # that run started inside this block and goes on past its end: this program owns it
+    # that run started inside this chunk and goes on past its end: this program owns it
     if (before != tok) & (after == tok):
         acc = tl.zeros([TILE, BLOCK_C], dtype=tl.float32)
         b = blk + 1
-        more = b * PIECE < N
+        more = b * CHUNK < N
         while more:
             bs = b + tl.arange(0, TILE)
-            pos = bs * PIECE
+            pos = bs * CHUNK
             ids = tl.load(sorted_ptr + pos, mask=pos < N, other=-1)
-            ok = (pos < N) & (ids == tok)  # block bs holds a continuation piece of the run in slot 0
+            ok = (pos < N) & (ids == tok)  # chunk bs holds a continuation of the run in slot 0
             x = tl.load(partial_ptr + (2 * bs).to(tl.int64)[:, None] * C + cols[None, :],
                         mask=ok[:, None] & col_ok[None, :], other=0.0)
             acc += x
             b += TILE
-            more = (tl.sum(ok.to(tl.int32), axis=0) == TILE) & (b * PIECE < N)
+            more = (tl.sum(ok.to(tl.int32), axis=0) == TILE) & (b * CHUNK < N)
         head = tl.load(partial_ptr + (2 * blk + 1).to(tl.int64) * C + cols, mask=col_ok, other=0.0)
         total = head + tl.sum(acc, axis=0)
         row = tok.to(tl.int64) * C + cols
@@ -199,6 +250,11 @@ def _seed_args(seed):
     return int(seed), False
 
 
+def _pow2(x: int, name: str) -> int:
+    assert x >= 1 and x & (x - 1) == 0, f"{name} must be a power of two, got {x}"
+    return x
+
+
 def encoder_forward(out: torch.Tensor, inp: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor):
     """out (B, T, C) = wte[inp] + wpe[:T]; inp (B, T) int32/int64 ids, wte (Vp, C), wpe (maxT, C). Returns out."""
     B, T = inp.shape
@@ -219,7 +275,7 @@ class EncoderBackwardScratch:
     """Preallocated work buffers of encoder_backward (so a captured step allocates nothing)."""
     sorted_ids: torch.Tensor  # (B*T,) the ids sorted, dtype of inp
     perm: torch.Tensor        # (B*T,) int64: position of each sorted id
-    partial: torch.Tensor     # (2 * cdiv(B*T, piece), C) fp32 piece sums of long runs
+    partial: torch.Tensor     # (>= 2 * cdiv(B*T, piece), C) fp32 partial sums of runs crossing chunks
 
 
 def encoder_backward_scratch(B: int, T: int, C: int, device, ids_dtype=torch.int32,
@@ -232,44 +288,84 @@ def encoder_backward_scratch(B: int, T: int, C: int, device, ids_dtype=torch.int
     )
 
 
+def wpe_backward(dwpe: torch.Tensor, dout: torch.Tensor, seed, wte_numel: int, stochastic: bool = True,
+                 rows: int = ENC_WPE_ROWS, block_c: int = ENC_WPE_BLOCK_C, unroll: int = ENC_WPE_UNROLL,
+                 num_warps: int = ENC_WPE_WARPS, stages: int = ENC_WPE_STAGES):
+    """dwpe (maxT, C)[:T] += dout (B, T, C) summed over B, in batch order. wte_numel: where wpe starts in the
+    flat [wte; wpe] parameter buffer (its stochastic-rounding counters follow wte's). Returns dwpe."""
+    B, T, C = dout.shape
+    assert dwpe.shape[1] == C and dwpe.shape[0] >= T and dwpe.dtype == dout.dtype
+    assert dout.dtype in (torch.float32, torch.bfloat16) and dwpe.is_contiguous() and dout.is_contiguous()
+    seed_arg, seed_is_ptr = _seed_args(seed)
+    sr = stochastic and dout.dtype == torch.bfloat16
+    rows = _pow2(rows, "rows")
+    block_c = min(_pow2(block_c, "block_c"), triton.next_power_of_2(C))
+    _wpe_backward_kernel[(cdiv(T, rows), cdiv(C, block_c))](
+        dwpe, dout, seed_arg, B, T, C, T * C, wte_numel, ROWS_T=rows, BLOCK_C=block_c, UNROLL=unroll,
+        STAGES=stages, STOCHASTIC=sr, SEED_IS_PTR=seed_is_ptr, num_warps=num_warps)
+    return dwpe
+
+
+def wte_backward(dwte: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor, seed,
+                 scratch: EncoderBackwardScratch, stochastic: bool = True, piece: int = ENC_PIECE,
+                 tile: int = ENC_TILE, block_c: int = ENC_BLOCK_C, num_warps: int = ENC_WARPS,
+                 stages: int = ENC_STAGES, scan: bool | None = None):
+    """dwte (Vp, C) += scatter of dout (B, T, C) by the ids inp (B, T): the device sort, then the chunk kernel
+    and the fix-up (module docstring). piece: sorted positions per program (any >= 1); tile: positions
+    gathered at once (power of two); block_c: channels per program (power of two); stages: pipelining depth
+    of the tile loop; scan: segmented sums by associative scan (default on the GPU) or by a masked
+    reduction (default in the interpreter). Returns dwte."""
+    B, T, C = dout.shape
+    N = B * T
+    assert inp.shape == (B, T) and inp.dtype in (torch.int32, torch.int64)
+    assert dwte.shape[1] == C and dwte.dtype == dout.dtype and dout.dtype in (torch.float32, torch.bfloat16)
+    assert dwte.is_contiguous() and dout.is_contiguous() and inp.is_contiguous()
+    assert piece >= 1
+    assert scratch.sorted_ids.shape == (N,) and scratch.sorted_ids.dtype == inp.dtype
+    assert scratch.perm.shape == (N,) and scratch.perm.dtype == torch.int64
+    assert scratch.partial.dtype == torch.float32 and scratch.partial.is_contiguous()
+    assert scratch.partial.shape[1] == C and scratch.partial.shape[0] >= 2 * cdiv(N, piece), \
+        f"scratch.partial {tuple(scratch.partial.shape)}: need >= {2 * cdiv(N, piece)} rows for piece={piece}"
+    seed_arg, seed_is_ptr = _seed_args(seed)
+    sr = stochastic and dout.dtype == torch.bfloat16
+    tile = _pow2(tile, "tile")
+    block_c = min(_pow2(block_c, "block_c"), triton.next_power_of_2(C))
+    fix_c = min(ENC_COMBINE_BLOCK_C, triton.next_power_of_2(C))
+    scan = ENC_SCAN if scan is None else scan
+
+    # stable: equal ids keep position order, so every run is summed in the same order every time
+    torch.sort(inp.reshape(-1), stable=True, out=(scratch.sorted_ids, scratch.perm))
+    n_chunks = cdiv(N, piece)
+    _wte_backward_chunks_kernel[(n_chunks, cdiv(C, block_c))](
+        dwte, scratch.partial, dout, scratch.sorted_ids, scratch.perm, seed_arg, N, C,
+        CHUNK=piece, TILE=tile, BLOCK_C=block_c, STAGES=stages, SCAN=scan, STOCHASTIC=sr,
+        SEED_IS_PTR=seed_is_ptr, num_warps=num_warps)
+    _wte_backward_fixup_kernel[(n_chunks, cdiv(C, fix_c))](
+        dwte, scratch.partial, scratch.sorted_ids, seed_arg, N, C,
+        CHUNK=piece, TILE=ENC_COMBINE_TILE, BLOCK_C=fix_c, STOCHASTIC=sr, SEED_IS_PTR=seed_is_ptr,
+        num_warps=4)
+    return dwte
+
+
 def encoder_backward(dwte: torch.Tensor, dwpe: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor, seed,
                      scratch: EncoderBackwardScratch | None = None, stochastic: bool = True,
-                     piece: int = ENC_PIECE):
+                     piece: int = ENC_PIECE, **wte_config):
     """dwte (Vp, C) += scatter of dout (B, T, C) by the ids inp (B, T); dwpe (maxT, C)[:T] += dout summed over B.
 
     Deterministic and atomic-free (see the module docstring). seed: int or 1-element int64 device tensor
     for the stochastic rounding of bf16 gradients (stochastic=False: round to nearest). scratch: from
-    encoder_backward_scratch (allocated here when None, which a captured step must avoid). The sort is
-    torch.sort on the device: no host sync. piece: the longest run one program sums (the
-    tests make it small to reach the split path on tiny inputs). Returns (dwte, dwpe).
+    encoder_backward_scratch (allocated here when None, which a captured step must avoid); its partial
+    buffer must have room for `piece`. The sort is torch.sort on the device: no host sync. piece: sorted
+    positions per program of the dwte kernel (the tests make it small to reach the chunk-crossing paths
+    on tiny inputs); wte_config: tile, block_c, num_warps, stages, scan of wte_backward. Returns (dwte, dwpe).
     """
     B, T, C = dout.shape
-    N = B * T
     assert inp.shape == (B, T) and inp.dtype in (torch.int32, torch.int64)
     assert dwte.shape[1] == C and dwpe.shape[1] == C and dwpe.shape[0] >= T
     assert dwte.dtype == dwpe.dtype == dout.dtype and dout.dtype in (torch.float32, torch.bfloat16)
     assert all(x.is_contiguous() for x in (dwte, dwpe, dout, inp))
     if scratch is None:
         scratch = encoder_backward_scratch(B, T, C, dout.device, inp.dtype, piece)
-    assert scratch.sorted_ids.shape == (N,) and scratch.sorted_ids.dtype == inp.dtype
-    assert scratch.perm.shape == (N,) and scratch.partial.shape == (2 * cdiv(N, piece), C)
-    assert piece >= 1
-    seed_arg, seed_is_ptr = _seed_args(seed)
-    sr = stochastic and dout.dtype == torch.bfloat16
-    rows, block_c = _tiles(C)
-    n_col = cdiv(C, block_c)
-
-    _wpe_backward_kernel[(cdiv(T, rows), n_col)](
-        dwpe, dout, seed_arg, B, T, C, T * C, dwte.numel(), ROWS_T=rows, BLOCK_C=block_c, UNROLL=ENC_WPE_UNROLL,
-        STOCHASTIC=sr, SEED_IS_PTR=seed_is_ptr, num_warps=4)
-
-    # stable: equal ids keep position order, so every run is summed in the same order every time
-    torch.sort(inp.reshape(-1), stable=True, out=(scratch.sorted_ids, scratch.perm))
-    _wte_backward_pieces_kernel[(N, n_col)](
-        dwte, scratch.partial, dout, scratch.sorted_ids, scratch.perm, seed_arg, N, C,
-        PIECE=piece, TILE=ENC_TILE, BLOCK_C=block_c, STOCHASTIC=sr, SEED_IS_PTR=seed_is_ptr, num_warps=4)
-    _wte_backward_combine_kernel[(cdiv(N, piece), n_col)](
-        dwte, scratch.partial, scratch.sorted_ids, seed_arg, N, C,
-        PIECE=piece, TILE=ENC_COMBINE_TILE, BLOCK_C=block_c, STOCHASTIC=sr, SEED_IS_PTR=seed_is_ptr,
-        num_warps=4)
+    wpe_backward(dwpe, dout, seed, dwte.numel(), stochastic)
+    wte_backward(dwte, dout, inp, seed, scratch, stochastic, piece, **wte_config)
     return dwte, dwpe
