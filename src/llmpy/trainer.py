@@ -2,7 +2,8 @@
 
 `llmpy train` with no arguments trains a small model on the embedded default corpus (the running
 Python's standard library, byte-level tokens) on the CPU; `-i/-j` point at token shards, `-e` picks
-the model. The CPU path is the fp32 reference trainer (`reference.GPT2Reference`).
+the model. On the CPU the step runs the fp32 reference (`reference.GPT2Reference`); with a GPU it runs
+`model.GPT2Model` (Triton kernels, cuBLAS, one CUDA graph a step), bf16 by default.
 """
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ class TrainOptions:
     grad_clip: float = 1.0
     seed: int = 42
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = ""                        # "" = bfloat16 on the GPU, float32 on the CPU
+    attention: str = "auto"
+    cuda_graph: int = 1
     shuffle: int = 0
     temperature: float = 1.0
     top_k: int = 0
@@ -83,6 +86,10 @@ class TrainOptions:
             raise LlmpyError(f"-k {self.lr_schedule}: unknown schedule; choose one of {', '.join(SCHEDULES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise LlmpyError(f"--device {self.device}: must be auto, cpu or cuda")
+        if self.dtype not in ("", "bfloat16", "float32"):
+            raise LlmpyError(f"--dtype {self.dtype}: must be bfloat16 or float32")
+        if self.attention not in ("auto", "classic", "flash", "cudnn", "torch-flash"):
+            raise LlmpyError(f"--attention {self.attention}: must be auto, classic, flash, cudnn or torch-flash")
         if self.grad_clip < 0:
             raise LlmpyError(f"--grad-clip {self.grad_clip}: must be >= 0 (0 turns clipping off)")
         for name, flag in (("checkpoint_every", "-n"), ("checkpoints_keep", "-nk"), ("major_checkpoint_every", "-nm"),
@@ -137,7 +144,10 @@ FLAGS = [  # (short, long, field, type, help)
 EXTRA_FLAGS = [  # long-only flags
     ("--grad-clip", "grad_clip", float, "clip the gradient's global norm to this (0: off)"),
     ("--seed", "seed", int, "seed of the model's random init, shuffling and sampling"),
-    ("--device", "device", str, "cpu, cuda or auto"),
+    ("--device", "device", str, "cpu, cuda or auto (cuda when a GPU is visible)"),
+    ("--dtype", "dtype", str, "bfloat16 or float32 (default: bfloat16 on the GPU; the CPU is float32)"),
+    ("--attention", "attention", str, "GPU attention: auto, classic, flash, cudnn or torch-flash"),
+    ("--cuda-graph", "cuda_graph", int, "1: capture the whole step in a CUDA graph (GPU)"),
     ("--shuffle", "shuffle", int, "1: shuffle shards and batches each epoch"),
     ("--temperature", "temperature", float, "sampling temperature (0: greedy)"),
     ("--top-k", "top_k", int, "sample from the k most likely tokens (0: all)"),
@@ -177,10 +187,82 @@ def run(args: argparse.Namespace) -> int:
 # building the pieces
 
 def _resolve_device(opts: TrainOptions) -> str:
-    if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()):
-        if opts.device == "cuda":
-            raise LlmpyError("--device cuda: the GPU trainer is not implemented yet; use --device cpu")
-    return "cpu"
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise LlmpyError("--device cuda: no CUDA GPU is visible to torch")
+    if opts.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return opts.device
+
+
+class CPUBackend:
+    """The fp32 CPU reference trainer behind the interface the loop uses (GPT2Model's on the GPU)."""
+
+    def __init__(self, config: GPT2Config, params: torch.Tensor):
+        from .reference import GPT2Reference
+        self.model = GPT2Reference(config, params)
+        self.config = config
+        self.last_step_skipped = False
+
+    def describe(self) -> str:
+        return f"fp32 CPU reference | torch threads {torch.get_num_threads()}"
+
+    def train_step(self, batches, lr, step, weight_decay, grad_clip, skip=None):
+        from .reference import clip_scale
+        m = self.model
+        m.zero_grad()
+        loss = 0.0
+        for x, y in batches:
+            loss += m.forward(x, y)
+            m.backward(1.0 / (x.numel() * len(batches)))
+        loss /= len(batches)
+        norm = m.grad_norm()
+        self.last_step_skipped = bool(skip(loss, norm)) if skip is not None else False
+        if not self.last_step_skipped and math.isfinite(loss):
+            m.update(lr, step, weight_decay=weight_decay, grad_scale=clip_scale(norm, grad_clip))
+        return loss, norm
+
+    def validate(self, x, y) -> float:
+        return self.model.forward(x, y)
+
+    def next_logits(self, ctx):
+        self.model.forward(torch.tensor([ctx]))
+        return self.model.logits[0, -1]
+
+    def parameters_fp32(self) -> torch.Tensor:
+        return self.model.params_flat
+
+
+class GPUBackend:
+    """GPT2Model (Triton kernels, cuBLAS, whole-step CUDA graph) behind the loop's interface."""
+
+    def __init__(self, config: GPT2Config, params: torch.Tensor, opts: "TrainOptions"):
+        from .model import GPT2Model
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
+        torch.backends.cuda.matmul.allow_tf32 = bool(opts.tf32)
+        self.model = GPT2Model(config, params, opts.batch_size, opts.seq_len, device="cuda", dtype=dtype,
+                               master_weights=bool(opts.master_weights), recompute=opts.recompute,
+                               gelu_fusion=opts.gelu_fusion, attention=opts.attention, seed=opts.seed,
+                               cuda_graph=bool(opts.cuda_graph))
+        self.config = config
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.model.last_step_skipped
+
+    def describe(self) -> str:
+        return self.model.describe()
+
+    def train_step(self, batches, lr, step, weight_decay, grad_clip, skip=None):
+        return self.model.train_step(batches, lr, step, weight_decay, grad_clip, skip=skip)
+
+    def validate(self, x, y) -> float:
+        return self.model.validate(x, y)
+
+    def next_logits(self, ctx):
+        return self.model.logits_last(ctx)[0]
+
+    def parameters_fp32(self) -> torch.Tensor:
+        return self.model.parameters_fp32()
 
 
 def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.Tensor]:
@@ -281,26 +363,35 @@ def _fmt_options(opts: TrainOptions) -> str:
 def train(opts: TrainOptions, log=print) -> TrainResult:
     """Run one training as the options say; returns the losses and the trained model."""
     from .data import DataLoader, EvalLoader, default_dataset
-    from .reference import GPT2Reference, clip_scale
     from .sampler import generate
 
     embedded = opts.train_data is None
     if embedded:
-        # the offline default: small model, byte-level stdlib corpus, settings that train in ~2 minutes
+        # the offline default: the byte-level stdlib corpus; on the CPU a small model that trains in about
+        # two minutes on two cores, on a GPU GPT-2 124M (d12)
         files = default_dataset()
         opts.train_data, opts.val_data = files.train, opts.val_data or files.val
         if opts.model is None:
-            opts.model = DEFAULT_CPU_MODEL
+            on_gpu = _resolve_device(opts) == "cuda"
+            opts.model = "d12" if on_gpu else DEFAULT_CPU_MODEL
             defaults = TrainOptions()
-            for name, value in (("batch_size", 16), ("seq_len", 128), ("learning_rate", 2e-3), ("max_steps", 300),
-                                ("warmup_steps", 20), ("val_every", 50), ("val_max_steps", 8), ("sample_every", 0),
-                                ("gen_tokens", 192), ("final_lr_frac", 0.1), ("weight_decay", 0.0)):
+            settings = (("batch_size", 16), ("seq_len", 1024), ("learning_rate", 6e-4), ("max_steps", 200),
+                        ("warmup_steps", 20), ("val_every", 50), ("val_max_steps", 8), ("sample_every", 0),
+                        ("gen_tokens", 256), ("final_lr_frac", 0.1)) if on_gpu else \
+                       (("batch_size", 16), ("seq_len", 128), ("learning_rate", 2e-3), ("max_steps", 300),
+                        ("warmup_steps", 20), ("val_every", 50), ("val_max_steps", 8), ("sample_every", 0),
+                        ("gen_tokens", 192), ("final_lr_frac", 0.1))
+            for name, value in settings:
                 if getattr(opts, name) == getattr(defaults, name):
                     setattr(opts, name, value)
     if opts.model is None:
         opts.model = "d12"
     opts.validate()
     device = _resolve_device(opts)
+    if not opts.dtype:
+        opts.dtype = "bfloat16" if device == "cuda" else "float32"
+    if device == "cpu" and opts.dtype != "float32":
+        raise LlmpyError(f"--dtype {opts.dtype}: the CPU reference trains in float32")
 
     config, params = load_or_create_model(opts.model, seed=opts.seed)
     B, T = opts.batch_size, opts.seq_len
@@ -326,8 +417,9 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     tokenizer = _tokenizer_for(config.vocab_size)
     out_dir = _check_output_dir(opts.output_dir) if opts.output_dir else None  # after every check of the input
 
-    model = GPT2Reference(config, params)
-    log(f"llmpy train | device {device} | fp32 CPU reference | torch threads {torch.get_num_threads()}")
+    backend = GPUBackend(config, params, opts) if device == "cuda" else CPUBackend(config, params)
+    model = backend.model
+    log(f"llmpy train | device {device} | {backend.describe()}")
     log(f"model {opts.model}: {config.describe()} | padded vocab {config.padded_vocab_size} | "
         f"{config.num_parameters:,} parameters")
     log(f"data {opts.train_data}: {train_loader.num_tokens:,} tokens, {len(train_loader)} batches of B={B} T={T}"
@@ -337,6 +429,11 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         f"| clip {opts.grad_clip}")
     if out_dir:
         log(f"output {out_dir}")
+    mfu_of = None
+    if device == "cuda":
+        from .mfu import estimate_mfu
+        gpu_name = torch.cuda.get_device_name()
+        mfu_of = lambda tok_s: estimate_mfu(config, T, tok_s, gpu_name)  # noqa: E731
 
     result = TrainResult(config=config, model=model)
     run_log = RunLog(out_dir)
@@ -350,7 +447,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     def validate(step):
         if val_loader is None:
             return
-        losses = [model.forward(x, y) for x, y in val_loader.batches(val_batches)]
+        losses = [backend.validate(x, y) for x, y in val_loader.batches(val_batches)]
         val = sum(losses) / len(losses)
         result.val_losses.append((step, val))
         run_log.write(step, "val", loss=val)
@@ -360,15 +457,20 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         if opts.gen_tokens == 0:
             return None
         start = [tokenizer.eot] if tokenizer is not None else [config.vocab_size - 1]
-
-        def next_logits(ctx):
-            model.forward(torch.tensor([ctx]))
-            return model.logits[0, -1]
-        ids = generate(next_logits, start, opts.gen_tokens, config.vocab_size, config.max_seq_len,
+        ids = generate(backend.next_logits, start, opts.gen_tokens, config.vocab_size, config.max_seq_len,
                        seed=opts.seed + step, temperature=opts.temperature, top_k=opts.top_k)
         text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
         log(f"--- sample at step {step} ---\n{text}\n---")
         return text
+
+    last_z = [float("nan"), float("nan")]
+
+    def outlier(loss, norm) -> bool:
+        """-sl/-sg: skip the update when the loss or gradient norm is an outlier of its recent window."""
+        last_z[:] = loss_outliers.update(loss), grad_outliers.update(norm)
+        return (opts.skip_loss_z > 0 and last_z[0] > opts.skip_loss_z) or \
+            (opts.skip_grad_z > 0 and last_z[1] > opts.skip_grad_z)
+    skip_fn = outlier if (opts.skip_loss_z > 0 or opts.skip_grad_z > 0) else None
 
     first_batch = None
     try:
@@ -378,42 +480,36 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             if opts.sample_every > 0 and step > 0 and step % opts.sample_every == 0:
                 sample(step)
             t0 = time.perf_counter()
-            model.zero_grad()
-            loss_sum = 0.0
+            batches = []
             for _ in range(accum):
                 if opts.overfit_single_batch:
                     first_batch = first_batch or train_loader.next_batch()
-                    x, y = first_batch
+                    batches.append(first_batch)
                 else:
-                    x, y = train_loader.next_batch()
-                loss_sum += model.forward(x, y)
-                model.backward(1.0 / (tokens_per_micro * accum))
-            loss = loss_sum / accum
+                    batches.append(train_loader.next_batch())
+            lr = schedule(step)
+            loss, norm = backend.train_step(batches, lr, step + 1, opts.weight_decay, opts.grad_clip, skip=skip_fn)
             if not math.isfinite(loss):
                 raise LlmpyError(f"step {step + 1}: the loss is {loss}; stopping (lower -l, or check the data)")
-            norm = model.grad_norm()
-            lr = schedule(step)
-            zl, zg = loss_outliers.update(loss), grad_outliers.update(norm)
-            skip = (opts.skip_loss_z > 0 and zl > opts.skip_loss_z) or (opts.skip_grad_z > 0 and zg > opts.skip_grad_z)
+            skip = backend.last_step_skipped
             if skip:
-                log(f"step {step + 1}: skipping the update (loss z {zl:.2f}, grad-norm z {zg:.2f})")
-            else:
-                model.update(lr, step + 1, weight_decay=opts.weight_decay,
-                             grad_scale=clip_scale(norm, opts.grad_clip))
+                log(f"step {step + 1}: skipped the update (loss z {last_z[0]:.2f}, grad-norm z {last_z[1]:.2f})")
             ms = (time.perf_counter() - t0) * 1000
             result.train_losses.append(loss)
             result.step_ms.append(ms)
             run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, skipped=skip)
+            tok_s = tokens_per_micro * accum / (ms / 1000)
+            mfu = f" | {100 * mfu_of(tok_s):.1f}% MFU" if mfu_of is not None and mfu_of(tok_s) > 0 else ""
             log(f"step {step + 1:5d}/{steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | {ms:.1f} ms | "
-                f"{tokens_per_micro * accum / (ms / 1000):.0f} tok/s")
+                f"{tok_s:.0f} tok/s{mfu}")
             if progress is not None:
                 progress.update(1)
             if out_dir and opts.checkpoint_every > 0 and (step + 1) % opts.checkpoint_every == 0 and step + 1 < steps:
-                _save_checkpoint(out_dir, step + 1, config, model.params_flat, opts)
+                _save_checkpoint(out_dir, step + 1, config, backend.parameters_fp32(), opts)
         validate(steps)
         result.sample = sample(steps)
         if out_dir:
-            _save_checkpoint(out_dir, steps, config, model.params_flat, opts, final=True)
+            _save_checkpoint(out_dir, steps, config, backend.parameters_fp32(), opts, final=True)
     finally:
         if progress is not None:
             progress.close()

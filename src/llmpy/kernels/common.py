@@ -56,6 +56,15 @@ def round_nearest_bf16(x):
 
 
 @triton.jit
+def round_to(x, ptr):
+    """fp32 x in ptr's element type, rounded to nearest (even) on the GPU and in the interpreter alike."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return round_nearest_bf16(x)
+    else:
+        return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
 def store_rounded(ptr, x, mask, seed, offsets, STOCHASTIC: tl.constexpr):
     """Store fp32 x into ptr's dtype: stochastic rounding for bf16 when asked, else round-to-nearest."""
     if STOCHASTIC:

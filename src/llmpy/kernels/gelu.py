@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv
+from .common import cdiv, round_to
 
 # 2048 elements a program: 16 per thread at 4 warps, i.e. two 16-byte vectors in bf16 (one in fp32
 # after four), enough bytes in flight per program without too many registers.
@@ -38,13 +38,27 @@ def _tanh(z):
 
 
 @triton.jit
+def gelu_fp32(x):
+    """GELU, tanh form, of fp32 x. The one definition every kernel uses (this module's and the matmul
+    epilogues), so a recomputed GELU has the bits of the stored one."""
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) * (x + 0.044715 x^3)
+    return 0.5 * x * (1.0 + _tanh(z))
+
+
+@triton.jit
+def gelu_grad_fp32(x):
+    """d gelu / dx of fp32 x; sech^2 written as 1 - tanh^2 so nothing overflows."""
+    t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+    sech2 = 1.0 - t * t
+    return 0.5 * (1.0 + t) + x * 0.5 * sech2 * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+
+
+@triton.jit
 def _gelu_forward_kernel(out_ptr, inp_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) * (x + 0.044715 x^3)
-    y = 0.5 * x * (1.0 + _tanh(z))
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, round_to(gelu_fp32(x), out_ptr), mask=mask)
 
 
 @triton.jit
@@ -53,10 +67,7 @@ def _gelu_backward_inplace_kernel(d_ptr, inp_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     d = tl.load(d_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
-    sech2 = 1.0 - t * t
-    local_grad = 0.5 * (1.0 + t) + x * 0.5 * sech2 * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
-    tl.store(d_ptr + offs, (local_grad * d).to(d_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_ptr + offs, round_to(gelu_grad_fp32(x) * d, d_ptr), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------

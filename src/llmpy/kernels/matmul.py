@@ -19,8 +19,8 @@ Weights are (OC, C) as in llm.c: out = inp @ weight.T + bias.
   chunk of rows in fp32 into a scratch row; level 2: one program per column block adds the chunk sums in
   a fixed order into dbias. With a single chunk, level 1 adds into dbias directly.
 
-GELU is the tanh form, written through the identity 0.5 * (1 + tanh(u)) = sigmoid(2u): one exp, no tanh
-(not in core triton.language), and no overflow for large |x| (exp -> inf gives sigmoid 0, gelu -0).
+GELU is the tanh form of kernels/gelu.py (gelu_fp32, gelu_grad_fp32): one definition, so the epilogue's
+output has the bits of gelu_forward and a GELU recomputed in the backward equals the stored one.
 """
 from __future__ import annotations
 
@@ -31,11 +31,9 @@ import triton
 import triton.language as tl
 
 from .common import DOT_UPCAST, cdiv, interpreting, round_nearest_bf16, store_rounded
-from .gelu import gelu_backward_inplace, gelu_forward
+from .gelu import gelu_backward_inplace, gelu_forward, gelu_fp32, gelu_grad_fp32
 
 # 2 * sqrt(2 / pi) and 2 * sqrt(2 / pi) * 0.044715: sigmoid(2u) with u = sqrt(2/pi) * (x + 0.044715 x^3)
-GELU_2K = tl.constexpr(1.5957691216057308)
-GELU_2K_C = tl.constexpr(1.5957691216057308 * 0.044715)
 
 # epilogues of _matmul_kernel
 EPILOGUE_NONE, EPILOGUE_GELU_AUX, EPILOGUE_DGELU = 0, 1, 2
@@ -61,21 +59,13 @@ ELEMENTWISE_BLOCK = 1024 if interpreting() else 4096
 # GELU, tanh form
 
 @triton.jit
-def _gelu_gate(x):
-    """0.5 * (1 + tanh(u)) = sigmoid(2u), fp32."""
-    return 1.0 / (1.0 + tl.exp(-x * (GELU_2K + GELU_2K_C * x * x)))
-
-
-@triton.jit
 def _gelu(x):
-    return x * _gelu_gate(x)
+    return gelu_fp32(x)  # the same bits as kernels/gelu.py, so a recomputed GELU equals the stored one
 
 
 @triton.jit
 def _gelu_grad(x):
-    """d/dx x * s(x), s = sigmoid(2u): s + x * s * (1 - s) * 2u'(x); 2u' = 2K + 3 * 2K * 0.044715 x^2."""
-    s = _gelu_gate(x)
-    return s + x * s * (1.0 - s) * (GELU_2K + 3.0 * GELU_2K_C * x * x)
+    return gelu_grad_fp32(x)
 
 
 @triton.jit

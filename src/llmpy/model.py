@@ -1,0 +1,795 @@
+"""GPT-2 on the GPU: llm.c's train_gpt2.cu model (gpt2_forward, gpt2_backward_and_reduce, gpt2_update)
+wired from the Triton kernels of `llmpy.kernels` and cuBLAS matrix products through torch.
+
+Everything lives in preallocated device memory, as in llm.c:
+
+- one flat parameter buffer in the storage dtype ("floatX": bf16 by default, or fp32), llm.c's order
+  (config.parameter_views gives the 16 tensors), and one flat gradient buffer of the same dtype;
+- AdamW's m and v, fp32, allocated UP FRONT with everything else (so the memory check at construction
+  is the whole bill, and a CUDA graph never sees an allocation), and fp32 master weights when the
+  storage is bf16 and master_weights is on;
+- every activation for the micro-batch (B, T) in two arenas (one floatX, one fp32), carved into named
+  views as llm.c's ActivationTensors (see `activation_specs`), plus a few small integer buffers.
+
+Recompute (llm.c's -r): 0 keeps every per-layer activation; 1 does not keep GELU's output per layer
+(fch_gelu is one (B, T, 4C) buffer, recomputed from fch in the backward); 2 also keeps one ln1 and one
+ln2 buffer instead of one per layer, recomputed in the backward from the residual and the saved
+mean/rstd.
+
+Attention: "classic" (llm.c's permute + cuBLAS + softmax path: keeps qkvr and the (B, NH, T, T)
+probabilities per layer), "flash" (the Triton flash kernel), "cudnn" / "torch-flash" (PyTorch's fused
+ops); the fused paths keep qkv and the fp32 log-sum-exp per layer. "auto" asks
+kernels.attention.default_attention_impl.
+
+Determinism: every kernel of the step reduces in a fixed order (no atomics), the stochastic-rounding
+seeds live in a device tensor advanced by a fixed recurrence every micro-step, so two runs from the same
+seed give the same bits (the cuDNN path depends on cuDNN's own backward; see tests/test_attention.py).
+
+A training step (`train_step`) on CUDA is one CUDA graph: after one eager warm-up step (which compiles
+every Triton kernel and fills the fused-attention ops' state), forward + backward of every micro-step,
+the global norm, the clip scale and AdamW are captured once; each later step copies its batches into
+static device buffers, writes the step's hyper-parameters (learning rate, bias corrections) into device
+memory, and replays.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .config import GPT2Config, parameter_views
+from .errors import LlmpyError
+from .kernels import adamw as kadamw
+from .kernels import attention as kattn
+from .kernels import encoder as kenc
+from .kernels import global_norm as knorm
+from .kernels import layernorm as kln
+from .kernels import matmul as kmm
+from .kernels.common import interpreting
+from .kernels.fused_classifier import fused_classifier
+from .kernels.gelu import gelu_forward
+
+RECOMPUTE_LEVELS = (0, 1, 2)
+GELU_FUSION_LEVELS = (0, 1, 2, 3)
+ATTENTION_CHOICES = ("auto",) + kattn.ATTENTION_IMPLS
+
+# Headroom asked for on top of the counted buffers: the CUDA context's share is already gone from
+# mem_get_info's free bytes, but cuBLAS workspaces, Triton's and the fused-attention ops' temporaries,
+# and a captured graph's private pool are not in our count.
+MEMORY_MARGIN = 1 << 30
+
+# Row chunks of the layernorm backward's first level under Triton's interpreter: it runs every program in
+# Python, so a few long chunks instead of one per row (the GPU keeps kernels.layernorm's constant).
+INTERPRET_LN_CHUNKS = 4
+
+# Every buffer starts on a 256-byte boundary of its arena (vectorised loads, cuBLAS alignment).
+_ALIGN_BYTES = 256
+
+# Stochastic-rounding seeds: one slot per call site that rounds a parameter gradient or a parameter
+# (so two sites never share a random stream), advanced every micro-step by a full-period LCG mod 2^31
+# (Hull-Dobell: c odd, a - 1 divisible by 4), run on the device so a replayed graph advances it too.
+# Distinct slots stay distinct forever: the recurrence is a bijection.
+_LCG_A, _LCG_C, _LCG_M = 1103515245, 12345, 1 << 31
+
+
+def default_gelu_fusion(device) -> int:
+    """What `-ge -1` means here: 0. llm.c fuses GELU into cuBLASLt's epilogue on sm_90; torch exposes no
+    epilogue that also writes the pre-activation, and our Triton GEMM with that epilogue measured slower
+    than cuBLAS + the GELU kernel on an H200 (0.99 ms against 0.69 ms for fc at B=64, T=1024:
+    bench/RESULTS.md), so fusion stays opt-in (-ge 1..3) until it wins."""
+    return 0
+
+
+def _resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
+    if attention not in ATTENTION_CHOICES:
+        raise LlmpyError(f"attention {attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
+    if attention == "auto":
+        impl = kattn.default_attention_impl(device)
+        # PyTorch's fused kernels are 16-bit; the fp32 model takes the Triton flash kernel instead
+        if dtype == torch.float32 and impl in ("cudnn", "torch-flash"):
+            impl = "flash"
+        return impl
+    if attention in ("cudnn", "torch-flash") and (device.type != "cuda" or interpreting()):
+        raise LlmpyError(f"attention {attention!r} needs a CUDA device; use classic or flash here")
+    if attention == "torch-flash" and dtype == torch.float32:
+        raise LlmpyError("attention 'torch-flash' has no fp32 kernels; use flash or classic with fp32")
+    return attention
+
+
+# ----------------------------------------------------------------------------------------------------
+# the buffer plan
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    group: str  # parameters, gradients, optimizer, master, activations, scratch
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+
+
+def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, recompute: int,
+                     attention: str, device="cpu") -> list[BufferSpec]:
+    """The activation and scratch buffers of the model (llm.c's ActivationTensors), for a resolved
+    attention impl. Per-layer tensors have a leading L; those recompute shares across layers have 1."""
+    L, C, NH, Vp = config.num_layers, config.channels, config.num_heads, config.padded_vocab_size
+    hs = C // NH
+    f32 = torch.float32
+    Lg = 1 if recompute >= 1 else L  # fch_gelu
+    Ll = 1 if recompute >= 2 else L  # ln1, ln2
+    classic = attention == "classic"
+    ln_chunks = (INTERPRET_LN_CHUNKS,) if interpreting() else ()
+    # the logits; in the classic path also the forward's qkv scratch and (when it fits) the backward's
+    # datt scratch: both are dead whenever the logits are live (llm.c's "scratchX = acts.output")
+    out_numel = B * T * Vp
+    if classic:
+        out_numel = max(out_numel, B * T * 3 * C)
+    specs = [
+        BufferSpec("encoded", (B, T, C), dtype, "activations"),
+        BufferSpec("ln1", (Ll, B, T, C), dtype, "activations"),
+        BufferSpec("ln1_mean", (L, B, T), f32, "activations"),
+        BufferSpec("ln1_rstd", (L, B, T), f32, "activations"),
+    ]
+    if classic:
+        specs += [BufferSpec("qkvr", (L, 3, B, NH, T, hs), dtype, "activations"),
+                  BufferSpec("att", (L, B, NH, T, T), dtype, "activations")]
+    else:
+        specs += [BufferSpec("qkv", (L, B, T, 3 * C), dtype, "activations"),
+                  BufferSpec("lse", (L, B, NH, T), f32, "activations")]
+    specs += [
+        BufferSpec("atty", (L, B, T, C), dtype, "activations"),
+        BufferSpec("residual2", (L, B, T, C), dtype, "activations"),
+        BufferSpec("ln2", (Ll, B, T, C), dtype, "activations"),
+        BufferSpec("ln2_mean", (L, B, T), f32, "activations"),
+        BufferSpec("ln2_rstd", (L, B, T), f32, "activations"),
+        BufferSpec("fch", (L, B, T, 4 * C), dtype, "activations"),
+        BufferSpec("fch_gelu", (Lg, B, T, 4 * C), dtype, "activations"),
+        BufferSpec("residual3", (L, B, T, C), dtype, "activations"),
+        BufferSpec("lnf", (B, T, C), dtype, "activations"),
+        BufferSpec("lnf_mean", (B, T), f32, "activations"),
+        BufferSpec("lnf_rstd", (B, T), f32, "activations"),
+        BufferSpec("losses", (B, T), f32, "activations"),
+        BufferSpec("output", (out_numel,), dtype, "activations"),
+        # forward: the attention / MLP projection output; backward: dl_btc, the (B, T, C) gradient
+        BufferSpec("scratch_btc", (B, T, C), dtype, "scratch"),
+        # backward: dl_bt4c (the MLP's 4C gradient), also dlnf and dqkv
+        BufferSpec("scratch_bt4c", (B, T, 4 * C), dtype, "scratch"),
+        # backward: the gradient of the residual stream, accumulated by every layernorm backward
+        BufferSpec("dresidual", (B, T, C), dtype, "scratch"),
+        BufferSpec("ln_scratch", kln.layernorm_backward_scratch_shape(B * T, C, *ln_chunks), f32, "scratch"),
+    ]
+    if classic and B * NH * T * T > out_numel:
+        specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
+    if attention == "flash":
+        specs.append(BufferSpec("delta", (B, NH, T), f32, "scratch"))
+    bias_numel = max(kmm.bias_scratch_numel(B * T, n, device) for n in (3 * C, C, 4 * C))
+    specs.append(BufferSpec("bias_scratch", (max(1, bias_numel),), f32, "scratch"))
+    # the encoder backward's fp32 piece sums (its int scratch is allocated apart, counted below)
+    specs.append(BufferSpec("encoder_partial", (2 * kenc.cdiv(B * T, kenc.ENC_PIECE), C), f32, "scratch"))
+    specs.append(BufferSpec("norm_partials", (knorm.NUM_PARTIALS,), f32, "scratch"))
+    return specs
+
+
+def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.bfloat16,
+                master_weights: bool = True, recompute: int = 1, attention: str = "cudnn",
+                device="cpu") -> dict:
+    """Bytes the model allocates, by group and by buffer, without allocating anything (attention must be
+    a resolved impl, not "auto"). The returned dict: {"groups": {group: bytes}, "buffers": {name: bytes},
+    "total": bytes}."""
+    N = config.num_parameters
+    f32 = torch.float32
+    specs = [BufferSpec("params", (N,), dtype, "parameters"), BufferSpec("grads", (N,), dtype, "gradients"),
+             BufferSpec("adam_m", (N,), f32, "optimizer"), BufferSpec("adam_v", (N,), f32, "optimizer")]
+    if master_weights and dtype != torch.float32:
+        specs.append(BufferSpec("master", (N,), f32, "master"))
+    specs += activation_specs(config, B, T, dtype, recompute, attention, device)
+    # integer buffers: inputs, targets (int32), the encoder's sort (int32 ids, int64 permutation)
+    specs += [BufferSpec("inputs", (B, T), torch.int32, "scratch"),
+              BufferSpec("targets", (B, T), torch.int32, "scratch"),
+              BufferSpec("encoder_sorted", (B * T,), torch.int32, "scratch"),
+              BufferSpec("encoder_perm", (B * T,), torch.int64, "scratch")]
+    groups: dict[str, int] = {}
+    buffers: dict[str, int] = {}
+    for s in specs:
+        b = _aligned(s.nbytes)
+        buffers[s.name] = b
+        groups[s.group] = groups.get(s.group, 0) + b
+    return {"groups": groups, "buffers": buffers, "total": sum(groups.values())}
+
+
+def format_memory(plan: dict) -> str:
+    gib = 1 << 30
+    parts = [f"{g} {b / gib:.2f}" for g, b in plan["groups"].items()]
+    big = sorted(plan["buffers"].items(), key=lambda kv: -kv[1])[:6]
+    return (f"{plan['total'] / gib:.2f} GiB ({plan['total'] / 1e9:.2f} GB): " + ", ".join(parts) + " GiB"
+            + " | largest: " + ", ".join(f"{n} {b / gib:.2f}" for n, b in big))
+
+
+class _Arena:
+    """One flat allocation per dtype, carved into aligned, named, contiguous views."""
+
+    def __init__(self, specs: list[BufferSpec], device):
+        self.views: dict[str, torch.Tensor] = {}
+        self.buffers: list[torch.Tensor] = []
+        by_dtype: dict[torch.dtype, list[BufferSpec]] = {}
+        for s in specs:
+            by_dtype.setdefault(s.dtype, []).append(s)
+        for dt, group in by_dtype.items():
+            itemsize = torch.empty((), dtype=dt).element_size()
+            align = _ALIGN_BYTES // itemsize
+            offsets, total = [], 0
+            for s in group:
+                offsets.append(total)
+                total += (s.numel + align - 1) // align * align
+            flat = torch.empty(total, dtype=dt, device=device)
+            self.buffers.append(flat)
+            for s, off in zip(group, offsets):
+                self.views[s.name] = flat[off:off + s.numel].view(s.shape)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.views[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.views
+
+
+def _decay_ranges(config: GPT2Config) -> list[tuple[int, int]]:
+    """[start, end) spans of the flat buffer that get weight decay (the 2-D tensors), adjacent ones merged."""
+    mask = config.weight_decay_mask()
+    ranges: list[list[int]] = []
+    offset = 0
+    for name, n in config.parameter_sizes().items():
+        if mask[name]:
+            if ranges and ranges[-1][1] == offset:
+                ranges[-1][1] = offset + n
+            else:
+                ranges.append([offset, offset + n])
+        offset += n
+    return [tuple(r) for r in ranges]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the model
+
+class GPT2Model:
+    """GPT-2 for training on one device (CUDA; or the CPU through Triton's interpreter, for tests).
+
+    Typical use (what the trainer does):
+
+        model = GPT2Model(config, params, B, T)
+        loss, norm = model.train_step([(x, y), ...], lr, step, weight_decay, grad_clip)
+        val = model.validate(x, y)
+
+    or step by step: zero_grad(); forward(x, y, dloss=1/(B*T*accum)); backward() per micro-step;
+    then update(lr, step, ...). The pieces never synchronise with the host except loss(),
+    grad_norm(), validate() and the copies back to the CPU.
+    """
+
+    def __init__(self, config: GPT2Config, params: torch.Tensor, B: int, T: int, *, device="cuda",
+                 dtype: torch.dtype = torch.bfloat16, master_weights: bool = True, recompute: int = 1,
+                 gelu_fusion: int = 0, attention: str = "auto", seed: int = 42, cuda_graph: bool = True):
+        self.config = config
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise LlmpyError(f"dtype {dtype}: the model trains in torch.bfloat16 or torch.float32")
+        if B <= 0 or T <= 0:
+            raise LlmpyError(f"B={B}, T={T}: the micro-batch must be positive")
+        if T > config.max_seq_len:
+            raise LlmpyError(f"-t {T}: longer than the model's context of {config.max_seq_len} tokens")
+        if recompute not in RECOMPUTE_LEVELS:
+            raise LlmpyError(f"-r {recompute}: must be one of 0, 1, 2")
+        if gelu_fusion == -1:
+            gelu_fusion = default_gelu_fusion(self.device)
+        if gelu_fusion not in GELU_FUSION_LEVELS:
+            raise LlmpyError(f"-ge {gelu_fusion}: must be -1 (per GPU) or one of 0, 1, 2, 3")
+        if params.numel() != config.num_parameters:
+            raise LlmpyError(f"parameter buffer has {params.numel()} elements, the model needs "
+                             f"{config.num_parameters}")
+        self.B, self.T = B, T
+        self.dtype = dtype
+        self.recompute = recompute
+        self.gelu_fusion = gelu_fusion
+        self.master_weights = bool(master_weights) and dtype == torch.bfloat16
+        self.attention = _resolve_attention(attention, self.device, dtype)
+        self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda" and not interpreting()
+        self.seed = seed
+
+        self._plan = memory_plan(config, B, T, dtype, self.master_weights, recompute, self.attention,
+                                 self.device)
+        self._check_memory()
+
+        N = config.num_parameters
+        f32 = torch.float32
+        dev = self.device
+        # parameters, gradients, optimizer state, master weights: flat buffers in llm.c's order
+        self.params_memory = torch.empty(N, dtype=dtype, device=dev)
+        self.grads_memory = torch.zeros(N, dtype=dtype, device=dev)
+        self.m_memory = torch.zeros(N, dtype=f32, device=dev)
+        self.v_memory = torch.zeros(N, dtype=f32, device=dev)
+        self.master_memory = torch.empty(N, dtype=f32, device=dev) if self.master_weights else None
+        self.params = parameter_views(self.params_memory, config)
+        self.grads = parameter_views(self.grads_memory, config)
+        self.load_parameters(params)
+
+        # activations and scratch
+        self.acts = _Arena(activation_specs(config, B, T, dtype, recompute, self.attention, dev), dev)
+        self.inputs = torch.zeros(B, T, dtype=torch.int32, device=dev)
+        self.targets = torch.zeros(B, T, dtype=torch.int32, device=dev)
+        self._enc_scratch = kenc.EncoderBackwardScratch(
+            sorted_ids=torch.empty(B * T, dtype=torch.int32, device=dev),
+            perm=torch.empty(B * T, dtype=torch.int64, device=dev),
+            partial=self.acts["encoder_partial"])
+
+        # small device state: the optimizer's hyper-parameters, the squared norm, the loss sum, seeds
+        self._hyper = kadamw.hyper_tensor(dev)
+        self._decay = kadamw.decay_ranges_tensor(_decay_ranges(config), dev)
+        self._norm_sq = torch.zeros(1, dtype=f32, device=dev)
+        self._loss_sum = torch.zeros(1, dtype=f32, device=dev)
+        L = config.num_layers
+        # slots: 0 encoder, 1 lnf, 2 adamw, then per layer ln1, ln2, qkvb, attprojb, fcb, fcprojb
+        self._n_seeds = 3 + 6 * L
+        rng = random.Random(seed)
+        init = [rng.randrange(_LCG_M) for _ in range(self._n_seeds)]
+        while len(set(init)) < len(init):  # distinct slots (vanishingly unlikely to loop)
+            init = [rng.randrange(_LCG_M) for _ in range(self._n_seeds)]
+        self._seeds = torch.tensor(init, dtype=torch.int64, device=dev)
+
+        self._cur_inputs = None      # the (B, T) ids of the last forward (the backward's encoder needs them)
+        self._have_dlogits = False   # the last forward wrote the logit gradient in place
+        self._norm_fresh = False     # _norm_sq holds the norm of the current gradients
+        self._graphs: dict = {}      # key -> (main graph, update graph or None)
+        self._warmed: set = set()
+        self._staging: dict = {}     # accum -> (device inputs, device targets, pinned host buffer)
+        self.last_step_skipped = False
+
+    # ------------------------------------------------------------------------------------------------
+    # memory
+
+    def _check_memory(self):
+        if self.device.type != "cuda" or interpreting():
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        need = self._plan["total"] + MEMORY_MARGIN
+        if need > free:
+            gib = 1 << 30
+            hint = "lower -b (the micro-batch)"
+            if self.recompute < 2:
+                hint += f", raise -r (now {self.recompute}; 2 keeps the least)"
+            if self.attention == "classic":
+                hint += ", or use a fused attention (classic keeps (B, NH, T, T) per layer)"
+            hint += "; use -d to keep the total batch"
+            raise LlmpyError(
+                f"not enough device memory for B={self.B} T={self.T}: the model needs {need / gib:.2f} GiB "
+                f"({format_memory(self._plan)}, plus {MEMORY_MARGIN / gib:.0f} GiB headroom), "
+                f"{free / gib:.2f} GiB of {total / gib:.2f} GiB is free: {hint}")
+
+    def memory_report(self) -> dict:
+        """The bytes allocated at construction: {"groups": {group: bytes}, "buffers": {name: bytes},
+        "total": bytes} (format_memory(model.memory_report()) for one line)."""
+        return self._plan
+
+    def describe(self) -> str:
+        return (f"GPT2Model {self.config.describe()} | B={self.B} T={self.T} | {str(self.dtype).split('.')[-1]} | "
+                f"master weights {int(self.master_weights)} | recompute {self.recompute} | "
+                f"gelu fusion {self.gelu_fusion} | attention {self.attention} | "
+                f"cuda graph {int(self.cuda_graph)} | memory {format_memory(self._plan)}")
+
+    # ------------------------------------------------------------------------------------------------
+    # parameters in and out
+
+    def load_parameters(self, flat: torch.Tensor):
+        """Set the weights from a flat fp32 (or bf16) buffer in llm.c's order. With master weights the
+        fp32 copy takes the values and the bf16 working copy their round-to-nearest."""
+        if flat.numel() != self.config.num_parameters:
+            raise LlmpyError(f"parameter buffer has {flat.numel()} elements, the model needs "
+                             f"{self.config.num_parameters}")
+        flat = flat.detach().reshape(-1)
+        if self.master_memory is not None:
+            self.master_memory.copy_(flat.to(torch.float32))
+            self.params_memory.copy_(self.master_memory)
+        else:
+            self.params_memory.copy_(flat.to(torch.float32))
+
+    def parameters_fp32(self) -> torch.Tensor:
+        """The flat fp32 parameters on the CPU (from the master weights when there are some)."""
+        src = self.master_memory if self.master_memory is not None else self.params_memory
+        return src.detach().to("cpu", torch.float32).clone()
+
+    def optimizer_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """AdamW's (m, v), flat fp32 CPU copies (for checkpoints that resume)."""
+        return self.m_memory.cpu().clone(), self.v_memory.cpu().clone()
+
+    def load_optimizer_state(self, m: torch.Tensor, v: torch.Tensor):
+        self.m_memory.copy_(m.reshape(-1))
+        self.v_memory.copy_(v.reshape(-1))
+
+    def gradients_fp32(self) -> torch.Tensor:
+        """The flat gradient buffer as fp32 on the CPU (tests, debugging)."""
+        return self.grads_memory.detach().to("cpu", torch.float32).clone()
+
+    # ------------------------------------------------------------------------------------------------
+    # inputs
+
+    def _device_ids(self, ids, buf: torch.Tensor, what: str) -> torch.Tensor:
+        """A (B, T) int32 device tensor for ids: ids itself when it already is one, else copied into buf."""
+        if isinstance(ids, torch.Tensor) and ids.device == self.device and ids.dtype == torch.int32 \
+                and ids.shape == (self.B, self.T) and ids.is_contiguous():
+            return ids
+        ids = torch.as_tensor(ids)
+        if ids.shape != (self.B, self.T):
+            raise LlmpyError(f"{what} of shape {list(ids.shape)}: the model was built for B={self.B}, T={self.T}")
+        if ids.device.type == "cpu":
+            self._check_ids(ids, what)
+        buf.copy_(ids)
+        return buf
+
+    def _check_ids(self, ids: torch.Tensor, what: str):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise LlmpyError(f"{what} hold token ids outside [0, {self.config.vocab_size})")
+
+    # ------------------------------------------------------------------------------------------------
+    # forward
+
+    def _layer_buffers(self, l: int) -> dict:
+        a = self.acts
+        r2 = self.recompute >= 2
+        d = {
+            "residual": a["encoded"] if l == 0 else a["residual3"][l - 1],
+            "ln1": a["ln1"][0 if r2 else l], "ln1_mean": a["ln1_mean"][l], "ln1_rstd": a["ln1_rstd"][l],
+            "atty": a["atty"][l], "residual2": a["residual2"][l],
+            "ln2": a["ln2"][0 if r2 else l], "ln2_mean": a["ln2_mean"][l], "ln2_rstd": a["ln2_rstd"][l],
+            "fch": a["fch"][l], "fch_gelu": a["fch_gelu"][0 if self.recompute >= 1 else l],
+            "residual3": a["residual3"][l],
+        }
+        if self.attention == "classic":
+            d["qkvr"], d["att"] = a["qkvr"][l], a["att"][l]
+        else:
+            d["qkv"], d["lse"] = a["qkv"][l], a["lse"][l]
+        return d
+
+    def _output(self, numel: int) -> torch.Tensor:
+        return self.acts["output"].view(-1)[:numel]
+
+    def logits_view(self) -> torch.Tensor:
+        """(B, T, Vp) view of the logits buffer (the logit gradient after a training forward)."""
+        return self._output(self.B * self.T * self.config.padded_vocab_size).view(
+            self.B, self.T, self.config.padded_vocab_size)
+
+    def _qkv_scratch(self) -> torch.Tensor:
+        # classic: qkv is dead once permuted into qkvr, so it lives in the (not yet written) logits
+        B, T, C = self.B, self.T, self.config.channels
+        return self._output(B * T * 3 * C).view(B, T, 3 * C)
+
+    def forward(self, inputs, targets=None, dloss: float | None = None):
+        """llm.c's gpt2_forward. inputs/targets: (B, T) token ids (CPU tensors are copied into the static
+        device buffers; (B, T) int32 tensors on the device are used as they are). With targets: the
+        losses; with dloss as well (training): the logit gradient dloss * (softmax - onehot) is written
+        over the logits, ready for backward(). Returns nothing; loss() reads the mean loss."""
+        cfg, p, a = self.config, self.params, self.acts
+        NH, L = cfg.num_heads, cfg.num_layers
+        if dloss is not None and targets is None:
+            raise ValueError("forward: dloss (training) needs targets")
+        inp = self._device_ids(inputs, self.inputs, "inputs")
+        self._cur_inputs = inp
+        self._have_dlogits = False
+        kenc.encoder_forward(a["encoded"], inp, p["wte"], p["wpe"])
+        b0 = self._layer_buffers(0)
+        kln.layernorm_forward(b0["ln1"], b0["ln1_mean"], b0["ln1_rstd"], a["encoded"], p["ln1w"][0], p["ln1b"][0])
+        proj = a["scratch_btc"]
+        for l in range(L):
+            b = self._layer_buffers(l)
+            # attention block
+            qkv = b["qkv"] if self.attention != "classic" else self._qkv_scratch()
+            kmm.matmul_forward(qkv, b["ln1"], p["qkvw"][l], p["qkvb"][l])
+            if self.attention == "classic":
+                # no att @ v scratch given: it goes into qkv, which is dead by then
+                kattn.attention_forward_any("classic", b["atty"], qkv, NH, qkvr=b["qkvr"], att=b["att"])
+            else:
+                kattn.attention_forward_any(self.attention, b["atty"], qkv, NH, lse=b["lse"])
+            kmm.matmul_forward(proj, b["atty"], p["attprojw"][l], p["attprojb"][l])
+            kln.fused_residual_forward(b["residual2"], b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual"], proj,
+                                       p["ln2w"][l], p["ln2b"][l])
+            # MLP block
+            kmm.matmul_forward(b["fch_gelu"], b["ln2"], p["fcw"][l], p["fcb"][l], pre_gelu=b["fch"],
+                               gelu_fusion=self.gelu_fusion)
+            kmm.matmul_forward(proj, b["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])
+            # the residual add across the block boundary, fused with the next layernorm
+            if l + 1 < L:
+                nb = self._layer_buffers(l + 1)
+                kln.fused_residual_forward(b["residual3"], nb["ln1"], nb["ln1_mean"], nb["ln1_rstd"], b["residual2"],
+                                           proj, p["ln1w"][l + 1], p["ln1b"][l + 1])
+            else:
+                kln.fused_residual_forward(b["residual3"], a["lnf"], a["lnf_mean"], a["lnf_rstd"], b["residual2"],
+                                           proj, p["lnfw"], p["lnfb"])
+        logits = self.logits_view()
+        kmm.matmul_forward(logits, a["lnf"], p["wte"])
+        if targets is not None:
+            tgt = self._device_ids(targets, self.targets, "targets")
+            fused_classifier(logits, a["losses"], 0.0 if dloss is None else dloss, tgt, cfg.vocab_size,
+                             write_dlogits=dloss is not None)
+            self._have_dlogits = dloss is not None
+
+    def loss(self) -> float:
+        """Mean loss of the last forward with targets (one host sync)."""
+        return float(self.acts["losses"].double().mean())
+
+    def validate(self, inputs, targets) -> float:
+        """Mean loss over a (B, T) batch, no gradient (the fused classifier's validation variant)."""
+        self.forward(inputs, targets)
+        return self.loss()
+
+    def logits_last(self, tokens) -> torch.Tensor:
+        """Logits after the last token of each row, cropped to the real vocabulary: (b, V) fp32 on the CPU.
+
+        tokens: a list of ids, a 1-D tensor, or (b, t) with b <= B; the context is cropped to the last T
+        tokens. The rows go into a (B, T) batch padded with token 0 (causal attention: the padding after
+        a row's last token does not change that token's logits), as llm.c samples."""
+        x = torch.as_tensor(tokens, dtype=torch.int64)
+        if x.dim() == 1:
+            x = x[None]
+        if x.dim() != 2 or x.shape[0] > self.B or x.shape[1] == 0:
+            raise LlmpyError(f"logits_last: tokens of shape {list(x.shape)}; want (b, t), 1 <= b <= {self.B}, t >= 1")
+        x = x[:, -self.T:]
+        t = x.shape[1]
+        batch = torch.zeros(self.B, self.T, dtype=torch.int32)
+        batch[:x.shape[0], :t] = x
+        self.forward(batch)
+        return self.logits_view()[:x.shape[0], t - 1, :self.config.vocab_size].float().cpu()
+
+    # ------------------------------------------------------------------------------------------------
+    # backward
+
+    def zero_grad(self):
+        """Zero the parameter gradients (before micro-step 0: the backward accumulates)."""
+        self.grads_memory.zero_()
+        self._norm_fresh = False
+
+    def _seed(self, slot: int) -> torch.Tensor:
+        return self._seeds[slot:slot + 1]
+
+    def _layer_seed(self, l: int, k: int) -> torch.Tensor:
+        return self._seed(3 + 6 * l + k)
+
+    def _advance_seeds(self):
+        # a fresh stochastic-rounding stream every micro-step, on the device (a replayed graph advances it)
+        self._seeds.mul_(_LCG_A).add_(_LCG_C).remainder_(_LCG_M)
+
+    def backward(self):
+        """llm.c's gpt2_backward: from the logit gradient the last forward(..., dloss) left in place, every
+        parameter gradient ACCUMULATED into the gradient buffer (zero_grad() before micro-step 0)."""
+        if not self._have_dlogits:
+            raise RuntimeError("backward() needs a forward(inputs, targets, dloss=...) just before it")
+        self._have_dlogits = False
+        self._norm_fresh = False
+        cfg, p, g, a = self.config, self.params, self.grads, self.acts
+        B, T, C, NH, L = self.B, self.T, cfg.channels, cfg.num_heads, cfg.num_layers
+        gf = self.gelu_fusion
+        self._advance_seeds()
+        bias_scratch, ln_scratch = a["bias_scratch"], a["ln_scratch"]
+        dresidual = a["dresidual"]
+        dl_btc = a["scratch_btc"]      # the forward's projection scratch is free now
+        dl_bt4c = a["scratch_bt4c"]
+        bt4c_flat = dl_bt4c.view(-1)
+        dresidual.zero_()
+
+        # classifier matmul: dlnf = dlogits @ wte, dwte += dlogits^T @ lnf
+        dlnf = bt4c_flat[:B * T * C].view(B, T, C)
+        kmm.matmul_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"])
+        kln.layernorm_backward(dresidual, g["lnfw"], g["lnfb"], ln_scratch, dlnf, a["residual3"][L - 1], p["lnfw"],
+                               a["lnf_mean"], a["lnf_rstd"], seed=self._seed(1))
+        dqkv = bt4c_flat[:B * T * 3 * C].view(B, T, 3 * C)
+
+        for l in reversed(range(L)):
+            b = self._layer_buffers(l)
+            seed = lambda k: self._layer_seed(l, k)  # noqa: E731
+            if self.recompute >= 1:
+                gelu_forward(b["fch_gelu"], b["fch"])
+            # fcproj, then the GELU: dl_bt4c becomes the gradient of fch
+            if gf == 2:
+                # dgelu fused with fc's bias gradient: one pass over the (B, T, 4C) gradient
+                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
+                                    p["fcprojw"][l], scratch=bias_scratch, seed=seed(5))
+                kmm.bias_gelu_backward(g["fcb"][l], bias_scratch, dl_bt4c, b["fch"], seed=seed(4))
+                fc_dbias = None
+            else:
+                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
+                                    p["fcprojw"][l], scratch=bias_scratch, pre_gelu=b["fch"], gelu_fusion=gf,
+                                    seed=seed(5))
+                fc_dbias = g["fcb"][l]
+            if self.recompute >= 2:
+                kln.layernorm_forward(b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual2"], p["ln2w"][l],
+                                      p["ln2b"][l])
+            kmm.matmul_backward(dl_btc, g["fcw"][l], fc_dbias, dl_bt4c, b["ln2"], p["fcw"][l], scratch=bias_scratch,
+                                seed=seed(4))
+            # ln2: dresidual becomes the gradient of residual2 (the MLP branch added to the skip path)
+            kln.layernorm_backward(dresidual, g["ln2w"][l], g["ln2b"][l], ln_scratch, dl_btc, b["residual2"],
+                                   p["ln2w"][l], b["ln2_mean"], b["ln2_rstd"], seed=seed(1))
+            kmm.matmul_backward(dl_btc, g["attprojw"][l], g["attprojb"][l], dresidual, b["atty"], p["attprojw"][l],
+                                scratch=bias_scratch, seed=seed(3))
+            if self.attention == "classic":
+                # dead by now: fch (4C >= 3C) holds dq, dk, dv head-major; atty holds dout head-major;
+                # the logits buffer (spent) holds datt when it is large enough
+                hs = C // NH
+                dqkvr = b["fch"].view(-1)[:3 * B * T * C].view(3, B, NH, T, hs)
+                datt = a["datt"] if "datt" in a else self._output(B * NH * T * T).view(B, NH, T, T)
+                kattn.attention_backward_any("classic", dqkv, dl_btc, None, None, NH, qkvr=b["qkvr"], att=b["att"],
+                                             dqkvr=dqkvr, datt=datt, scratch=b["atty"])
+            else:
+                kattn.attention_backward_any(self.attention, dqkv, dl_btc, b["qkv"], b["atty"], NH, lse=b["lse"],
+                                             delta=a["delta"] if "delta" in a else None)
+            if self.recompute >= 2:
+                kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"], p["ln1w"][l], p["ln1b"][l])
+            kmm.matmul_backward(dl_btc, g["qkvw"][l], g["qkvb"][l], dqkv, b["ln1"], p["qkvw"][l], scratch=bias_scratch,
+                                seed=seed(2))
+            # ln1: dresidual becomes the gradient of this layer's input residual
+            kln.layernorm_backward(dresidual, g["ln1w"][l], g["ln1b"][l], ln_scratch, dl_btc, b["residual"],
+                                   p["ln1w"][l], b["ln1_mean"], b["ln1_rstd"], seed=seed(0))
+        kenc.encoder_backward(g["wte"], g["wpe"], dresidual, self._cur_inputs, self._seed(0), scratch=self._enc_scratch)
+
+    # ------------------------------------------------------------------------------------------------
+    # update
+
+    def _compute_norm(self):
+        knorm.global_norm_squared(self._norm_sq, self.grads_memory, self.acts["norm_partials"])
+        self._norm_fresh = True
+
+    def _clip(self, grad_clip: float):
+        knorm.clip_scale(self._hyper[kadamw.GRAD_SCALE:kadamw.GRAD_SCALE + 1], self._norm_sq, grad_clip)
+
+    def _set_hyper(self, lr, step, beta1, beta2, eps, weight_decay):
+        if step < 1:
+            raise LlmpyError(f"AdamW step {step}: steps count from 1")
+        kadamw.set_hyper(self._hyper, lr, step, beta1, beta2, eps, weight_decay)
+
+    def _adamw(self):
+        kadamw.adamw_update(self.params_memory, self.grads_memory, self.m_memory, self.v_memory, self._hyper,
+                            self._seed(2), self._decay, master=self.master_memory)
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient buffer (computed on the device if not yet; one host sync)."""
+        if not self._norm_fresh:
+            self._compute_norm()
+        return math.sqrt(float(self._norm_sq))
+
+    def update(self, lr: float, step: int, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8,
+               weight_decay: float = 0.0, grad_clip: float = 1.0):
+        """llm.c's gpt2_update: the global norm (device), the clip scale (device: max_norm / norm when the norm
+        is above grad_clip > 0, else 1), AdamW over the flat buffer, weight decay on the 2-D tensors only,
+        master weights and stochastic rounding. step counts from 1. No host sync.
+
+        To skip an update on an outlier (-sl/-sg): read loss() and grad_norm(), decide, and call update()
+        or not. train_step(..., skip=fn) does that inside the graphed step."""
+        if not self._norm_fresh:
+            self._compute_norm()
+        self._clip(grad_clip)
+        self._set_hyper(lr, step, beta1, beta2, eps, weight_decay)
+        self._adamw()
+
+    # ------------------------------------------------------------------------------------------------
+    # the whole step
+
+    def _stage(self, batches):
+        """Copy the micro-batches into static device buffers (accum, B, T): one H2D copy each."""
+        accum = len(batches)
+        if accum not in self._staging:
+            dev_in = torch.zeros(accum, self.B, self.T, dtype=torch.int32, device=self.device)
+            dev_tg = torch.zeros_like(dev_in)
+            pin = self.device.type == "cuda"
+            host = torch.zeros(2, accum, self.B, self.T, dtype=torch.int32, pin_memory=pin)
+            self._staging[accum] = (dev_in, dev_tg, host)
+        dev_in, dev_tg, host = self._staging[accum]
+        for k, (x, y) in enumerate(batches):
+            x, y = torch.as_tensor(x), torch.as_tensor(y)
+            if x.shape != (self.B, self.T) or y.shape != (self.B, self.T):
+                raise LlmpyError(f"micro-batch {k}: inputs {list(x.shape)}, targets {list(y.shape)}; the model was "
+                                 f"built for B={self.B}, T={self.T}")
+            x, y = x.cpu(), y.cpu()
+            self._check_ids(x, "inputs")
+            self._check_ids(y, "targets")
+            host[0, k].copy_(x)
+            host[1, k].copy_(y)
+        # the host buffer is reused next step; the step ends with a sync (loss, norm), so no copy is in flight
+        dev_in.copy_(host[0], non_blocking=True)
+        dev_tg.copy_(host[1], non_blocking=True)
+        return dev_in, dev_tg
+
+    def _fwdbwd(self, dev_in, dev_tg, accum: int, grad_clip: float):
+        """Every micro-step's forward and backward, the loss sum, the norm and the clip scale (device only)."""
+        self.zero_grad()
+        self._loss_sum.zero_()
+        dloss = 1.0 / (self.B * self.T * accum)
+        for k in range(accum):
+            self.forward(dev_in[k], dev_tg[k], dloss=dloss)
+            self._loss_sum.add_(self.acts["losses"].sum())
+            self.backward()
+        self._compute_norm()
+        self._clip(grad_clip)
+
+    def _read(self, accum: int) -> tuple[float, float]:
+        loss = float(self._loss_sum) / (self.B * self.T * accum)
+        return loss, math.sqrt(float(self._norm_sq))
+
+    def _eager_step(self, dev_in, dev_tg, accum, lr, step, hp, grad_clip, skip):
+        self._fwdbwd(dev_in, dev_tg, accum, grad_clip)
+        loss, norm = self._read(accum)
+        self.last_step_skipped = bool(skip(loss, norm)) if skip is not None else False
+        if not self.last_step_skipped:
+            self._set_hyper(lr, step, *hp)
+            self._adamw()
+        return loss, norm
+
+    def train_step(self, batches, lr: float, step: int, weight_decay: float = 0.0, grad_clip: float = 1.0, *,
+                   beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, skip=None) -> tuple[float, float]:
+        """One optimizer step over the micro-batches `batches` [(inputs, targets), ...] (CPU (B, T) int
+        tensors; gradient accumulation = len(batches)). Returns (mean loss, gradient norm before clipping).
+
+        skip: None, or a function (loss, norm) -> bool called before the update; True skips it (the
+        trainer's outlier detection, -sl/-sg), recorded in last_step_skipped. Without skip the whole step
+        is one CUDA graph; with it, two (forward/backward/norm, then AdamW) with the decision between.
+        """
+        if not batches:
+            raise LlmpyError("train_step needs at least one micro-batch")
+        accum = len(batches)
+        hp = (beta1, beta2, eps, weight_decay)
+        if not self.cuda_graph:
+            dev_in, dev_tg = self._stage(batches)
+            return self._eager_step(dev_in, dev_tg, accum, lr, step, hp, grad_clip, skip)
+
+        key = (accum, float(grad_clip), skip is not None)
+        if key not in self._graphs:
+            if key not in self._warmed:
+                # warm-up: a real step, eager, on a side stream (as torch.cuda.graphs asks): compiles every
+                # Triton kernel, lets cuBLAS/cuDNN set up their workspaces and the fused ops their state
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    dev_in, dev_tg = self._stage(batches)
+                    result = self._eager_step(dev_in, dev_tg, accum, lr, step, hp, grad_clip, skip)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                self._warmed.add(key)
+                return result
+            dev_in, dev_tg, _ = self._staging[accum]
+            main = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(main):
+                self._fwdbwd(dev_in, dev_tg, accum, grad_clip)
+                if skip is None:
+                    self._adamw()
+            upd = None
+            if skip is not None:
+                upd = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(upd, pool=main.pool()):
+                    self._adamw()
+            self._graphs[key] = (main, upd)
+        main, upd = self._graphs[key]
+        self._stage(batches)
+        if upd is None:
+            self._set_hyper(lr, step, *hp)
+            main.replay()
+            loss, norm = self._read(accum)
+            self.last_step_skipped = False
+        else:
+            main.replay()
+            loss, norm = self._read(accum)
+            self.last_step_skipped = bool(skip(loss, norm))
+            if not self.last_step_skipped:
+                self._set_hyper(lr, step, *hp)
+                upd.replay()
+        # the graph ran forward/backward: the host-side flags follow
+        self._norm_fresh = True
+        self._have_dlogits = False
+        return loss, norm
