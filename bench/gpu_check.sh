@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [step] [train] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [step] [train] [parity] [sanitize]
 # (model: test_gpt2 on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -32,6 +32,11 @@ for stage in $stages; do
     train)
       # the main job on the GPU: `llmpy train` with the embedded default (GPT-2 124M on the stdlib corpus)
       timeout ${TRAIN_TIMEOUT:-240} python3 -m llmpy train ${TRAIN_ARGS:--x 60 -v 20 -g 64} 2>&1 | tee "$OUT/train.log"
+      rc=$? ;;
+    parity)
+      # needs tinyshakespeare shards in .parity_data (carried): see bench/parity.py
+      timeout ${PARITY_TIMEOUT:-300} python3 -m bench.parity --data .parity_data ${PARITY_ARGS:-} --json "$OUT/parity.json" \
+        --png "$OUT/parity.png" 2>&1 | tee "$OUT/parity.log"
       rc=$? ;;
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any

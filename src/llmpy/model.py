@@ -280,7 +280,8 @@ class GPT2Model:
 
     def __init__(self, config: GPT2Config, params: torch.Tensor, B: int, T: int, *, device="cuda",
                  dtype: torch.dtype = torch.bfloat16, master_weights: bool = True, recompute: int = 1,
-                 gelu_fusion: int = 0, attention: str = "auto", seed: int = 42, cuda_graph: bool = True):
+                 gelu_fusion: int = 0, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
+                 stochastic_rounding: bool = True):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -307,6 +308,8 @@ class GPT2Model:
         self.master_weights = bool(master_weights) and dtype == torch.bfloat16
         self.attention = _resolve_attention(attention, self.device, dtype)
         self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda" and not interpreting()
+        # False only to show what round-to-nearest does to bf16 weights updated without master weights
+        self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = seed
 
         self._plan = memory_plan(config, B, T, dtype, self.master_weights, recompute, self.attention,
@@ -658,7 +661,8 @@ class GPT2Model:
 
     def _adamw(self):
         kadamw.adamw_update(self.params_memory, self.grads_memory, self.m_memory, self.v_memory, self._hyper,
-                            self._seed(2), self._decay, master=self.master_memory)
+                            self._seed(2), self._decay, master=self.master_memory,
+                            stochastic=self.stochastic_rounding)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient buffer (computed on the device if not yet; one host sync)."""
