@@ -23,7 +23,6 @@ import glob
 import hashlib
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -73,34 +72,14 @@ def write_shard(path: str | os.PathLike, tokens) -> Path:
 
 
 def _atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
-    folder = path.parent
+    """Write the chunks to `path` atomically (checkpoint.atomic_write: temp file, fsync, rename), making
+    the folder first; an OS error becomes one line naming the file."""
+    from .checkpoint import atomic_write
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: [f.write(chunk) for chunk in chunks])
     except OSError as e:
-        raise LlmpyError(f"{folder}: cannot create or write the output folder ({e.strerror or e})") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise LlmpyError(f"{path}: cannot write ({e.strerror or e})") from None
-    # make the rename itself durable; not all filesystems allow fsync on a folder
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
 
 
 def shard_num_tokens(path: str | os.PathLike) -> int:
