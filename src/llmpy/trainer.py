@@ -276,11 +276,12 @@ def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.T
     return config, init_parameters(config, seed=seed)
 
 
-def _tokenizer_for(vocab_size: int):
-    """A tokenizer to print samples with: bytes for the 257-token vocab, GPT-2's BPE for 50257."""
+def _tokenizer_for(vocab_size: int, byte_data: bool = False):
+    """A tokenizer to print samples with: bytes for byte-level data or the 257-token vocab, GPT-2's BPE
+    for 50257."""
     from .tokenizer import load_tokenizer
     try:
-        if vocab_size == 257:
+        if vocab_size == 257 or byte_data:
             return load_tokenizer("bytes")
         if vocab_size == 50257:
             return load_tokenizer("gpt2")
@@ -414,7 +415,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         val_batches = min(opts.val_max_steps, len(val_loader))
     steps = opts.max_steps if opts.max_steps > 0 else max(1, len(train_loader) // accum)
     schedule = LRSchedule(opts.lr_schedule, opts.learning_rate, opts.warmup_steps, steps, opts.final_lr_frac)
-    tokenizer = _tokenizer_for(config.vocab_size)
+    tokenizer = _tokenizer_for(config.vocab_size, byte_data=embedded)
     out_dir = _check_output_dir(opts.output_dir) if opts.output_dir else None  # after every check of the input
 
     backend = GPUBackend(config, params, opts) if device == "cuda" else CPUBackend(config, params)
