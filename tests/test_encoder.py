@@ -1,14 +1,20 @@
 """Encoder kernels against reference.encoder_forward / encoder_backward.
 
 The backward accumulates (dwte, dwpe pre-filled with random values), must be atomic-free and bitwise
-reproducible, must split long runs of one token (the `piece` argument makes the split reachable with
-tiny inputs), and rounds bf16 gradients stochastically.
+reproducible, and rounds bf16 gradients stochastically. Its dwte kernel walks the sorted positions in
+fixed chunks and tiles: the `piece` (chunk), `tile` and `block_c` arguments make runs cross tile, chunk
+and column-block boundaries on tiny inputs; every configuration the benchmark sweeps is run here too.
 """
+import warnings
+
 import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels.encoder import encoder_backward, encoder_backward_scratch, encoder_forward
+from llmpy.kernels import encoder as kmod
+from llmpy.kernels.encoder import (ENC_COMBINE_TILE, WPE_SWEEP, WTE_SWEEP, encoder_backward,
+                                   encoder_backward_scratch, encoder_backward_sort, encoder_forward,
+                                   wpe_backward)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -101,17 +107,95 @@ def test_encoder_backward(device, dtype, kind, B, T, C, Vp, maxT):
     check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, dtype)
 
 
+# (kind, piece, tile, block_c, scan) on (B, T, C) = (3, 7, 40): 21 sorted positions in chunks of `piece`,
+# walked in tiles of `tile`, over column blocks of `block_c` (16: three blocks, the last one partial)
+CHUNK_CASES = [
+    ("same", 1, 2, 16, True),      # one run over every chunk; chunks shorter than the run and than a tile
+    ("same", 4, 2, 64, False),     # one run, two tiles per chunk (the carry), 6 chunks combined
+    ("same", 7, 8, 16, True),      # 3 whole chunks: the run starts on a chunk boundary and ends on one
+    ("mixed", 3, 4, 16, True),     # tiles longer than chunks (masked rows); runs crossing boundaries
+    ("mixed", 8, 2, 32, True),     # four tiles per chunk, runs crossing tiles and chunks
+    ("mixed", 2, 2, 64, False),
+    ("random", 5, 4, 16, True),    # 7 distinct ids: runs of ~3 crossing most boundaries
+    ("random", 4, 16, 64, False),
+    ("distinct", 4, 2, 16, True),  # no run crosses anything
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind,piece", [("same", 1), ("same", 4), ("mixed", 2), ("mixed", 3), ("random", 4)])
-def test_encoder_backward_long_runs_split(device, dtype, kind, piece):
-    """Runs longer than `piece` are summed in pieces and combined in a second kernel: runs that span
-    one boundary, many boundaries, start on a boundary or end on one."""
+@pytest.mark.parametrize("kind,piece,tile,block_c,scan", CHUNK_CASES)
+def test_encoder_backward_chunks(device, dtype, kind, piece, tile, block_c, scan):
+    """Runs cut by tile and chunk boundaries (partial sums, carries, the fix-up), partial column blocks,
+    both forms of the segmented sums; twice, bit for bit."""
     B, T, C, Vp, maxT = 3, 7, 40, 48, 9
-    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, dtype, kind, seed=piece)
-    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, piece=piece)
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, dtype, kind, seed=piece * 10 + tile)
+    kw = dict(piece=piece, tile=tile, block_c=block_c, scan=scan)
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, **kw)
     check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, dtype)
-    again = run_backward(dout, inp, dwte0, dwpe0, device, piece=piece)
+    again = run_backward(dout, inp, dwte0, dwpe0, device, **kw)
     assert torch.equal(dwte, again[0]) and torch.equal(dwpe, again[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encoder_backward_run_over_many_chunks(device, dtype):
+    """A run over more chunks than the fix-up adds per iteration (ENC_COMBINE_TILE): its loop goes on."""
+    B, T, C, Vp, maxT = 2, 4 + ENC_COMBINE_TILE // 2, 24, 16, 4 + ENC_COMBINE_TILE // 2
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, dtype, "same", seed=13)
+    inp[0, 0] = 2  # one short run first: the long one (39 chunks of 1) starts in the second chunk
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, piece=1, tile=2, block_c=16)
+    check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, dtype)
+
+
+def test_encoder_backward_scan_matches_masked_sum(device):
+    """The associative scan and the masked reduction compute the same run sums (fp32, up to rounding)."""
+    B, T, C, Vp, maxT = 2, 12, 24, 20, 12
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, torch.float32, "random", seed=3)
+    a = run_backward(dout, inp, dwte0, dwpe0, device, piece=6, tile=4, block_c=16, scan=True)
+    b = run_backward(dout, inp, dwte0, dwpe0, device, piece=6, tile=4, block_c=16, scan=False)
+    assert rel_err(a[0], b[0]) < 1e-6 and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("name", list(WTE_SWEEP))
+def test_encoder_backward_sweep_candidates(device, name):
+    """Every configuration the benchmark sweeps (chunk, tile, column block, rounding) is correct: bf16 with
+    stochastic rounding, one long run and runs crossing chunks. (The interpreter ignores warps, stages and
+    register caps; the GPU test below runs them for real.)"""
+    B, T, C, Vp, maxT = 2, 40, 24, 64, 40
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, torch.bfloat16, "mixed", seed=len(name))
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, **WTE_SWEEP[name])
+    check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", list(WPE_SWEEP))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wpe_backward_configs(device, dtype, name):
+    """dwpe with every swept tiling: B=3 not a multiple of the unroll, T=7 and C=40 not multiples of the tile."""
+    B, T, C, maxT = 3, 7, 40, 9
+    gen = torch.Generator().manual_seed(21)
+    dout = torch.randn(B, T, C, generator=gen).to(dtype)
+    dwpe0 = torch.randn(maxT, C, generator=gen).to(dtype)
+    dwpe = dwpe0.clone().to(device)
+    wpe_backward(dwpe, dout.to(device), 99, 1000, **WPE_SWEEP[name])
+    expected = dwpe0.float() + torch.cat([dout.float().sum(0), torch.zeros(maxT - T, C)])
+    assert rel_err(dwpe.float().cpu(), expected) < TOL[dtype]
+    assert torch.equal(dwpe[T:].cpu(), dwpe0[T:])
+
+
+def test_encoder_backward_scratch_contents_do_not_matter(device):
+    """The scratch may hold anything (NaN partials, stale sort results) and may be larger than needed;
+    one too small is refused."""
+    B, T, C, Vp, maxT = 3, 7, 40, 48, 9
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, torch.float32, "mixed", seed=5)
+    clean = run_backward(dout, inp, dwte0, dwpe0, device, piece=2, tile=2)
+    scratch = encoder_backward_scratch(B, T, C, device, torch.int64, piece=1)  # room for piece=1
+    scratch.partial.fill_(float("nan"))
+    scratch.sorted_ids.fill_(3)
+    scratch.perm.fill_(-7)
+    dirty = run_backward(dout, inp, dwte0, dwpe0, device, piece=2, tile=2, scratch=scratch)
+    assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
+    small = encoder_backward_scratch(B, T, C, device, torch.int64, piece=4)
+    with pytest.raises(AssertionError):
+        run_backward(dout, inp, dwte0, dwpe0, device, piece=2, scratch=small)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -131,9 +215,21 @@ def test_encoder_backward_deterministic_and_scratch(device, dtype):
         assert not torch.equal(a[0], d[0]) and not torch.equal(a[1], d[1])
 
 
-def test_encoder_backward_stochastic_rounding_is_unbiased(device):
+def test_encoder_backward_presorted(device):
+    """sort=False after encoder_backward_sort (the sort moved earlier in the step): the same bits."""
+    B, T, C, Vp, maxT = 2, 9, 40, 24, 9
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, torch.bfloat16, "mixed", seed=17)
+    a = run_backward(dout, inp, dwte0, dwpe0, device, piece=4, tile=2)
+    scratch = encoder_backward_scratch(B, T, C, device, torch.int64, piece=4)
+    encoder_backward_sort(inp.to(device), scratch)
+    b = run_backward(dout, inp, dwte0, dwpe0, device, piece=4, tile=2, scratch=scratch, sort=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("sr_hash", [True, False])
+def test_encoder_backward_stochastic_rounding_is_unbiased(device, sr_hash):
     """bf16 gradients of 1..2 with increments of ~0.13 ulp: round-to-nearest never moves them,
-    stochastic rounding moves them by the increment on average."""
+    stochastic rounding (hash or Philox bits for dwte) moves them by the increment on average."""
     B, T, C, Vp = 2, 8, 256, 16
     gen = torch.Generator().manual_seed(5)
     inp = torch.randperm(Vp, generator=gen)[: B * T].reshape(B, T)  # every row of dwte touched once
@@ -141,14 +237,60 @@ def test_encoder_backward_stochastic_rounding_is_unbiased(device):
     dwte0 = (1 + torch.rand(Vp, C, generator=gen)).to(torch.bfloat16)
     dwpe0 = (1 + torch.rand(T, C, generator=gen)).to(torch.bfloat16)
     g_wte, g_wpe = ref.encoder_backward(dout.float(), inp, Vp, T)
-    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, seed=2024)
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, seed=2024, sr_hash=sr_hash)
     for got, init, inc in ((dwte, dwte0, g_wte), (dwpe, dwpe0, g_wpe)):
         moved = float((got.float().cpu() - init.float()).mean())
         want = float(inc.mean())
         assert abs(moved - want) < 0.2 * want, (moved, want)
-    rtn = run_backward(dout, inp, dwte0, dwpe0, device, stochastic=False)
+    rtn = run_backward(dout, inp, dwte0, dwpe0, device, stochastic=False, sr_hash=sr_hash)
     assert torch.equal(rtn[0].cpu(), dwte0) and torch.equal(rtn[1].cpu(), dwpe0), \
         "round-to-nearest must leave them: else the test could not tell the roundings apart"
+
+
+def test_encoder_backward_seed_one(device):
+    """seed=1 as a Python int (Triton specialises arguments equal to 1 unless told not to)."""
+    B, T, C, Vp, maxT = 2, 5, 24, 16, 5
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, torch.bfloat16, "random", seed=1)
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, seed=1)
+    check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, torch.bfloat16)
+
+
+class _FailsWhenPipelined:
+    """Stands in for a Triton kernel whose pipelined build fails (as a compile or shared-memory error would)."""
+
+    def __init__(self):
+        self.stages = []
+
+    def __getitem__(self, grid):
+        def launch(*args, STAGES, **meta):
+            self.stages.append(STAGES)
+            if STAGES > 1:
+                raise RuntimeError("PassManager::run failed")
+        return launch
+
+
+def test_pipelined_launch_falls_back_once():
+    fake = _FailsWhenPipelined()
+    with pytest.warns(UserWarning, match="unpipelined"):
+        kmod._launch(fake, (1,), (), 3, num_warps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kmod._launch(fake, (1,), (), 3, num_warps=4)  # remembered: no second try, no second warning
+    kmod._launch(fake, (1,), (), 1, num_warps=4)
+    assert fake.stages == [3, 1, 1, 1]
+    keys = [k for k in kmod.FELL_BACK if k[0] == str(fake)]
+    assert len(keys) == 1 and "PassManager" in kmod.FELL_BACK[keys[0]]
+    del kmod.FELL_BACK[keys[0]]
+
+
+def gpt2_ids(B, T, V, gen):
+    """A Zipf-like mix: a few very common tokens (runs of thousands, over many chunks) and a long tail."""
+    inp = torch.randint(0, V, (B, T), generator=gen, device="cuda", dtype=torch.int32)
+    r = torch.rand(B, T, generator=gen, device="cuda")
+    inp[r < 0.05] = 13
+    inp[r < 0.02] = 50256
+    inp[r < 0.01] = 11
+    return inp
 
 
 @pytest.mark.gpu
@@ -157,12 +299,7 @@ def test_encoder_backward_stochastic_rounding_is_unbiased(device):
 def test_encoder_gpt2_shapes_gpu(B, dtype):
     T, C, V, Vp, maxT = 1024, 768, 50257, 50304, 1024
     gen = torch.Generator(device="cuda").manual_seed(B)
-    # a Zipf-like mix: a few very common tokens (runs of thousands, split into pieces) and a long tail
-    inp = torch.randint(0, V, (B, T), generator=gen, device="cuda", dtype=torch.int32)
-    r = torch.rand(B, T, generator=gen, device="cuda")
-    inp[r < 0.05] = 13
-    inp[r < 0.02] = 50256
-    inp[r < 0.01] = 11
+    inp = gpt2_ids(B, T, V, gen)
     wte = torch.randn(Vp, C, generator=gen, device="cuda").to(dtype)
     wpe = torch.randn(maxT, C, generator=gen, device="cuda").to(dtype)
     out = torch.full((B, T, C), float("nan"), dtype=dtype, device="cuda")
@@ -178,6 +315,35 @@ def test_encoder_gpt2_shapes_gpu(B, dtype):
     check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, dtype)
     again = run_backward(dout, inp, dwte0, dwpe0, "cuda", seed=B)
     assert torch.equal(dwte, again[0]) and torch.equal(dwpe, again[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(WTE_SWEEP))
+def test_encoder_backward_sweep_candidates_gpu(name):
+    """Each benchmarked dwte configuration (warps, pipelining, register caps for real) at GPT-2 shapes."""
+    B, T, C, V, Vp, maxT = 4, 1024, 768, 50257, 50304, 1024
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    inp = gpt2_ids(B, T, V, gen)
+    dout = torch.randn(B, T, C, generator=gen, device="cuda").to(torch.bfloat16)
+    dwte0 = (torch.randn(Vp, C, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    dwpe0 = (torch.randn(maxT, C, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    cfg = WTE_SWEEP[name]
+    dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, "cuda", seed=3, **cfg)
+    check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, torch.bfloat16)
+    again = run_backward(dout, inp, dwte0, dwpe0, "cuda", seed=3, **cfg)
+    assert torch.equal(dwte, again[0]) and torch.equal(dwpe, again[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(WPE_SWEEP))
+def test_wpe_backward_configs_gpu(name):
+    B, T, C, maxT = 16, 1024, 768, 1024
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    dout = torch.randn(B, T, C, generator=gen, device="cuda").to(torch.bfloat16)
+    dwpe0 = (torch.randn(maxT, C, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    dwpe = dwpe0.clone()
+    wpe_backward(dwpe, dout, 5, 50304 * C, **WPE_SWEEP[name])
+    assert rel_err(dwpe.float(), dwpe0.float() + dout.float().sum(0)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -1,15 +1,37 @@
 """Fused classifier against reference.fused_classifier: losses, in-place dlogits with zero padding,
-the validation variant leaving the logits untouched, NaN-poisoned losses, determinism, and several
-column blocks per row (the online softmax merging across blocks); GPT-2 124M shapes on the GPU."""
+the validation variant leaving the logits untouched, NaN-poisoned losses, determinism, several column
+blocks per row (the online softmax merging across blocks and the mask-free main loop + masked tail), and
+every variant (twopass, persistent twopass, onepass in each keep mode, split, legacy) on small shapes;
+GPT-2 124M shapes on the GPU for the variants the benchmark sweeps."""
 import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels.fused_classifier import fused_classifier
+from llmpy.kernels.fused_classifier import (fused_classifier, onepass_tiles, row_chunks, split_scratch_numel)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(2, 3, 61, 128), (3, 5, 50, 64), (1, 7, 37, 40)]  # (B, T, V, Vp)
+
+# Every variant on small shapes. onepass at num_warps=1 so that the chunks are [R, S] tiles with R > 1
+# (several 16-byte vectors a thread) even at these sizes; Vp = 464 = 256 + 128 + 64 + 16 fills all four
+# chunk slots; Vp = 1040 = 1024 + 16; Vp = 496 has more binary digits than slots (the last chunk
+# overhangs Vp). twopass at progs_per_sm=1: 4 persistent programs (the interpreter's "SM count") walk
+# the 6 or 12 rows.
+VARIANTS = {
+    "twopass_b16": dict(variant="twopass", block_size=16),
+    "twopass_b32_tile4": dict(variant="twopass", block_size=32, tile=4),
+    "twopass_persistent": dict(variant="twopass", block_size=32, progs_per_sm=1),
+    "onepass_p": dict(variant="onepass", keep="p", num_warps=1),
+    "onepass_x": dict(variant="onepass", keep="x", num_warps=1),
+    "onepass_pl": dict(variant="onepass", keep="pl", num_warps=1),
+    "onepass_pw": dict(variant="onepass", keep="pw", num_warps=1),
+    "onepass_xw": dict(variant="onepass", keep="xw", num_warps=1),
+    "onepass_p_pow2": dict(variant="onepass", keep="p", num_warps=2, exact=False),
+    "split_b64": dict(variant="split", block_size=64),
+    "legacy_b16": dict(variant="legacy", block_size=16),
+}
+VARIANT_SHAPES = [(2, 3, 450, 464), (1, 6, 1001, 1040)]
 
 
 def rel_err(out, expected):
@@ -41,23 +63,29 @@ def run(logits, targets, V, dloss, device, write_dlogits=True, **kw):
     return losses, lg
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,T,V,Vp", SHAPES)
-@pytest.mark.parametrize("block,stages", [(None, 1), (16, 1), (32, 3)])
-@pytest.mark.parametrize("tgt_dtype", [torch.int64, torch.int32])
-def test_fused_classifier_train(device, dtype, B, T, V, Vp, block, stages, tgt_dtype):
-    logits, targets = make_case(B, T, V, Vp, dtype, seed=B * 100 + V)
-    dloss = 1.0 / (B * T * 3)
-    kw = {"stages": stages} if block is None else {"block_size": block, "stages": stages}
-    losses, dlogits = run(logits, targets.to(tgt_dtype), V, dloss, device, **kw)
-    exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
+def check_train(losses, dlogits, exp_losses, exp_dlogits, V, dloss, dtype):
     assert torch.isfinite(losses).all(), "NaN-poisoned losses not written"
     assert rel_err(losses, exp_losses) < TOL[dtype]
     assert torch.isfinite(dlogits).all()
     assert rel_err(dlogits.float(), exp_dlogits) < TOL[dtype]
     assert (dlogits[..., V:] == 0).all(), "padding columns must be zero"
-    # per row: the gradient sums to ~0 and is -(1 - p_target) * dloss at the target
+    # per row the gradient sums to ~0 (the softmax sums to 1, minus the one-hot)
     assert float(dlogits.float().sum(-1).abs().max()) < 50 * TOL[dtype] * dloss
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,V,Vp", SHAPES)
+@pytest.mark.parametrize("block,stages", [(None, 1), (16, 1), (32, 3)])
+@pytest.mark.parametrize("tgt_dtype", [torch.int64, torch.int32])
+def test_fused_classifier_train(device, dtype, B, T, V, Vp, block, stages, tgt_dtype):
+    """The default variant with its block size, and small blocks: several full blocks a row plus the
+    masked tail (V=61, BLOCK=16: 3 full blocks, the tail from 48 to Vp=128)."""
+    logits, targets = make_case(B, T, V, Vp, dtype, seed=B * 100 + V)
+    dloss = 1.0 / (B * T * 3)
+    kw = {"stages": stages} if block is None else {"block_size": block, "stages": stages}
+    losses, dlogits = run(logits, targets.to(tgt_dtype), V, dloss, device, **kw)
+    exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
+    check_train(losses, dlogits, exp_losses, exp_dlogits, V, dloss, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -73,46 +101,143 @@ def test_fused_classifier_validation_leaves_logits(device, dtype, B, T, V, Vp, b
     assert torch.equal(after, logits.to(device)), "validation must not touch the logits"
 
 
+# bf16 for every variant, fp32 for those whose fp32 code differs (pw / xw on fp32 are pl / x; the twopass
+# blocks are covered by the tests above): fewer kernels to compile on the GPU machine
+VARIANT_CASES = [(n, torch.bfloat16) for n in VARIANTS] + [
+    (n, torch.float32) for n in ("twopass_persistent", "onepass_p", "onepass_x", "onepass_pl", "split_b64")]
+
+
+@pytest.mark.parametrize("name,dtype", VARIANT_CASES)
+def test_fused_classifier_variants(device, name, dtype):
+    """Each variant, training and validation, against the reference; NaN in the padding columns is
+    ignored (they are dropped in registers, never summed)."""
+    kw = VARIANTS[name]
+    shapes = VARIANT_SHAPES if name in ("onepass_p", "twopass_persistent") else VARIANT_SHAPES[:1]
+    for i, (B, T, V, Vp) in enumerate(shapes):
+        logits, targets = make_case(B, T, V, Vp, dtype, seed=31 + i, padding=float("nan"))
+        dloss = 1.0 / (B * T)
+        exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
+        losses, dlogits = run(logits, targets, V, dloss, device, **kw)
+        check_train(losses, dlogits, exp_losses, exp_dlogits, V, dloss, dtype)
+        val_losses, after = run(logits, targets, V, 0.5, device, write_dlogits=False, **kw)
+        assert torch.isfinite(val_losses).all()
+        assert rel_err(val_losses, exp_losses) < TOL[dtype]
+        assert torch.equal(after.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           logits.to(device).view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), \
+            "validation must not touch the logits (NaN padding included)"
+
+
+@pytest.mark.parametrize("name", ["onepass_p", "onepass_pw", "onepass_xw"])
+def test_fused_classifier_onepass_edge_chunks(device, name):
+    """Vp = 496 has five binary digits: the fourth chunk overhangs Vp (its stores are masked); V odd, so
+    the packed-words kernels split a word between a real column and the padding."""
+    B, T, V, Vp = 1, 3, 481, 496
+    logits, targets = make_case(B, T, V, Vp, torch.bfloat16, seed=5, padding=float("nan"))
+    flat = torch.full((B * T * Vp + 64,), 7.0, dtype=torch.bfloat16, device=device)  # a guard band after
+    work = flat[:B * T * Vp].view(B, T, Vp)  # the last row, which the overhanging chunk must not touch
+    work.copy_(logits.to(device))
+    losses = torch.full((B, T), float("nan"), device=device)
+    fused_classifier(work, losses, 0.25, targets.to(device), V, **VARIANTS[name])
+    exp_losses, exp_dlogits = reference(logits, targets, V, 0.25)
+    check_train(losses, work, exp_losses, exp_dlogits, V, 0.25, torch.bfloat16)
+    assert (flat[B * T * Vp:] == 7.0).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_classifier_padding_garbage_and_extremes(device, dtype):
     """NaN in the padding is ignored; logits of scale 40 (probabilities that underflow, a target far
-    below the max) give finite losses through the log-sum-exp form."""
-    B, T, V, Vp = 2, 5, 45, 64
+    below the max) give finite losses through the log-sum-exp form; a logit 300 above the rest, in the
+    first or the last column of a row (the first or the last block or chunk), must set the row's max
+    (exp of 300 overflows fp32)."""
+    B, T, V, Vp = 2, 5, 450, 464  # onepass: four chunks, column V - 1 in the last one
     logits, targets = make_case(B, T, V, Vp, dtype, seed=3, scale=40.0, padding=float("nan"))
-    losses, dlogits = run(logits, targets, V, 0.25, device, block_size=16)
-    exp_losses, exp_dlogits = reference(logits, targets, V, 0.25)
-    assert torch.isfinite(losses).all() and torch.isfinite(dlogits).all()
-    assert rel_err(losses, exp_losses) < TOL[dtype]
-    assert rel_err(dlogits.float(), exp_dlogits) < TOL[dtype]
-    assert (dlogits[..., V:] == 0).all()
+    logits[0, 1, V - 1] = 300.0
+    logits[1, 2, 0] = 300.0
+    for kw in (dict(block_size=16), VARIANTS["onepass_p"], VARIANTS["onepass_pw"], VARIANTS["onepass_p_pow2"],
+               VARIANTS["split_b64"], dict(variant="split", block_size=16)):
+        losses, dlogits = run(logits, targets, V, 0.25, device, **kw)
+        exp_losses, exp_dlogits = reference(logits, targets, V, 0.25)
+        assert torch.isfinite(losses).all() and torch.isfinite(dlogits).all()
+        assert rel_err(losses, exp_losses) < TOL[dtype]
+        assert rel_err(dlogits.float(), exp_dlogits) < TOL[dtype]
+        assert (dlogits[..., V:] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["onepass_pw", "onepass_xw"])
+def test_fused_classifier_words_round_to_nearest(device, name):
+    """The packed-words kernels round the gradient to bf16 with their own integer round-to-nearest-even:
+    almost every element equals the fp32 reference rounded to nearest (truncation would miss ~half; pw
+    rounds p once more before the gradient, so it gets less)."""
+    B, T, V, Vp = 2, 3, 450, 464
+    logits, targets = make_case(B, T, V, Vp, torch.bfloat16, seed=9)
+    _, dlogits = run(logits, targets, V, 0.01, device, **VARIANTS[name])
+    _, exp_dlogits = reference(logits, targets, V, 0.01)
+    same = (dlogits.cpu() == exp_dlogits.cpu().bfloat16()).float().mean().item()
+    assert same > (0.97 if name == "onepass_xw" else 0.7), same
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_classifier_deterministic(device, dtype):
     logits, targets = make_case(3, 5, 50, 64, dtype, seed=11)
-    a = run(logits, targets, 50, 0.1, device, block_size=16)
-    b = run(logits, targets, 50, 0.1, device, block_size=16)
+    for kw in (dict(block_size=16), VARIANTS["twopass_persistent"], VARIANTS["onepass_p"], VARIANTS["split_b64"]):
+        a = run(logits, targets, 50, 0.1, device, **kw)
+        b = run(logits, targets, 50, 0.1, device, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), kw
+
+
+def test_fused_classifier_split_scratch(device):
+    """A caller-provided scratch (how a CUDA graph captures "split" without an allocation) gives the
+    same result as the launcher's own; a scratch too small is refused."""
+    B, T, V, Vp = 2, 3, 61, 128
+    logits, targets = make_case(B, T, V, Vp, torch.float32, seed=2)
+    scratch = torch.full((split_scratch_numel(B * T, Vp, 32),), float("nan"), device=device)
+    a = run(logits, targets, V, 0.1, device, variant="split", block_size=32, scratch=scratch)
+    b = run(logits, targets, V, 0.1, device, variant="split", block_size=32)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(AssertionError):
+        run(logits, targets, V, 0.1, device, variant="split", block_size=32, scratch=scratch[:-1])
+
+
+def test_row_chunks_and_tiles():
+    """Chunk sizes are powers of two in decreasing order that cover Vp (exactly when Vp has at most 4
+    binary digits above the granule); the tiles hold one 16-byte vector a thread per tile row."""
+    assert row_chunks(50304) == [32768, 16384, 1024, 128]
+    assert row_chunks(25152) == [16384, 8192, 512, 64]  # the packed words of a GPT-2 row
+    assert row_chunks(50304, exact=False) == [65536, 0, 0, 0]
+    for Vp in (16, 40, 64, 128, 336, 464, 496, 1040, 2000, 50304, 50257):
+        parts = row_chunks(Vp)
+        nz = [p for p in parts if p]
+        assert len(parts) == 4 and all(p & (p - 1) == 0 for p in nz) and sum(nz) >= Vp
+        assert sum(nz) - Vp < max(16, nz[-1]), (Vp, parts)  # the overhang stays inside the last chunk
+    t = onepass_tiles(50304, 50257, 2, 16)
+    assert (t["R0"], t["S0"], t["R1"], t["S1"], t["R2"], t["S2"], t["R3"], t["S3"]) == (8, 4096, 4, 4096, 1, 1024,
+                                                                                        1, 128)
+    assert (t["E0"], t["E1"], t["E2"], t["E3"]) == (False, False, False, True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B", [4])
-def test_fused_classifier_gpt2_shapes_gpu(dtype, B):
-    T, V, Vp = 1024, 50257, 50304
+@pytest.mark.parametrize("name,kw,dtype", [
+    ("default", {}, torch.bfloat16),
+    ("default", {}, torch.float32),
+    ("twopass_persistent", dict(variant="twopass", block_size=16384, num_warps=32, progs_per_sm=1), torch.bfloat16),
+    ("onepass_p16", dict(variant="onepass", keep="p", num_warps=16), torch.bfloat16),
+    ("onepass_p16", dict(variant="onepass", keep="p", num_warps=16), torch.float32),
+    ("onepass_pw16", dict(variant="onepass", keep="pw", num_warps=16), torch.bfloat16),
+    ("onepass_xw16", dict(variant="onepass", keep="xw", num_warps=16), torch.bfloat16),
+    ("split", dict(variant="split", block_size=4096, num_warps=8), torch.bfloat16),
+])
+def test_fused_classifier_gpt2_shapes_gpu(name, kw, dtype):
+    B, T, V, Vp = 4, 1024, 50257, 50304
     logits, targets = make_case(B, T, V, Vp, dtype, seed=B)
     logits, targets = logits.cuda(), targets.cuda()
     dloss = 1.0 / (B * T)
     exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
-    val_losses, after = run(logits, targets, V, dloss, "cuda", write_dlogits=False)
+    val_losses, after = run(logits, targets, V, dloss, "cuda", write_dlogits=False, **kw)
     assert torch.equal(after, logits)
     assert rel_err(val_losses, exp_losses) < TOL[dtype]
-    losses, dlogits = run(logits, targets, V, dloss, "cuda")
-    assert torch.isfinite(losses).all()
-    assert rel_err(losses, exp_losses) < TOL[dtype]
-    assert rel_err(dlogits.float(), exp_dlogits) < TOL[dtype]
-    assert (dlogits[..., V:] == 0).all()
-    again = run(logits, targets, V, dloss, "cuda")
+    losses, dlogits = run(logits, targets, V, dloss, "cuda", **kw)
+    check_train(losses, dlogits, exp_losses, exp_dlogits, V, dloss, dtype)
+    again = run(logits, targets, V, dloss, "cuda", **kw)
     assert torch.equal(losses, again[0]) and torch.equal(dlogits, again[1])
 
 

@@ -4,12 +4,15 @@ CPU (Triton interpreter) on tiny, odd shapes; the GPU tests at GPT-2 124M shapes
 with NaN before each call (accumulated ones are pre-filled with random values), and every output buffer
 has a guard band after it that must survive (no stray writes past the masks).
 """
+import warnings
+
 import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels.layernorm import (LN_BACKWARD_CHUNKS, fused_residual_forward, layernorm_backward,
-                                     layernorm_backward_scratch_shape, layernorm_forward,
+from llmpy.kernels import layernorm as kmod
+from llmpy.kernels.layernorm import (LN_BACKWARD_CHUNKS, LN_BWD_SWEEP, LN_FWD_SWEEP, fused_residual_forward,
+                                     layernorm_backward, layernorm_backward_scratch_shape, layernorm_forward,
                                      residual_forward)
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -74,31 +77,31 @@ def ln_params(C, gen, device, dtype):
 # ----------------------------------------------------------------------------------------------------
 # forward
 
-def run_layernorm_forward(inp, weight, bias):
+def run_layernorm_forward(inp, weight, bias, **cfg):
     shape, N = inp.shape, inp.numel() // inp.shape[-1]
     out = Guarded(shape, inp.dtype, inp.device)
     mean = Guarded((N,), F32, inp.device)
     rstd = Guarded((N,), F32, inp.device)
-    layernorm_forward(out.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1]), inp, weight, bias)
+    layernorm_forward(out.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1]), inp, weight, bias, **cfg)
     for g in (out, mean, rstd):
         g.check_guard()
     return out.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1])
 
 
-def check_layernorm_forward(shape, dtype, device, seed):
+def check_layernorm_forward(shape, dtype, device, seed, **cfg):
     gen = make_gen(seed)
     C = shape[-1]
     # a non-zero mean, so a one-pass E[x^2] - E[x]^2 variance would lose digits
     inp = randn(shape, gen, device, dtype, scale=2.0, shift=3.0)
     weight, bias = ln_params(C, gen, device, dtype)
-    out, mean, rstd = run_layernorm_forward(inp, weight, bias)
+    out, mean, rstd = run_layernorm_forward(inp, weight, bias, **cfg)
     r_out, r_mean, r_rstd = ref.layernorm_forward(inp.float(), weight.float(), bias.float())
     assert out.dtype == dtype and mean.dtype == F32 and rstd.dtype == F32
     assert rel_err(out, r_out) < TOL[dtype]
     assert rel_err(mean, r_mean) < STATS_TOL
     assert rel_err(rstd, r_rstd) < STATS_TOL
     # determinism: a second run into fresh poisoned outputs is bitwise the same
-    out2, mean2, rstd2 = run_layernorm_forward(inp, weight, bias)
+    out2, mean2, rstd2 = run_layernorm_forward(inp, weight, bias, **cfg)
     assert bitwise_equal(out, out2) and bitwise_equal(mean, mean2) and bitwise_equal(rstd, rstd2)
 
 
@@ -111,6 +114,25 @@ def test_layernorm_forward(shape, dtype, device):
 def test_layernorm_forward_many_rows_per_program(device):
     # C=24 packs many rows per program: 37 rows leave the last program partly masked
     check_layernorm_forward((37, 24), F32, device, seed=2)
+
+
+@pytest.mark.parametrize("name", list(LN_FWD_SWEEP))
+def test_layernorm_forward_sweep_candidates(name, device):
+    # every benchmarked tiling, persistent grids included (19 rows: the last block partly masked, and
+    # fewer programs than blocks, so programs loop); fused_residual_forward with the same tiling agrees
+    cfg = LN_FWD_SWEEP[name]
+    check_layernorm_forward((19, 40), BF16, device, seed=21, **cfg)
+    check_fused((19, 40), BF16, device, seed=22, **cfg)
+
+
+def test_layernorm_forward_persistent_matches_one_block_per_program(device):
+    # the persistent grid changes which program normalises a row, not the row's arithmetic
+    gen = make_gen(23)
+    inp = randn((45, 64), gen, device, BF16, scale=2.0, shift=1.0)
+    weight, bias = ln_params(64, gen, device, BF16)
+    a = run_layernorm_forward(inp, weight, bias, rows=2, num_warps=1, programs_per_sm=0)
+    b = run_layernorm_forward(inp, weight, bias, rows=2, num_warps=1, programs_per_sm=3, stages=2)
+    assert all(bitwise_equal(x, y) for x, y in zip(a, b))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -137,26 +159,26 @@ def test_residual_forward(shape, dtype, device):
 # ----------------------------------------------------------------------------------------------------
 # fused residual + layernorm
 
-def run_fused(inp1, inp2, weight, bias):
+def run_fused(inp1, inp2, weight, bias, **cfg):
     shape, N = inp1.shape, inp1.numel() // inp1.shape[-1]
     residual = Guarded(shape, inp1.dtype, inp1.device)
     normed = Guarded(shape, inp1.dtype, inp1.device)
     mean = Guarded((N,), F32, inp1.device)
     rstd = Guarded((N,), F32, inp1.device)
     fused_residual_forward(residual.t, normed.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1]),
-                           inp1, inp2, weight, bias)
+                           inp1, inp2, weight, bias, **cfg)
     for g in (residual, normed, mean, rstd):
         g.check_guard()
     return residual.t, normed.t, mean.t.view(shape[:-1]), rstd.t.view(shape[:-1])
 
 
-def check_fused(shape, dtype, device, seed):
+def check_fused(shape, dtype, device, seed, **cfg):
     gen = make_gen(seed)
     C = shape[-1]
     inp1 = randn(shape, gen, device, dtype, scale=2.0, shift=1.0)
     inp2 = randn(shape, gen, device, dtype)
     weight, bias = ln_params(C, gen, device, dtype)
-    res, normed, mean, rstd = run_fused(inp1, inp2, weight, bias)
+    res, normed, mean, rstd = run_fused(inp1, inp2, weight, bias, **cfg)
     r_res, r_normed, r_mean, r_rstd = ref.fused_residual_forward(inp1.float(), inp2.float(), weight.float(),
                                                                  bias.float())
     assert rel_err(res, r_res) < TOL[dtype]
@@ -169,11 +191,11 @@ def check_fused(shape, dtype, device, seed):
     # and the whole thing is residual_forward then layernorm_forward, bit for bit
     res2 = torch.full_like(res, float("nan"))
     residual_forward(res2, inp1, inp2)
-    out2, mean2, rstd2 = run_layernorm_forward(res2, weight, bias)
+    out2, mean2, rstd2 = run_layernorm_forward(res2, weight, bias, **cfg)
     assert bitwise_equal(res, res2) and bitwise_equal(normed, out2)
     assert bitwise_equal(mean, mean2) and bitwise_equal(rstd, rstd2)
     # determinism
-    again = run_fused(inp1, inp2, weight, bias)
+    again = run_fused(inp1, inp2, weight, bias, **cfg)
     assert all(bitwise_equal(x, y) for x, y in zip((res, normed, mean, rstd), again))
 
 
@@ -215,7 +237,7 @@ def backward_inputs(shape, dtype, device, seed):
 
 
 def run_backward(inp, weight, dout, mean, rstd, dinp0, dweight0, dbias0, num_chunks=None, seed=0,
-                 stochastic=None):
+                 stochastic=None, **cfg):
     shape, C = inp.shape, inp.shape[-1]
     N = inp.numel() // C
     if num_chunks is None:
@@ -227,16 +249,16 @@ def run_backward(inp, weight, dout, mean, rstd, dinp0, dweight0, dbias0, num_chu
     dweight = Guarded((C,), dweight0.dtype, inp.device, values=dweight0)
     dbias = Guarded((C,), dbias0.dtype, inp.device, values=dbias0)
     layernorm_backward(dinp.t, dweight.t, dbias.t, scratch.t, dout, inp, weight, mean, rstd,
-                       seed=seed, stochastic=stochastic)
+                       seed=seed, stochastic=stochastic, **cfg)
     for g in (scratch, dinp, dweight, dbias):
         g.check_guard()
     return dinp.t, dweight.t, dbias.t
 
 
-def check_backward(shape, dtype, device, seed, num_chunks=None):
+def check_backward(shape, dtype, device, seed, num_chunks=None, **cfg):
     args = backward_inputs(shape, dtype, device, seed)
     inp, weight, dout, mean, rstd, dinp0, dweight0, dbias0 = args
-    dinp, dweight, dbias = run_backward(*args, num_chunks=num_chunks, seed=123)
+    dinp, dweight, dbias = run_backward(*args, num_chunks=num_chunks, seed=123, **cfg)
     r_dinp, r_dweight, r_dbias = ref.layernorm_backward(dout.float(), inp.float(), weight.float(), mean, rstd)
     assert rel_err(dinp, dinp0.float() + r_dinp) < TOL[dtype]
     assert rel_err(dweight, dweight0.float() + r_dweight) < TOL[dtype]
@@ -246,7 +268,7 @@ def check_backward(shape, dtype, device, seed, num_chunks=None):
         assert rel_err(dweight - dweight0, r_dweight) < 10 * TOL[dtype]
         assert rel_err(dbias - dbias0, r_dbias) < 10 * TOL[dtype]
     # determinism: same inputs, same scratch shape, same seed -> the same bits
-    again = run_backward(*args, num_chunks=num_chunks, seed=123)
+    again = run_backward(*args, num_chunks=num_chunks, seed=123, **cfg)
     assert all(bitwise_equal(x, y) for x, y in zip((dinp, dweight, dbias), again))
 
 
@@ -261,6 +283,15 @@ def test_layernorm_backward_chunking(num_chunks, device):
     # 15 rows: one chunk loops over all of them; 2 and 4 give uneven chunks (the last one shorter); 40
     # leaves empty chunks, which must write zeros into their scratch rows
     check_backward((3, 5, 40), F32, device, seed=7, num_chunks=num_chunks)
+
+
+@pytest.mark.parametrize("name", list(LN_BWD_SWEEP))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layernorm_backward_sweep_candidates(name, dtype, device):
+    # every benchmarked tiling; 37 rows in 3 chunks of 13 (not a multiple of the rows per iteration);
+    # the swept chunk counts need more rows than a CPU test has and are covered by the chunking test
+    cfg = {k: v for k, v in LN_BWD_SWEEP[name].items() if k != "chunks"}
+    check_backward((37, 40), dtype, device, seed=24, num_chunks=3, **cfg)
 
 
 def test_layernorm_backward_scratch_shape():
@@ -317,6 +348,34 @@ def test_layernorm_backward_stochastic_rounding_is_unbiased(device):
     assert abs(ratio - 1.0) < 0.2, ratio
 
 
+class _FailsWhenPipelined:
+    """Stands in for a Triton kernel whose pipelined build fails (as a compile or shared-memory error would)."""
+
+    def __init__(self):
+        self.stages = []
+
+    def __getitem__(self, grid):
+        def launch(*args, STAGES, **meta):
+            self.stages.append(STAGES)
+            if STAGES > 1:
+                raise RuntimeError("PassManager::run failed")
+        return launch
+
+
+def test_pipelined_launch_falls_back_once():
+    fake = _FailsWhenPipelined()
+    with pytest.warns(UserWarning, match="unpipelined"):
+        kmod._launch(fake, (1,), (), 3, num_warps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kmod._launch(fake, (1,), (), 3, num_warps=4)  # remembered: no second try, no second warning
+    kmod._launch(fake, (1,), (), 1, num_warps=4)
+    assert fake.stages == [3, 1, 1, 1]
+    keys = [k for k in kmod.FELL_BACK if k[0] == str(fake)]
+    assert len(keys) == 1 and "PassManager" in kmod.FELL_BACK[keys[0]]
+    del kmod.FELL_BACK[keys[0]]
+
+
 # ----------------------------------------------------------------------------------------------------
 # GPU: GPT-2 124M shapes, bf16, against the reference in fp32 on the GPU
 
@@ -352,3 +411,19 @@ def test_gpu_layernorm_fp32_storage():
     check_layernorm_forward((4, 1024, 768), F32, "cuda", seed=15)
     check_fused((4, 1024, 768), F32, "cuda", seed=16)
     check_backward((4, 1024, 768), F32, "cuda", seed=17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LN_FWD_SWEEP))
+def test_gpu_layernorm_forward_sweep_candidates(name):
+    # each benchmarked forward tiling at GPT-2 shapes; fused == residual + layernorm, bit for bit
+    check_layernorm_forward((8, 1024, 768), BF16, "cuda", seed=31, **LN_FWD_SWEEP[name])
+    check_fused((8, 1024, 768), BF16, "cuda", seed=32, **LN_FWD_SWEEP[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LN_BWD_SWEEP))
+def test_gpu_layernorm_backward_sweep_candidates(name):
+    cfg = dict(LN_BWD_SWEEP[name])
+    chunks = cfg.pop("chunks")
+    check_backward((16, 1024, 768), BF16, "cuda", seed=33, num_chunks=chunks, **cfg)

@@ -4,6 +4,12 @@ Run on a GPU: PYTHONPATH=src:. python -m bench.kernels.bench_layernorm
 nbytes counts each input read once and each output written once (the backward's fp32 scratch, 2 x 6 MiB
 of extra traffic, is not counted). Baselines: eager PyTorch (F.layer_norm, +, autograd's LayerNorm
 backward) and the same under torch.compile (None where compiling fails).
+
+Sweep rows, to pick the launchers' defaults: "layernorm_forward <cfg>" and "fused_residual_forward <cfg>"
+over layernorm.LN_FWD_SWEEP (the two share their tuning constants: r=rows per program, w=num_warps,
+p=programs_per_sm of a persistent grid (0: none), s=stages of pipelining), and "layernorm_backward <cfg>"
+over layernorm.LN_BWD_SWEEP (r=rows per iteration, w=num_warps, k=chunks, s=stages); the rows without a
+configuration are the current defaults.
 """
 from __future__ import annotations
 
@@ -11,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.timing import median_ms, row
-from llmpy.kernels.layernorm import (fused_residual_forward, layernorm_backward,
-                                     layernorm_backward_scratch_shape, layernorm_forward, residual_forward)
+from llmpy.kernels.layernorm import (FELL_BACK, LN_BWD_SWEEP, LN_FWD_SWEEP, fused_residual_forward,
+                                     layernorm_backward, layernorm_backward_scratch_shape, layernorm_forward,
+                                     residual_forward)
 from llmpy.reference import LAYERNORM_EPS
 
 B, T, C = 64, 1024, 768
@@ -33,6 +40,11 @@ def _compiled_ms(fn, *args):
 
 def _gbs(nbytes: int, ms: float) -> str:
     return f"{nbytes / (ms * 1e-3) / 1e9:.0f} GB/s"
+
+
+def _fell_back(before: int) -> str:
+    """A note when the timed call's pipelined build failed and it ran unpipelined (layernorm.FELL_BACK)."""
+    return "; PIPELINED BUILD FAILED, ran with stages=1" if len(FELL_BACK) > before else ""
 
 
 def bench(dev: str = "cuda") -> list[dict]:
@@ -62,8 +74,14 @@ def bench(dev: str = "cuda") -> list[dict]:
 
     nbytes = 2 * act + 2 * par + 2 * stat
     ms = median_ms(lambda: layernorm_forward(out, mean, rstd, inp, weight, bias))
-    rows.append(row("layernorm_forward", nbytes, ms, "F.layer_norm", median_ms(lambda: ln_eager(inp, weight, bias)),
-                    _compiled_ms(ln_eager, inp, weight, bias), _gbs(nbytes, ms)))
+    ln_eager_ms = median_ms(lambda: ln_eager(inp, weight, bias))
+    ln_compiled_ms = _compiled_ms(ln_eager, inp, weight, bias)
+    rows.append(row("layernorm_forward", nbytes, ms, "F.layer_norm", ln_eager_ms, ln_compiled_ms, _gbs(nbytes, ms)))
+    for name, cfg in LN_FWD_SWEEP.items():
+        n0 = len(FELL_BACK)
+        ms = median_ms(lambda: layernorm_forward(out, mean, rstd, inp, weight, bias, **cfg))
+        rows.append(row(f"layernorm_forward {name}", nbytes, ms, "F.layer_norm", ln_eager_ms, ln_compiled_ms,
+                        _gbs(nbytes, ms) + _fell_back(n0)))
 
     # ---- residual_forward
     def add_eager(a, b):
@@ -81,9 +99,15 @@ def bench(dev: str = "cuda") -> list[dict]:
 
     nbytes = 4 * act + 2 * par + 2 * stat
     ms = median_ms(lambda: fused_residual_forward(out, out2, mean, rstd, inp, inp2, weight, bias))
-    rows.append(row("fused_residual_forward", nbytes, ms, "a + b; F.layer_norm",
-                    median_ms(lambda: fused_eager(inp, inp2, weight, bias)),
-                    _compiled_ms(fused_eager, inp, inp2, weight, bias), _gbs(nbytes, ms)))
+    fused_eager_ms = median_ms(lambda: fused_eager(inp, inp2, weight, bias))
+    fused_compiled_ms = _compiled_ms(fused_eager, inp, inp2, weight, bias)
+    rows.append(row("fused_residual_forward", nbytes, ms, "a + b; F.layer_norm", fused_eager_ms, fused_compiled_ms,
+                    _gbs(nbytes, ms)))
+    for name, cfg in LN_FWD_SWEEP.items():
+        n0 = len(FELL_BACK)
+        ms = median_ms(lambda: fused_residual_forward(out, out2, mean, rstd, inp, inp2, weight, bias, **cfg))
+        rows.append(row(f"fused_residual_forward {name}", nbytes, ms, "a + b; F.layer_norm", fused_eager_ms,
+                        fused_compiled_ms, _gbs(nbytes, ms) + _fell_back(n0)))
 
     # ---- layernorm_backward (mean/rstd from the forward, as in training)
     layernorm_forward(out, mean, rstd, inp, weight, bias)
@@ -110,6 +134,16 @@ def bench(dev: str = "cuda") -> list[dict]:
     compiled = _compiled_ms(ln_bwd, dout, inp, weight, bias, mean.unsqueeze(-1), rstd.unsqueeze(-1))
     rows.append(row("layernorm_backward", nbytes, ms, "autograd F.layer_norm backward", eager_ms, compiled,
                     _gbs(nbytes, ms) + "; baselines do not accumulate into dinp/dweight/dbias"))
+    for name, cfg in LN_BWD_SWEEP.items():
+        cfg = dict(cfg)
+        sweep_scratch = torch.empty(layernorm_backward_scratch_shape(N, C, cfg.pop("chunks")), device=dev)
+        n0 = len(FELL_BACK)
+        ms = median_ms(lambda: layernorm_backward(dinp, dweight, dbias, sweep_scratch, dout, inp, weight, mean, rstd,
+                                                  seed=1234, **cfg))
+        rows.append(row(f"layernorm_backward {name}", nbytes, ms, "autograd F.layer_norm backward", eager_ms,
+                        compiled, _gbs(nbytes, ms) + _fell_back(n0)))
+    if FELL_BACK:
+        print("layernorm: pipelined builds that failed and ran unpipelined:", FELL_BACK)
     return rows
 
 

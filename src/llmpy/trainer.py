@@ -460,7 +460,10 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         start = [tokenizer.eot] if tokenizer is not None else [config.vocab_size - 1]
         ids = generate(backend.next_logits, start, opts.gen_tokens, config.vocab_size, config.max_seq_len,
                        seed=opts.seed + step, temperature=opts.temperature, top_k=opts.top_k)
-        text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+        if tokenizer is not None:  # a byte-trained GPT-2 vocab can still draw an id past the bytes early on
+            text = tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
+        else:
+            text = " ".join(map(str, ids))
         log(f"--- sample at step {step} ---\n{text}\n---")
         return text
 

@@ -22,10 +22,19 @@ The functions are those of `reference.py` (same names), as llm.c's llmc/layernor
   scratch row; kernel 2 sums the scratch rows in a fixed order and adds them into dweight/dbias, with
   stochastic rounding when those are bf16 (llm.c's treatment of parameter gradients).
 
+Tuning: the row kernels take rows per program, num_warps and a software-pipelining depth (stages: the
+next rows' loads wait in shared memory while these are computed; bandwidth here is bound by the bytes
+in flight per SM), the forward also a persistent grid (programs_per_sm); the defaults are module
+constants, bench/kernels/bench_layernorm.py sweeps LN_FWD_SWEEP / LN_BWD_SWEEP to choose them. A
+pipelined build that fails to compile or to fit runs unpipelined instead (FELL_BACK records it).
+
 Storage ("floatX") is bf16 or fp32; arithmetic is fp32. The launchers only launch: no allocation, no host
 sync, shapes decide everything, so they can be captured in CUDA graphs.
 """
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import triton
@@ -34,13 +43,21 @@ import triton.language as tl
 from ..reference import LAYERNORM_EPS
 from .common import cdiv, interpreting, store_rounded
 
-# Tuning knobs: chosen for C=768 on an H200 from register counts (ptxas: no spills), not yet measured;
-# bench/kernels/bench_layernorm.py is the place to tune them.
+# Tuning knobs (launcher defaults; every launcher takes them as optional arguments, and
+# bench/kernels/bench_layernorm.py sweeps LN_FWD_SWEEP / LN_BWD_SWEEP below to pick them).
 # Row kernels: a program's tile is [ROWS, BLOCK_C], BLOCK_C = C padded to a power of two, with rows
-# packed until the tile holds about *_TILE values (at most *_MAX_ROWS rows), ~8 values per thread.
-# C=768: the forward takes 2 rows in 8 warps, the backward 1 row in 4 warps.
-FWD_TILE, FWD_MAX_ROWS = 2048, 16
-BWD_TILE, BWD_MAX_ROWS = 1024, 4
+# packed until the tile holds about *_TILE values (at most *_MAX_ROWS rows), *_PER_THREAD values per
+# thread deciding the warps. C=768: the forward takes 2 rows in 8 warps, the backward 1 row in 4 warps.
+FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD = 2048, 16, 8
+BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD = 1024, 4, 8
+# Forward (layernorm_forward and fused_residual_forward share these, so that the two reduce each row in
+# the same order and agree bit for bit): programs per SM of a persistent grid looping over row blocks
+# (0: one program per row block), and the software-pipelining depth of that loop (1: none; with more,
+# the next blocks' loads wait in shared memory while this one is normalised).
+FWD_PROGRAMS_PER_SM = 0
+FWD_STAGES = 1
+# Backward: pipelining depth of each chunk's row loop.
+BWD_STAGES = 1
 # residual_forward: values per program (32 per thread at 4 warps: a few 16-byte vectors each)
 RESIDUAL_BLOCK = 4096
 # Chunks of rows in the backward's first level: about 8 programs per SM of a 132-SM H200 - all resident at
@@ -50,6 +67,34 @@ RESIDUAL_BLOCK = 4096
 LN_BACKWARD_CHUNKS = 1024
 # second level: a program sums [REDUCE_BLOCK_K chunks, REDUCE_BLOCK_C columns] tiles (48 programs at C=768)
 REDUCE_BLOCK_K, REDUCE_BLOCK_C, REDUCE_WARPS = 512, 16, 8
+
+# Candidates for the benchmark sweep (and the tests that check each of them), as launcher arguments.
+# Forward names: r=rows w=num_warps p=programs_per_sm s=stages; for C=768 (BLOCK_C 1024) warps/rows = 4
+# keeps 8 values per thread and the per-row reduction order of the default, other ratios change it
+# (for layernorm_forward and fused_residual_forward alike: they stay bitwise equal at any one setting).
+LN_FWD_SWEEP = {
+    "r2 w8 p0 s1": dict(rows=2, num_warps=8, programs_per_sm=0, stages=1),
+    "r4 w16 p0 s1": dict(rows=4, num_warps=16, programs_per_sm=0, stages=1),
+    "r1 w4 p0 s1": dict(rows=1, num_warps=4, programs_per_sm=0, stages=1),
+    "r4 w8 p0 s1": dict(rows=4, num_warps=8, programs_per_sm=0, stages=1),
+    "r8 w16 p0 s1": dict(rows=8, num_warps=16, programs_per_sm=0, stages=1),
+    "r2 w8 p4 s2": dict(rows=2, num_warps=8, programs_per_sm=4, stages=2),
+    "r2 w8 p4 s3": dict(rows=2, num_warps=8, programs_per_sm=4, stages=3),
+    "r1 w4 p8 s3": dict(rows=1, num_warps=4, programs_per_sm=8, stages=3),
+    "r4 w16 p2 s2": dict(rows=4, num_warps=16, programs_per_sm=2, stages=2),
+}
+# Backward names: r=rows per iteration w=num_warps k=chunks (the scratch's first dim) s=stages.
+LN_BWD_SWEEP = {
+    "r1 w4 k1024 s1": dict(rows=1, num_warps=4, chunks=1024, stages=1),
+    "r1 w4 k1024 s3": dict(rows=1, num_warps=4, chunks=1024, stages=3),
+    "r2 w8 k1024 s1": dict(rows=2, num_warps=8, chunks=1024, stages=1),
+    "r2 w8 k1024 s2": dict(rows=2, num_warps=8, chunks=1024, stages=2),
+    "r1 w4 k2048 s2": dict(rows=1, num_warps=4, chunks=2048, stages=2),
+    "r2 w8 k512 s3": dict(rows=2, num_warps=8, chunks=512, stages=3),
+    "r4 w16 k512 s1": dict(rows=4, num_warps=16, chunks=512, stages=1),
+    "r2 w4 k1024 s2": dict(rows=2, num_warps=4, chunks=1024, stages=2),
+    "r1 w2 k1024 s3": dict(rows=1, num_warps=2, chunks=1024, stages=3),
+}
 
 # Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even: under the
 # interpreter the kernels round explicitly, so CPU results carry the GPU's bits.
@@ -71,17 +116,15 @@ def _to_floatx(x, ptr, EXPLICIT_RNE: tl.constexpr):
 
 
 @triton.jit
-def _normalize_rows(x, mask, offs, rows, row_ok, cols, col_ok, out_ptr, mean_ptr, rstd_ptr,
-                    weight_ptr, bias_ptr, C, eps, EXPLICIT_RNE: tl.constexpr):
-    """x: a [ROWS, BLOCK_C] fp32 tile of rows (zero where masked). Stores mean, rstd and the normed rows."""
+def _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd_ptr, w, b, C, eps,
+                    EXPLICIT_RNE: tl.constexpr):
+    """x: a [ROWS, BLOCK_C] fp32 tile of rows (zero where masked); w, b: [BLOCK_C] fp32 weight and bias.
+    Stores mean, rstd and the normed rows."""
     mean = tl.sum(x, axis=1) / C
     # two-pass variance from the registers: masked lanes must not contribute (x - mean) there
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / C
     rstd = 1.0 / tl.sqrt(var + eps)
-    # weight/bias are shared by every program: keep them in cache
-    w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
     y = xc * rstd[:, None] * w[None, :] + b[None, :]
     tl.store(out_ptr + offs, _to_floatx(y, out_ptr, EXPLICIT_RNE), mask=mask)
     tl.store(mean_ptr + rows, mean, mask=row_ok)
@@ -90,39 +133,47 @@ def _normalize_rows(x, mask, offs, rows, row_ok, cols, col_ok, out_ptr, mean_ptr
 
 @triton.jit
 def _layernorm_forward_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, bias_ptr, N, C, eps,
-                              BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
                               EXPLICIT_RNE: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    """Row blocks pid, pid + num_programs, ...: one each unless the grid is persistent."""
     cols = tl.arange(0, BLOCK_C)
-    row_ok = rows < N
     col_ok = cols < C
-    mask = row_ok[:, None] & col_ok[None, :]
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    # the input is read exactly once here: stream it past the cache
-    x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    _normalize_rows(x, mask, offs, rows, row_ok, cols, col_ok, out_ptr, mean_ptr, rstd_ptr,
-                    weight_ptr, bias_ptr, C, eps, EXPLICIT_RNE)
+    # weight/bias are shared by every program: loaded once, kept in cache
+    w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    for blk in tl.range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0), num_stages=STAGES):
+        rows = blk * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        # the input is read exactly once here: stream it past the cache
+        x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd_ptr, w, b, C, eps,
+                        EXPLICIT_RNE)
 
 
 @triton.jit
 def _fused_residual_forward_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr, inp1_ptr, inp2_ptr,
                                    weight_ptr, bias_ptr, N, C, eps,
-                                   BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+                                   BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
                                    EXPLICIT_RNE: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_C)
-    row_ok = rows < N
     col_ok = cols < C
-    mask = row_ok[:, None] & col_ok[None, :]
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    a = tl.load(inp1_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    b = tl.load(inp2_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    r = _to_floatx(a + b, residual_ptr, EXPLICIT_RNE)
-    tl.store(residual_ptr + offs, r, mask=mask)
-    # normalise what was stored (rounded to floatX), so the backward, which reads the stored residual,
-    # sees the same numbers the forward normalised
-    _normalize_rows(r.to(tl.float32), mask, offs, rows, row_ok, cols, col_ok, normed_ptr, mean_ptr,
-                    rstd_ptr, weight_ptr, bias_ptr, C, eps, EXPLICIT_RNE)
+    w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    bb = tl.load(bias_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    for blk in tl.range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0), num_stages=STAGES):
+        rows = blk * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        a = tl.load(inp1_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        b = tl.load(inp2_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r = _to_floatx(a + b, residual_ptr, EXPLICIT_RNE)
+        tl.store(residual_ptr + offs, r, mask=mask)
+        # normalise what was stored (rounded to floatX), so the backward, which reads the stored residual,
+        # sees the same numbers the forward normalised
+        _normalize_rows(r.to(tl.float32), mask, offs, rows, row_ok, col_ok, normed_ptr, mean_ptr, rstd_ptr,
+                        w, bb, C, eps, EXPLICIT_RNE)
 
 
 @triton.jit
@@ -138,7 +189,7 @@ def _residual_forward_kernel(out_ptr, inp1_ptr, inp2_ptr, numel, BLOCK: tl.const
 @triton.jit
 def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_ptr, mean_ptr, rstd_ptr,
                                N, C, rows_per_chunk, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
-                               EXPLICIT_RNE: tl.constexpr):
+                               STAGES: tl.constexpr, EXPLICIT_RNE: tl.constexpr):
     """One program per chunk of consecutive rows: dinp += for each row, the chunk's sums of dout * norm
     and of dout into scratch[chunk, 0, :] and scratch[chunk, 1, :]. An empty chunk writes zeros."""
     chunk = tl.program_id(0)
@@ -150,7 +201,7 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
     # per-lane partial sums, reduced over the ROWS axis once at the end (not every iteration)
     dw_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
     db_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
-    for r0 in range(start, end, ROWS):
+    for r0 in tl.range(start, end, ROWS, num_stages=STAGES):
         rows = r0 + tl.arange(0, ROWS)
         row_ok = rows < end
         mask = row_ok[:, None] & col_ok[None, :]
@@ -213,12 +264,51 @@ def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, scratch_ptr, num_c
 _FLOATX = (torch.float32, torch.bfloat16)
 
 
-def _row_tile(C: int, max_elems: int, max_rows: int):
-    """(BLOCK_C, ROWS, num_warps) for a row kernel (see FWD_TILE above)."""
+def _row_tile(C: int, max_elems: int, max_rows: int, per_thread: int, rows=None, num_warps=None):
+    """(BLOCK_C, ROWS, num_warps) for a row kernel (see FWD_TILE above); rows / num_warps given by the
+    caller win."""
     block_c = triton.next_power_of_2(C)
-    rows = max(1, min(max_rows, max_elems // block_c))
-    num_warps = max(1, min(16, rows * block_c // 256))
+    if rows is None:
+        rows = max(1, min(max_rows, max_elems // block_c))
+    assert rows >= 1 and rows & (rows - 1) == 0, f"rows must be a power of two, got {rows}"
+    if num_warps is None:
+        num_warps = max(1, min(16, rows * block_c // (32 * per_thread)))
     return block_c, rows, num_warps
+
+
+# Configurations whose pipelined build failed (to compile, or to fit in shared memory) and ran unpipelined
+# instead: {(kernel, stages, meta): error}. The benchmark prints it; a warning says so once per configuration.
+FELL_BACK: dict = {}
+
+
+def _launch(kernel, grid, args, stages: int, **meta):
+    """kernel[grid](*args, STAGES=stages, **meta); if a pipelined build (stages > 1) fails to compile or to
+    fit, STAGES=1 instead (same results: pipelining only reorders loads). Failures other than the
+    pipelining's surface from the second launch."""
+    key = (getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)), stages, tuple(sorted(meta.items())))
+    if stages > 1 and key not in FELL_BACK:
+        try:
+            return kernel[grid](*args, STAGES=stages, **meta)
+        except Exception as e:  # noqa: BLE001 - compile / resource errors take many types
+            FELL_BACK[key] = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"{key[0]} with {stages} pipeline stages failed ({FELL_BACK[key]}); running unpipelined")
+    return kernel[grid](*args, STAGES=1, **meta)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: no query per launch); 1 elsewhere."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _forward_grid(N: int, rows: int, programs_per_sm: int, device) -> int:
+    """One program per row block, or at most programs_per_sm per SM looping over the blocks."""
+    blocks = cdiv(N, rows)
+    if programs_per_sm > 0:
+        return max(1, min(blocks, programs_per_sm * _sm_count(torch.device(device))))
+    return blocks
 
 
 def _check_rows(t: torch.Tensor, name: str, C: int, dtype=None):
@@ -237,8 +327,14 @@ def _check_param(t: torch.Tensor, name: str, C: int):
     assert t.dtype in _FLOATX, f"{name}: dtype {t.dtype}"
 
 
-def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM_EPS):
-    """out (..., C) = layernorm(inp) * weight + bias; mean, rstd (...) fp32 saved for the backward."""
+def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM_EPS, rows: int | None = None,
+                      num_warps: int | None = None, programs_per_sm: int = FWD_PROGRAMS_PER_SM,
+                      stages: int = FWD_STAGES):
+    """out (..., C) = layernorm(inp) * weight + bias; mean, rstd (...) fp32 saved for the backward.
+
+    Tuning (defaults: the FWD_* constants): rows per program tile, num_warps, programs_per_sm (> 0: a
+    persistent grid), stages (pipelining of the row-block loop). rows and num_warps set the per-row
+    reduction order; fused_residual_forward with the same values gives the same bits."""
     C = inp.shape[-1]
     N = inp.numel() // C
     assert inp.dtype in _FLOATX, f"inp: dtype {inp.dtype}"
@@ -249,10 +345,10 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM
     _check_stats(rstd, "rstd", N)
     _check_param(weight, "weight", C)
     _check_param(bias, "bias", C)
-    block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS)
-    _layernorm_forward_kernel[(cdiv(N, rows),)](out, mean, rstd, inp, weight, bias, N, C, eps,
-                                                BLOCK_C=block_c, ROWS=rows, EXPLICIT_RNE=EXPLICIT_RNE,
-                                                num_warps=num_warps)
+    block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
+    grid = (_forward_grid(N, rows, programs_per_sm, inp.device),)
+    _launch(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, eps), stages,
+            BLOCK_C=block_c, ROWS=rows, EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
     return out, mean, rstd
 
 
@@ -267,10 +363,13 @@ def residual_forward(out, inp1, inp2):
     return out
 
 
-def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bias, eps: float = LAYERNORM_EPS):
+def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bias, eps: float = LAYERNORM_EPS,
+                           rows: int | None = None, num_warps: int | None = None,
+                           programs_per_sm: int = FWD_PROGRAMS_PER_SM, stages: int = FWD_STAGES):
     """residual = inp1 + inp2 (rounded to floatX), then normed, mean, rstd = layernorm(residual) as stored.
 
-    Equals residual_forward then layernorm_forward bit for bit, with one read of the residual fewer.
+    Equals residual_forward then layernorm_forward (with the same tuning arguments, see there) bit for
+    bit, with one read of the residual fewer.
     """
     C = inp1.shape[-1]
     N = inp1.numel() // C
@@ -282,10 +381,10 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     _check_stats(rstd, "rstd", N)
     _check_param(weight, "weight", C)
     _check_param(bias, "bias", C)
-    block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS)
-    _fused_residual_forward_kernel[(cdiv(N, rows),)](residual, normed, mean, rstd, inp1, inp2, weight, bias,
-                                                     N, C, eps, BLOCK_C=block_c, ROWS=rows,
-                                                     EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
+    block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
+    grid = (_forward_grid(N, rows, programs_per_sm, inp1.device),)
+    _launch(_fused_residual_forward_kernel, grid, (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, eps),
+            stages, BLOCK_C=block_c, ROWS=rows, EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
     return residual, normed, mean, rstd
 
 
@@ -299,13 +398,16 @@ def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int = LN
 
 
 def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd,
-                       seed: int | torch.Tensor = 0, stochastic: bool | None = None):
+                       seed: int | torch.Tensor = 0, stochastic: bool | None = None, rows: int | None = None,
+                       num_warps: int | None = None, stages: int = BWD_STAGES):
     """Accumulate the LayerNorm gradients: dinp += dL/dinp, dweight += sum(dout * norm), dbias += sum(dout).
 
     scratch: fp32 (num_chunks, 2, C), contiguous, any num_chunks >= 1 (see layernorm_backward_scratch_shape);
     its contents are overwritten. seed: an int, or a one-element int64/int32 device tensor read by the
     kernel (so a captured CUDA graph can be replayed with a fresh seed). stochastic: round dweight/dbias
     stochastically; by default when they are bf16 (only then allowed). dinp must not alias dout or inp.
+    Tuning (defaults: the BWD_* constants): rows per iteration, num_warps, stages (pipelining of each
+    chunk's row loop); the number of chunks is scratch.shape[0].
     """
     C = inp.shape[-1]
     N = inp.numel() // C
@@ -331,10 +433,10 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
 
     num_chunks = scratch.shape[0]
     rows_per_chunk = cdiv(N, num_chunks)
-    block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS)
-    _layernorm_backward_kernel[(num_chunks,)](dinp, scratch, dout, inp, weight, mean, rstd,
-                                              N, C, rows_per_chunk, BLOCK_C=block_c, ROWS=rows,
-                                              EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
+    block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD, rows, num_warps)
+    args = (dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows_per_chunk)
+    _launch(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
+            EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
     _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](dweight, dbias, scratch, num_chunks, C, seed,
                                                                   BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C,
                                                                   SEED_IN_MEMORY=seed_in_memory,
