@@ -222,6 +222,9 @@ def test_row_chunks_and_tiles():
     ("twopass_persistent", dict(variant="twopass", block_size=16384, num_warps=32, progs_per_sm=1), torch.bfloat16),
     ("onepass_p16", dict(variant="onepass", keep="p", num_warps=16), torch.bfloat16),
     ("onepass_p16", dict(variant="onepass", keep="p", num_warps=16), torch.float32),
+    # persistent with the L2 prefetch of the next row (inline PTX: the interpreter runs it without)
+    ("onepass_p16_prefetch", dict(variant="onepass", keep="p", num_warps=16, progs_per_sm=1, prefetch=True),
+     torch.bfloat16),
     ("onepass_pw16", dict(variant="onepass", keep="pw", num_warps=16), torch.bfloat16),
     ("onepass_xw16", dict(variant="onepass", keep="xw", num_warps=16), torch.bfloat16),
     ("split", dict(variant="split", block_size=4096, num_warps=8), torch.bfloat16),
