@@ -48,8 +48,8 @@ import triton.language as tl
 
 # Per mode, the variant and its knobs; knobs left out come from KNOB_DEFAULTS[variant].
 # bench_fused_classifier sweeps the alternatives on the GPU: copy the winner here.
-TRAIN_CONFIG = {"variant": "twopass", "block_size": 4096, "num_warps": 16, "stages": 1, "tile": 8, "progs_per_sm": 0}
-VAL_CONFIG = {"variant": "twopass", "block_size": 2048, "num_warps": 4, "stages": 1, "tile": 8, "progs_per_sm": 0}
+TRAIN_CONFIG = {"variant": "twopass", "block_size": 8192, "num_warps": 16, "stages": 1, "tile": 8, "progs_per_sm": 0}
+VAL_CONFIG = {"variant": "twopass", "block_size": 4096, "num_warps": 4, "stages": 1, "tile": 8, "progs_per_sm": 0}
 KNOB_DEFAULTS = {
     "legacy": {"block_size": 2048, "num_warps": 8, "stages": 1},
     "twopass": {"block_size": 4096, "num_warps": 16, "stages": 1, "tile": 8, "progs_per_sm": 0},

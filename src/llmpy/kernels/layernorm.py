@@ -47,17 +47,19 @@ from .common import cdiv, interpreting, store_rounded
 # bench/kernels/bench_layernorm.py sweeps LN_FWD_SWEEP / LN_BWD_SWEEP below to pick them).
 # Row kernels: a program's tile is [ROWS, BLOCK_C], BLOCK_C = C padded to a power of two, with rows
 # packed until the tile holds about *_TILE values (at most *_MAX_ROWS rows), *_PER_THREAD values per
-# thread deciding the warps. C=768: the forward takes 2 rows in 8 warps, the backward 1 row in 4 warps.
-FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD = 2048, 16, 8
-BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD = 1024, 4, 8
+# thread deciding the warps. C=768: the forward takes 1 row in 4 warps, the backward 1 row in 2 warps.
+# Defaults picked from the H200 sweep of 2026-12-01 (bench/RESULTS.md): forward r1 w4 p8 s3 0.073 ms
+# (0.082 before), fused residual 0.108 ms (88 %), backward r1 w2 k1024 s3 0.114 ms (83 %; 0.146 before).
+FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD = 1024, 16, 8
+BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD = 1024, 4, 16
 # Forward (layernorm_forward and fused_residual_forward share these, so that the two reduce each row in
 # the same order and agree bit for bit): programs per SM of a persistent grid looping over row blocks
 # (0: one program per row block), and the software-pipelining depth of that loop (1: none; with more,
 # the next blocks' loads wait in shared memory while this one is normalised).
-FWD_PROGRAMS_PER_SM = 0
-FWD_STAGES = 1
+FWD_PROGRAMS_PER_SM = 8 if not interpreting() else 0
+FWD_STAGES = 3
 # Backward: pipelining depth of each chunk's row loop.
-BWD_STAGES = 1
+BWD_STAGES = 3
 # residual_forward: values per program (32 per thread at 4 warps: a few 16-byte vectors each)
 RESIDUAL_BLOCK = 4096
 # Chunks of rows in the backward's first level: about 8 programs per SM of a 132-SM H200 - all resident at
