@@ -208,10 +208,13 @@ def fused_classifier(logits: torch.Tensor, targets: torch.Tensor, V: int, dloss:
     losses = lse - lv.gather(-1, targets[..., None].long()).squeeze(-1)
     if dloss is None:
         return losses, None
-    probs = torch.zeros_like(logits)
-    probs[..., :V] = torch.exp(lv - lse[..., None])
-    dl = torch.full(losses.shape, dloss, dtype=logits.dtype, device=logits.device)
-    return losses, crossentropy_softmax_backward(dl, probs, targets, V)
+    # (softmax - onehot) * dloss, written in place into one buffer; the padding columns stay 0
+    dlogits = torch.zeros_like(logits)
+    dlogits[..., :V] = torch.softmax(lv, dim=-1)
+    dlogits.mul_(dloss)
+    dlogits.scatter_add_(-1, targets[..., None].long(),
+                         torch.full((*targets.shape, 1), -dloss, dtype=logits.dtype, device=logits.device))
+    return losses, dlogits
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -234,12 +237,11 @@ def adamw_update(param, grad, m, v, step: int, lr: float, beta1: float = 0.9, be
         gs = g[sl] * grad_scale
         mm[sl].lerp_(gs, 1.0 - beta1)
         vv[sl].lerp_(gs.mul_(gs), 1.0 - beta2)
-        # update = m_hat / (sqrt(v_hat) + eps) + weight_decay * p, built in place in two temporaries
-        denom = vv[sl].div(beta2_correction).sqrt_().add_(eps)
-        update = mm[sl].div(beta1_correction).div_(denom)
+        # p <- p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps): decay uses the old p, as llm.c
+        denom = vv[sl].sqrt().div_(math.sqrt(beta2_correction)).add_(eps)
         if weight_decay != 0.0:
-            update.add_(p[sl], alpha=weight_decay)
-        p[sl].sub_(update, alpha=lr)
+            p[sl].mul_(1.0 - lr * weight_decay)
+        p[sl].addcdiv_(mm[sl], denom, value=-lr / beta1_correction)
 
 
 def global_norm(grads: torch.Tensor, chunk: int = 1 << 20) -> float:
