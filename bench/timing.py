@@ -27,3 +27,16 @@ def row(kernel: str, nbytes: int, ms: float, baseline: str = "", baseline_ms: fl
     written once), its median time, and the same operation in plain PyTorch (and torch.compile)."""
     return {"kernel": kernel, "bytes": nbytes, "ms": ms, "baseline": baseline, "baseline_ms": baseline_ms,
             "compiled_ms": compiled_ms, "note": note}
+
+
+def compiled_ms(fn, *args) -> float | None:
+    """Median time of torch.compile(fn)(*args) (compiled outside the timed region), or None when compiling
+    or running it fails: a baseline failing must not take the kernel rows down with it."""
+    try:
+        cfn = torch.compile(fn, dynamic=False)
+        cfn(*args)
+        torch.cuda.synchronize()
+        return median_ms(lambda: cfn(*args))
+    except Exception as e:  # noqa: BLE001
+        print(f"torch.compile failed for {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}")
+        return None

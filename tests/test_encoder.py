@@ -5,13 +5,11 @@ reproducible, and rounds bf16 gradients stochastically. Its dwte kernel walks th
 fixed chunks and tiles: the `piece` (chunk), `tile` and `block_c` arguments make runs cross tile, chunk
 and column-block boundaries on tiny inputs; every configuration the benchmark sweeps is run here too.
 """
-import warnings
 
 import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels import encoder as kmod
 from llmpy.kernels.encoder import (ENC_COMBINE_TILE, WPE_SWEEP, WTE_SWEEP, encoder_backward,
                                    encoder_backward_scratch, encoder_backward_sort, encoder_forward,
                                    wpe_backward)
@@ -253,34 +251,6 @@ def test_encoder_backward_seed_one(device):
     inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, torch.bfloat16, "random", seed=1)
     dwte, dwpe = run_backward(dout, inp, dwte0, dwpe0, device, seed=1)
     check_backward(dwte, dwpe, inp, dout, dwte0, dwpe0, torch.bfloat16)
-
-
-class _FailsWhenPipelined:
-    """Stands in for a Triton kernel whose pipelined build fails (as a compile or shared-memory error would)."""
-
-    def __init__(self):
-        self.stages = []
-
-    def __getitem__(self, grid):
-        def launch(*args, STAGES, **meta):
-            self.stages.append(STAGES)
-            if STAGES > 1:
-                raise RuntimeError("PassManager::run failed")
-        return launch
-
-
-def test_pipelined_launch_falls_back_once():
-    fake = _FailsWhenPipelined()
-    with pytest.warns(UserWarning, match="unpipelined"):
-        kmod._launch(fake, (1,), (), 3, num_warps=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        kmod._launch(fake, (1,), (), 3, num_warps=4)  # remembered: no second try, no second warning
-    kmod._launch(fake, (1,), (), 1, num_warps=4)
-    assert fake.stages == [3, 1, 1, 1]
-    keys = [k for k in kmod.FELL_BACK if k[0] == str(fake)]
-    assert len(keys) == 1 and "PassManager" in kmod.FELL_BACK[keys[0]]
-    del kmod.FELL_BACK[keys[0]]
 
 
 def gpt2_ids(B, T, V, gen):

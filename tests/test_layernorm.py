@@ -4,13 +4,11 @@ CPU (Triton interpreter) on tiny, odd shapes; the GPU tests at GPT-2 124M shapes
 with NaN before each call (accumulated ones are pre-filled with random values), and every output buffer
 has a guard band after it that must survive (no stray writes past the masks).
 """
-import warnings
 
 import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels import layernorm as kmod
 from llmpy.kernels.layernorm import (LN_BACKWARD_CHUNKS, LN_BWD_SWEEP, LN_FWD_SWEEP, fused_residual_forward,
                                      layernorm_backward, layernorm_backward_scratch_shape, layernorm_forward,
                                      residual_forward)
@@ -346,34 +344,6 @@ def test_layernorm_backward_stochastic_rounding_is_unbiased(device):
         moved += (db.float() - dbias0.float()).double()
     ratio = float(moved.sum() / n_seeds / increment.double().sum())
     assert abs(ratio - 1.0) < 0.2, ratio
-
-
-class _FailsWhenPipelined:
-    """Stands in for a Triton kernel whose pipelined build fails (as a compile or shared-memory error would)."""
-
-    def __init__(self):
-        self.stages = []
-
-    def __getitem__(self, grid):
-        def launch(*args, STAGES, **meta):
-            self.stages.append(STAGES)
-            if STAGES > 1:
-                raise RuntimeError("PassManager::run failed")
-        return launch
-
-
-def test_pipelined_launch_falls_back_once():
-    fake = _FailsWhenPipelined()
-    with pytest.warns(UserWarning, match="unpipelined"):
-        kmod._launch(fake, (1,), (), 3, num_warps=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        kmod._launch(fake, (1,), (), 3, num_warps=4)  # remembered: no second try, no second warning
-    kmod._launch(fake, (1,), (), 1, num_warps=4)
-    assert fake.stages == [3, 1, 1, 1]
-    keys = [k for k in kmod.FELL_BACK if k[0] == str(fake)]
-    assert len(keys) == 1 and "PassManager" in kmod.FELL_BACK[keys[0]]
-    del kmod.FELL_BACK[keys[0]]
 
 
 # ----------------------------------------------------------------------------------------------------

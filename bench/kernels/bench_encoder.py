@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.timing import median_ms, row
-from llmpy.kernels.encoder import (FELL_BACK, WPE_SWEEP, WTE_SWEEP, encoder_backward, encoder_backward_scratch,
+from llmpy.kernels.common import PIPELINE_FALLBACKS
+from bench.timing import compiled_ms, median_ms, row
+from llmpy.kernels.encoder import (WPE_SWEEP, WTE_SWEEP, encoder_backward, encoder_backward_scratch,
                                    encoder_backward_sort, encoder_forward, wpe_backward, wte_backward)
 
 B, T, C = 64, 1024, 768
@@ -32,16 +33,6 @@ V, Vp, MAXT = 50257, 50304, 1024
 DTYPE = torch.bfloat16
 
 
-def _compiled_ms(fn, *args):
-    """Median time of torch.compile(fn)(*args), or None if compiling (or running) it fails."""
-    try:
-        cfn = torch.compile(fn, dynamic=False)
-        cfn(*args)  # compile outside the timed region
-        torch.cuda.synchronize()
-        return median_ms(lambda: cfn(*args))
-    except Exception as e:  # a baseline failing must not take the kernel rows down with it
-        print(f"torch.compile failed for {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}")
-        return None
 
 
 def _graph_ms(fn, label: str = ""):
@@ -70,8 +61,8 @@ def _gbs(nbytes: int, ms: float) -> str:
 
 
 def _fell_back(before: int) -> str:
-    """A note when the timed call's pipelined build failed and it ran unpipelined (encoder.FELL_BACK)."""
-    return "; PIPELINED BUILD FAILED, ran with stages=1" if len(FELL_BACK) > before else ""
+    """A note when the timed call's pipelined build failed and it ran unpipelined (encoder.PIPELINE_FALLBACKS)."""
+    return "; PIPELINED BUILD FAILED, ran with stages=1" if len(PIPELINE_FALLBACKS) > before else ""
 
 
 def _ids(kind: str, dev: str) -> torch.Tensor:
@@ -113,7 +104,7 @@ def bench(dev: str = "cuda") -> list[dict]:
     nbytes = N * C * s + 2 * T * C * s
     eager_wpe = median_ms(lambda: dout.sum(0))
     for name, cfg in WPE_SWEEP.items():
-        n0 = len(FELL_BACK)
+        n0 = len(PIPELINE_FALLBACKS)
         ms = _graph_ms(lambda: wpe_backward(dwpe, dout, seed, dwte.numel(), True, **cfg), name)
         if ms is not None:
             rows.append(row(f"wpe_backward {name}", nbytes, ms, "dout.sum(0)", eager_wpe, None,
@@ -128,7 +119,7 @@ def bench(dev: str = "cuda") -> list[dict]:
         nbytes = N * 4 + N * C * s + T * C * s + N * C * s
         ms = median_ms(lambda: encoder_forward(out, inp, wte, wpe))
         rows.append(row(f"encoder_forward ({kind} ids)", nbytes, ms, "F.embedding + wpe",
-                        median_ms(lambda: fwd_eager(inp, wte, wpe)), _compiled_ms(fwd_eager, inp, wte, wpe),
+                        median_ms(lambda: fwd_eager(inp, wte, wpe)), compiled_ms(fwd_eager, inp, wte, wpe),
                         _gbs(nbytes, ms)))
 
         # ---- backward: read ids and dout; read + write the touched dwte rows and dwpe[:T]
@@ -137,7 +128,7 @@ def bench(dev: str = "cuda") -> list[dict]:
         sort_ms = median_ms(lambda: encoder_backward_sort(inp, scratch))
         rows.append(row(f"encoder_backward ({kind} ids)", nbytes, ms, "index_add_ + sum (atomics)",
                         median_ms(lambda: bwd_eager(dwte, dwpe, dout, inp64)),
-                        _compiled_ms(bwd_eager, dwte, dwpe, dout, inp64),
+                        compiled_ms(bwd_eager, dwte, dwpe, dout, inp64),
                         _gbs(nbytes, ms) + f"; {touched} distinct ids; eager torch.sort alone {sort_ms:.3f} ms"))
         g_ms = _graph_ms(lambda: encoder_backward(dwte, dwpe, dout, inp, seed, scratch), "encoder_backward")
         g_sort = _graph_ms(lambda: encoder_backward_sort(inp, scratch), "sort")
@@ -151,14 +142,14 @@ def bench(dev: str = "cuda") -> list[dict]:
         encoder_backward_sort(inp, sweep_scratch)
         nbytes = N * (4 + 8) + N * C * s + 2 * touched * C * s
         for name, cfg in WTE_SWEEP.items():
-            n0 = len(FELL_BACK)
+            n0 = len(PIPELINE_FALLBACKS)
             ms = _graph_ms(lambda: wte_backward(dwte, dout, inp, seed, sweep_scratch, True, sort=False, **cfg),
                            name)
             if ms is not None:
                 rows.append(row(f"wte {name} ({kind})", nbytes, ms, "index_add_ (graph)", g_base, None,
                                 _gbs(nbytes, ms) + _fell_back(n0)))
-    if FELL_BACK:
-        print("encoder: pipelined builds that failed and ran unpipelined:", FELL_BACK)
+    if PIPELINE_FALLBACKS:
+        print("encoder: pipelined builds that failed and ran unpipelined:", PIPELINE_FALLBACKS)
     return rows
 
 

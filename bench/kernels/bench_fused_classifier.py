@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.timing import median_ms, row
+from bench.timing import compiled_ms, median_ms, row
 from llmpy import reference as ref
 from llmpy.kernels.fused_classifier import TRAIN_CONFIG, VAL_CONFIG, fused_classifier, split_scratch_numel
 
@@ -68,16 +68,6 @@ VAL_SWEEP = [
 ]
 
 
-def _compiled_ms(fn, *args):
-    """Median time of torch.compile(fn)(*args), or None if compiling (or running) it fails."""
-    try:
-        cfn = torch.compile(fn, dynamic=False)
-        cfn(*args)  # compile outside the timed region
-        torch.cuda.synchronize()
-        return median_ms(lambda: cfn(*args))
-    except Exception as e:  # a baseline failing must not take the kernel rows down with it
-        print(f"torch.compile failed for {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}")
-        return None
 
 
 def _gbs(nbytes: int, ms: float) -> str:
@@ -149,10 +139,10 @@ def bench(dev: str = "cuda") -> list[dict]:
         return loss, F.pad(g, (0, Vp - V)).to(x.dtype)
 
     val_eager = median_ms(lambda: ce_val(pristine, targets))
-    val_compiled = _compiled_ms(ce_val, pristine, targets)
+    val_compiled = compiled_ms(ce_val, pristine, targets)
     train_eager = median_ms(ce_train)
     leaf = None  # free the autograd copies before the compiled baseline
-    train_compiled = _compiled_ms(written_train, pristine, targets)
+    train_compiled = compiled_ms(written_train, pristine, targets)
     torch.cuda.empty_cache()
 
     work = torch.empty_like(pristine)

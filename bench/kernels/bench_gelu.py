@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.timing import median_ms, row
+from bench.timing import compiled_ms, median_ms, row
 from llmpy.kernels.gelu import gelu_backward_inplace, gelu_forward
 
 B, T, C = 64, 1024, 768
@@ -21,16 +21,6 @@ DTYPE = torch.bfloat16
 SWEEP = [(1024, 4), (4096, 8), (8192, 8)]
 
 
-def _compiled_ms(fn, *args):
-    """Median time of torch.compile(fn)(*args), or None if compiling (or running) it fails."""
-    try:
-        cfn = torch.compile(fn, dynamic=False)
-        cfn(*args)  # compile outside the timed region
-        torch.cuda.synchronize()
-        return median_ms(lambda: cfn(*args))
-    except Exception as e:  # a baseline failing must not take the kernel rows down with it
-        print(f"torch.compile failed for {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}")
-        return None
 
 
 def _gbs(nbytes: int, ms: float) -> str:
@@ -53,7 +43,7 @@ def bench(dev: str = "cuda") -> list[dict]:
     nbytes = 2 * act
     ms = median_ms(lambda: gelu_forward(out, x))
     rows.append(row("gelu_forward", nbytes, ms, "F.gelu(approximate='tanh')", median_ms(lambda: gelu_eager(x)),
-                    _compiled_ms(gelu_eager, x), _gbs(nbytes, ms)))
+                    compiled_ms(gelu_eager, x), _gbs(nbytes, ms)))
     for block, warps in SWEEP:
         ms = median_ms(lambda: gelu_forward(out, x, block=block, num_warps=warps))
         rows.append(row(f"gelu_forward block={block} warps={warps}", nbytes, ms, note=_gbs(nbytes, ms)))
@@ -65,7 +55,7 @@ def bench(dev: str = "cuda") -> list[dict]:
     nbytes = 3 * act
     ms = median_ms(lambda: gelu_backward_inplace(d, x))
     rows.append(row("gelu_backward_inplace", nbytes, ms, "aten.gelu_backward (autograd's)",
-                    median_ms(lambda: gelu_bwd(d, x)), _compiled_ms(gelu_bwd, d, x),
+                    median_ms(lambda: gelu_bwd(d, x)), compiled_ms(gelu_bwd, d, x),
                     _gbs(nbytes, ms) + "; baselines write a new tensor"))
     for block, warps in SWEEP:
         ms = median_ms(lambda: gelu_backward_inplace(d, x, block=block, num_warps=warps))

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.timing import median_ms, row
-from llmpy.kernels.layernorm import (FELL_BACK, LN_BWD_SWEEP, LN_FWD_SWEEP, fused_residual_forward,
+from llmpy.kernels.common import PIPELINE_FALLBACKS
+from bench.timing import compiled_ms, median_ms, row
+from llmpy.kernels.layernorm import (LN_BWD_SWEEP, LN_FWD_SWEEP, fused_residual_forward,
                                      layernorm_backward, layernorm_backward_scratch_shape, layernorm_forward,
                                      residual_forward)
 from llmpy.reference import LAYERNORM_EPS
@@ -26,16 +27,6 @@ B, T, C = 64, 1024, 768
 DTYPE = torch.bfloat16
 
 
-def _compiled_ms(fn, *args):
-    """Median time of torch.compile(fn)(*args), or None if compiling (or running) it fails."""
-    try:
-        cfn = torch.compile(fn, dynamic=False)
-        cfn(*args)  # compile outside the timed region
-        torch.cuda.synchronize()
-        return median_ms(lambda: cfn(*args))
-    except Exception as e:  # a baseline failing must not take the kernel rows down with it
-        print(f"torch.compile failed for {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}")
-        return None
 
 
 def _gbs(nbytes: int, ms: float) -> str:
@@ -43,8 +34,8 @@ def _gbs(nbytes: int, ms: float) -> str:
 
 
 def _fell_back(before: int) -> str:
-    """A note when the timed call's pipelined build failed and it ran unpipelined (layernorm.FELL_BACK)."""
-    return "; PIPELINED BUILD FAILED, ran with stages=1" if len(FELL_BACK) > before else ""
+    """A note when the timed call's pipelined build failed and it ran unpipelined (layernorm.PIPELINE_FALLBACKS)."""
+    return "; PIPELINED BUILD FAILED, ran with stages=1" if len(PIPELINE_FALLBACKS) > before else ""
 
 
 def bench(dev: str = "cuda") -> list[dict]:
@@ -75,10 +66,10 @@ def bench(dev: str = "cuda") -> list[dict]:
     nbytes = 2 * act + 2 * par + 2 * stat
     ms = median_ms(lambda: layernorm_forward(out, mean, rstd, inp, weight, bias))
     ln_eager_ms = median_ms(lambda: ln_eager(inp, weight, bias))
-    ln_compiled_ms = _compiled_ms(ln_eager, inp, weight, bias)
+    ln_compiled_ms = compiled_ms(ln_eager, inp, weight, bias)
     rows.append(row("layernorm_forward", nbytes, ms, "F.layer_norm", ln_eager_ms, ln_compiled_ms, _gbs(nbytes, ms)))
     for name, cfg in LN_FWD_SWEEP.items():
-        n0 = len(FELL_BACK)
+        n0 = len(PIPELINE_FALLBACKS)
         ms = median_ms(lambda: layernorm_forward(out, mean, rstd, inp, weight, bias, **cfg))
         rows.append(row(f"layernorm_forward {name}", nbytes, ms, "F.layer_norm", ln_eager_ms, ln_compiled_ms,
                         _gbs(nbytes, ms) + _fell_back(n0)))
@@ -90,7 +81,7 @@ def bench(dev: str = "cuda") -> list[dict]:
     nbytes = 3 * act
     ms = median_ms(lambda: residual_forward(out, inp, inp2))
     rows.append(row("residual_forward", nbytes, ms, "a + b", median_ms(lambda: add_eager(inp, inp2)),
-                    _compiled_ms(add_eager, inp, inp2), _gbs(nbytes, ms)))
+                    compiled_ms(add_eager, inp, inp2), _gbs(nbytes, ms)))
 
     # ---- fused_residual_forward
     def fused_eager(a, b, w, bb):
@@ -100,11 +91,11 @@ def bench(dev: str = "cuda") -> list[dict]:
     nbytes = 4 * act + 2 * par + 2 * stat
     ms = median_ms(lambda: fused_residual_forward(out, out2, mean, rstd, inp, inp2, weight, bias))
     fused_eager_ms = median_ms(lambda: fused_eager(inp, inp2, weight, bias))
-    fused_compiled_ms = _compiled_ms(fused_eager, inp, inp2, weight, bias)
+    fused_compiled_ms = compiled_ms(fused_eager, inp, inp2, weight, bias)
     rows.append(row("fused_residual_forward", nbytes, ms, "a + b; F.layer_norm", fused_eager_ms, fused_compiled_ms,
                     _gbs(nbytes, ms)))
     for name, cfg in LN_FWD_SWEEP.items():
-        n0 = len(FELL_BACK)
+        n0 = len(PIPELINE_FALLBACKS)
         ms = median_ms(lambda: fused_residual_forward(out, out2, mean, rstd, inp, inp2, weight, bias, **cfg))
         rows.append(row(f"fused_residual_forward {name}", nbytes, ms, "a + b; F.layer_norm", fused_eager_ms,
                         fused_compiled_ms, _gbs(nbytes, ms) + _fell_back(n0)))
@@ -131,19 +122,19 @@ def bench(dev: str = "cuda") -> list[dict]:
         # aten's LayerNorm backward (what autograd runs), no accumulation into existing gradients
         return torch.ops.aten.native_layer_norm_backward(g, xx, [C], m, r, ww, bb, [True, True, True])
 
-    compiled = _compiled_ms(ln_bwd, dout, inp, weight, bias, mean.unsqueeze(-1), rstd.unsqueeze(-1))
+    compiled = compiled_ms(ln_bwd, dout, inp, weight, bias, mean.unsqueeze(-1), rstd.unsqueeze(-1))
     rows.append(row("layernorm_backward", nbytes, ms, "autograd F.layer_norm backward", eager_ms, compiled,
                     _gbs(nbytes, ms) + "; baselines do not accumulate into dinp/dweight/dbias"))
     for name, cfg in LN_BWD_SWEEP.items():
         cfg = dict(cfg)
         sweep_scratch = torch.empty(layernorm_backward_scratch_shape(N, C, cfg.pop("chunks")), device=dev)
-        n0 = len(FELL_BACK)
+        n0 = len(PIPELINE_FALLBACKS)
         ms = median_ms(lambda: layernorm_backward(dinp, dweight, dbias, sweep_scratch, dout, inp, weight, mean, rstd,
                                                   seed=1234, **cfg))
         rows.append(row(f"layernorm_backward {name}", nbytes, ms, "autograd F.layer_norm backward", eager_ms,
                         compiled, _gbs(nbytes, ms) + _fell_back(n0)))
-    if FELL_BACK:
-        print("layernorm: pipelined builds that failed and ran unpipelined:", FELL_BACK)
+    if PIPELINE_FALLBACKS:
+        print("layernorm: pipelined builds that failed and ran unpipelined:", PIPELINE_FALLBACKS)
     return rows
 
 

@@ -334,7 +334,7 @@ class GPT2Reference:
             raise RuntimeError("backward needs a forward with targets first")
         cfg, p, g, acts = self.config, self.params, self.grads, self.acts
         B, T = acts["inputs"].shape
-        C, NH = cfg.channels, cfg.num_heads
+        NH = cfg.num_heads
         if dloss is None:
             dloss = 1.0 / (B * T)
         _, dlogits = fused_classifier(self.logits, acts["targets"], cfg.vocab_size, dloss)

@@ -6,6 +6,7 @@ Kernels run on CUDA tensors on a GPU, and on CPU tensors through Triton's interp
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
@@ -73,3 +74,23 @@ def store_rounded(ptr, x, mask, seed, offsets, STOCHASTIC: tl.constexpr):
         tl.store(ptr, round_nearest_bf16(x), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+# Configurations whose pipelined build failed (to compile, or to fit in shared memory) and ran unpipelined
+# instead: {(kernel, stages, meta): error}. The benchmarks print it; a warning says so once per configuration.
+PIPELINE_FALLBACKS: dict = {}
+
+
+def launch_pipelined(kernel, grid, args, stages: int, **meta):
+    """kernel[grid](*args, STAGES=stages, **meta); if a pipelined build (stages > 1) fails to compile or to
+    fit, STAGES=1 instead (same results: pipelining only reorders loads). Failures other than the
+    pipelining's surface from the second launch."""
+    key = (getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)), stages, tuple(sorted(meta.items())))
+    if stages > 1 and key not in PIPELINE_FALLBACKS:
+        try:
+            return kernel[grid](*args, STAGES=stages, **meta)
+        except Exception as e:  # noqa: BLE001 - compile / resource errors take many types
+            PIPELINE_FALLBACKS[key] = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"{key[0]} with {stages} pipeline stages failed ({PIPELINE_FALLBACKS[key]}); "
+                          "running unpipelined")
+    return kernel[grid](*args, STAGES=1, **meta)

@@ -43,14 +43,13 @@ graph picks up a fresh seed written into it each step).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, interpreting, store_rounded
+from .common import cdiv, interpreting, store_rounded, launch_pipelined
 
 # ---- dwte: tuning knobs, launcher defaults (bench/kernels/bench_encoder.py sweeps WTE_SWEEP below;
 # these are guesses for C=768 on an H200 from ptxas register counts, not yet measured)
@@ -329,23 +328,6 @@ def _extra(maxnreg):
     return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
-# Configurations whose pipelined build failed (to compile, or to fit in shared memory) and ran unpipelined
-# instead: {(kernel, meta): error}. The benchmark prints it; a warning says so once per configuration.
-FELL_BACK: dict = {}
-
-
-def _launch(kernel, grid, args, stages: int, **meta):
-    """kernel[grid](*args, STAGES=stages, **meta); if a pipelined build (stages > 1) fails to compile or to
-    fit, STAGES=1 instead (same results: pipelining only reorders loads). Failures other than the
-    pipelining's surface from the second launch."""
-    key = (getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)), stages, tuple(sorted(meta.items())))
-    if stages > 1 and key not in FELL_BACK:
-        try:
-            return kernel[grid](*args, STAGES=stages, **meta)
-        except Exception as e:  # noqa: BLE001 - compile / resource errors take many types
-            FELL_BACK[key] = f"{type(e).__name__}: {str(e)[:300]}"
-            warnings.warn(f"{key[0]} with {stages} pipeline stages failed ({FELL_BACK[key]}); running unpipelined")
-    return kernel[grid](*args, STAGES=1, **meta)
 
 
 def encoder_forward(out: torch.Tensor, inp: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor):
@@ -396,7 +378,7 @@ def wpe_backward(dwpe: torch.Tensor, dout: torch.Tensor, seed, wte_numel: int, s
     sr = stochastic and dout.dtype == torch.bfloat16
     rows = _pow2(rows, "rows")
     block_c = min(_pow2(block_c, "block_c"), triton.next_power_of_2(C))
-    _launch(_wpe_backward_kernel, (cdiv(T, rows), cdiv(C, block_c)),
+    launch_pipelined(_wpe_backward_kernel, (cdiv(T, rows), cdiv(C, block_c)),
             (dwpe, dout, seed_arg, B, T, C, T * C, wte_numel), stages, ROWS_T=rows, BLOCK_C=block_c, UNROLL=unroll,
             STOCHASTIC=sr, SEED_IS_PTR=seed_is_ptr, num_warps=num_warps)
     return dwpe
@@ -452,7 +434,7 @@ def wte_backward(dwte: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor, seed
     if sort:
         encoder_backward_sort(inp, scratch)
     n_chunks = cdiv(N, piece)
-    _launch(_wte_backward_chunks_kernel, (n_chunks, cdiv(C, block_c)),
+    launch_pipelined(_wte_backward_chunks_kernel, (n_chunks, cdiv(C, block_c)),
             (dwte, scratch.partial, dout, scratch.sorted_ids, scratch.perm, seed_arg, N, C), stages,
             CHUNK=piece, TILE=tile, BLOCK_C=block_c, SCAN=scan, STOCHASTIC=sr, SR_HASH=sr_hash,
             SEED_IS_PTR=seed_is_ptr, num_warps=num_warps, **_extra(maxnreg))

@@ -26,7 +26,7 @@ Tuning: the row kernels take rows per program, num_warps and a software-pipelini
 next rows' loads wait in shared memory while these are computed; bandwidth here is bound by the bytes
 in flight per SM), the forward also a persistent grid (programs_per_sm); the defaults are module
 constants, bench/kernels/bench_layernorm.py sweeps LN_FWD_SWEEP / LN_BWD_SWEEP to choose them. A
-pipelined build that fails to compile or to fit runs unpipelined instead (FELL_BACK records it).
+pipelined build that fails to compile or to fit runs unpipelined instead (common.PIPELINE_FALLBACKS records it).
 
 Storage ("floatX") is bf16 or fp32; arithmetic is fp32. The launchers only launch: no allocation, no host
 sync, shapes decide everything, so they can be captured in CUDA graphs.
@@ -34,14 +34,13 @@ sync, shapes decide everything, so they can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
 from ..reference import LAYERNORM_EPS
-from .common import cdiv, interpreting, store_rounded
+from .common import cdiv, interpreting, store_rounded, launch_pipelined
 
 # Tuning knobs (launcher defaults; every launcher takes them as optional arguments, and
 # bench/kernels/bench_layernorm.py sweeps LN_FWD_SWEEP / LN_BWD_SWEEP below to pick them).
@@ -278,23 +277,6 @@ def _row_tile(C: int, max_elems: int, max_rows: int, per_thread: int, rows=None,
     return block_c, rows, num_warps
 
 
-# Configurations whose pipelined build failed (to compile, or to fit in shared memory) and ran unpipelined
-# instead: {(kernel, stages, meta): error}. The benchmark prints it; a warning says so once per configuration.
-FELL_BACK: dict = {}
-
-
-def _launch(kernel, grid, args, stages: int, **meta):
-    """kernel[grid](*args, STAGES=stages, **meta); if a pipelined build (stages > 1) fails to compile or to
-    fit, STAGES=1 instead (same results: pipelining only reorders loads). Failures other than the
-    pipelining's surface from the second launch."""
-    key = (getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)), stages, tuple(sorted(meta.items())))
-    if stages > 1 and key not in FELL_BACK:
-        try:
-            return kernel[grid](*args, STAGES=stages, **meta)
-        except Exception as e:  # noqa: BLE001 - compile / resource errors take many types
-            FELL_BACK[key] = f"{type(e).__name__}: {str(e)[:300]}"
-            warnings.warn(f"{key[0]} with {stages} pipeline stages failed ({FELL_BACK[key]}); running unpipelined")
-    return kernel[grid](*args, STAGES=1, **meta)
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,7 +331,7 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM
     _check_param(bias, "bias", C)
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp.device),)
-    _launch(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, eps), stages,
+    launch_pipelined(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, eps), stages,
             BLOCK_C=block_c, ROWS=rows, EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
     return out, mean, rstd
 
@@ -385,7 +367,7 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     _check_param(bias, "bias", C)
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp1.device),)
-    _launch(_fused_residual_forward_kernel, grid, (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, eps),
+    launch_pipelined(_fused_residual_forward_kernel, grid, (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, eps),
             stages, BLOCK_C=block_c, ROWS=rows, EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
     return residual, normed, mean, rstd
 
@@ -437,7 +419,7 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     rows_per_chunk = cdiv(N, num_chunks)
     block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD, rows, num_warps)
     args = (dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows_per_chunk)
-    _launch(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
+    launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
             EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
     _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](dweight, dbias, scratch, num_chunks, C, seed,
                                                                   BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C,
