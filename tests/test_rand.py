@@ -46,12 +46,10 @@ def assert_normals_match(ours, ref, mean, std, what):
 # ---------------------------------------------------------------- the raw stream
 
 def test_seeding_is_init_genrand():
-    bg = np.random.MT19937(0)
-    if not hasattr(bg, "_legacy_seeding"):
-        pytest.skip("numpy without _legacy_seeding")
+    # numpy's legacy RandomState(int) seeds its MT19937 with init_genrand too: its key must be ours
     for seed in SEEDS:
-        bg._legacy_seeding(seed & 0xFFFFFFFF)
-        assert np.array_equal(bg.state["state"]["key"], rand.init_genrand(seed)), seed
+        key = np.random.RandomState(seed & 0xFFFFFFFF).get_state()[1]
+        assert np.array_equal(key, rand.init_genrand(seed)), seed
 
 
 @pytest.mark.parametrize("seed", SEEDS)
