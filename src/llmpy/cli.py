@@ -9,7 +9,7 @@ from .errors import LlmpyError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import prepare, sampler, trainer
+    from . import export, plot, prepare, sampler, trainer
     from .trainer import OneLineParser
 
     parser = OneLineParser(prog="llmpy", description="GPT-2-family training from Python, llm.c's design.",
@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="generate text from a model file", allow_abbrev=False)
     sampler.add_arguments(s)
     s.set_defaults(func=sampler.run)
+    pl = sub.add_parser("plot", help="draw PNG charts of a run from its main.jsonl", allow_abbrev=False)
+    plot.add_arguments(pl)
+    pl.set_defaults(func=plot.run)
+    ex = sub.add_parser("export", help="export a model to a HuggingFace transformers folder", allow_abbrev=False)
+    export.add_arguments(ex)
+    ex.set_defaults(func=export.run)
     return parser
 
 

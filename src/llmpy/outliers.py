@@ -15,16 +15,17 @@ class OutlierDetector:
         self.values: deque[float] = deque(maxlen=window)
 
     def update(self, x: float) -> float:
-        """Add x; return its z-score against the window before it (nan until the window is full)."""
-        z = float("nan")
-        if len(self.values) == self.window:
-            n = len(self.values)
-            mean = sum(self.values) / n
-            var = sum((v - mean) ** 2 for v in self.values) / n
-            std = math.sqrt(var)
-            z = (x - mean) / std if std > 0 else 0.0
+        """Add x; return its z-score (nan while the window is still filling). As llm.c's detector, once
+        the window is full the new value replaces the oldest and is scored against the window holding
+        it."""
+        full = len(self.values) == self.window
         self.values.append(float(x))
-        return z
+        if not full:
+            return float("nan")
+        n = len(self.values)
+        mean = sum(self.values) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / n)
+        return (x - mean) / std if std > 0 else 0.0
 
     def state_dict(self) -> dict:
         return {"window": self.window, "values": list(self.values)}

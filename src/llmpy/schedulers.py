@@ -41,9 +41,9 @@ class LRSchedule:
             return self.lr - progress * (self.lr - min_lr)
         if self.kind == "cosine":
             return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - min_lr)
-        # wsd: stable at lr, then a linear decay over the last decay_frac of all steps
-        decay_start = self.total_steps * (1.0 - self.decay_frac)
+        # wsd (llm.c): stable at lr, then over the last decay_frac of all steps a 1 - sqrt decay to min_lr
+        decay_start = int(self.total_steps * (1.0 - self.decay_frac))
         if step < decay_start:
             return self.lr
-        frac = min(1.0, (step - decay_start) / max(1.0, self.total_steps - decay_start))
-        return self.lr - frac * (self.lr - min_lr)
+        frac = min(1.0, (step - decay_start) / max(1, self.total_steps - decay_start))
+        return min_lr + (1.0 - math.sqrt(frac)) * (self.lr - min_lr)

@@ -11,7 +11,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -99,8 +101,6 @@ class TrainOptions:
         if self.resume and not self.output_dir:
             raise LlmpyError("-y 1 resumes from the output directory: give it with -o")
         # what the CPU path does not do yet is refused, not silently ignored
-        if self.resume:
-            raise LlmpyError("-y 1: resuming a run is not implemented yet")
         if self.hellaswag:
             raise LlmpyError("-h 1: HellaSwag evaluation is not implemented yet")
 
@@ -179,7 +179,9 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    train(options_from_args(args))
+    result = train(options_from_args(args))
+    if result.stopped_by is not None:  # the shell's convention for "ended by signal N", after a clean save
+        return 128 + int(getattr(signal, result.stopped_by))
     return 0
 
 
@@ -231,6 +233,23 @@ class CPUBackend:
     def parameters_fp32(self) -> torch.Tensor:
         return self.model.params_flat
 
+    def state_tensors(self) -> dict:
+        """What a resume needs besides the model file: the parameters and AdamW's m, v (zeros before
+        the first update, which is what update() would start from)."""
+        m = self.model
+        zeros = torch.zeros_like(m.params_flat)
+        return {"params": m.params_flat, "m": zeros if m.m_flat is None else m.m_flat,
+                "v": zeros.clone() if m.v_flat is None else m.v_flat}
+
+    def seed_state(self):
+        return None  # the fp32 reference rounds nothing stochastically
+
+    def load_state(self, tensors: dict, seeds=None):
+        m = self.model
+        m.params_flat.copy_(tensors["params"].float().reshape(-1))  # in place: the views stay valid
+        m.m_flat = tensors["m"].float().reshape(-1).clone()
+        m.v_flat = tensors["v"].float().reshape(-1).clone()
+
 
 class GPUBackend:
     """GPT2Model (Triton kernels, cuBLAS, whole-step CUDA graph) behind the loop's interface."""
@@ -263,6 +282,36 @@ class GPUBackend:
 
     def parameters_fp32(self) -> torch.Tensor:
         return self.model.parameters_fp32()
+
+    def state_tensors(self) -> dict:
+        """The device's parameter storage in its own dtype (bf16 weights are not the round-to-nearest of
+        the master weights: stochastic rounding made them), the fp32 master weights, AdamW's m and v."""
+        md = self.model
+        m, v = md.optimizer_state()
+        out = {"params": md.params_memory.detach().cpu().clone(), "m": m, "v": v}
+        if md.master_memory is not None:
+            out["master"] = md.master_memory.detach().cpu().clone()
+        return out
+
+    def seed_state(self):
+        # GPT2Model has no public accessor for its stochastic-rounding seeds; they are the int64 device
+        # tensor _seeds (advanced every micro-step), read and restored in place here
+        seeds = getattr(self.model, "_seeds", None)
+        return None if seeds is None else [int(x) for x in seeds.tolist()]
+
+    def load_state(self, tensors: dict, seeds=None):
+        md = self.model
+        if "master" in tensors and md.master_memory is not None:
+            md.master_memory.copy_(tensors["master"].float())
+        params = tensors["params"]
+        if params.dtype == md.params_memory.dtype or md.master_memory is None:
+            md.params_memory.copy_(params.to(md.params_memory.dtype))
+        else:  # saved in another dtype: the working copy follows the master weights
+            md.params_memory.copy_(md.master_memory)
+        md.load_optimizer_state(tensors["m"].float(), tensors["v"].float())
+        own = getattr(md, "_seeds", None)
+        if seeds is not None and own is not None and len(seeds) == own.numel():
+            own.copy_(torch.tensor(seeds, dtype=own.dtype))
 
 
 def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.Tensor]:
@@ -328,20 +377,67 @@ class RunLog:
                 f.close()
 
 
-def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, params: torch.Tensor, opts: TrainOptions,
+def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts: TrainOptions, meta: dict,
                      final: bool = False):
-    """llm.c's model file model_%08d.bin (fp32, version 3); a DONE_%08d marker after the final one."""
-    from .checkpoint import save_llmc
-    save_llmc(out_dir / f"model_{step:08d}.bin", config, params, dtype="float32")
+    """llm.c's model file model_%08d.bin (fp32, version 3) and the training state state_%08d.safetensors
+    that -y 1 resumes from; a DONE_%08d marker after the final pair; then -nk/-nm pruning."""
+    from .training_state import prune_checkpoints, save_checkpoint
+    save_checkpoint(out_dir, step, config, backend.parameters_fp32(), backend.state_tensors(), meta)
     if final:
         (out_dir / f"DONE_{step:08d}").write_text("")
-    if opts.checkpoints_keep > 0:
-        kept = sorted(out_dir.glob("model_*.bin"))
-        for old in kept[:-opts.checkpoints_keep]:
-            s = int(old.stem.split("_")[1])
-            if opts.major_checkpoint_every > 0 and s % opts.major_checkpoint_every == 0:
-                continue
-            old.unlink()
+    prune_checkpoints(out_dir, opts.checkpoints_keep, opts.major_checkpoint_every)
+
+
+# what a resumed run must share with its checkpoint: (TrainOptions field, flag, saved-options key)
+_RESUME_MUST_MATCH = (("batch_size", "-b", "batch_size"), ("seq_len", "-t", "seq_len"),
+                      ("dtype", "--dtype", "dtype"), ("seed", "--seed", "seed"), ("shuffle", "--shuffle", "shuffle"))
+# what may change on resume (with a note): the schedule and the optimizer's knobs
+_RESUME_MAY_CHANGE = (("learning_rate", "-l"), ("lr_schedule", "-k"), ("warmup_steps", "-u"),
+                      ("final_lr_frac", "-q"), ("weight_decay", "-c"), ("grad_clip", "--grad-clip"))
+
+
+def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str) -> dict:
+    """The options that define a run, as saved in each training state."""
+    from .training_state import config_dict
+    keep = ("model", "train_data", "batch_size", "seq_len", "total_batch_size", "learning_rate", "lr_schedule",
+            "warmup_steps", "final_lr_frac", "weight_decay", "grad_clip", "max_steps", "seed", "dtype",
+            "master_weights", "shuffle", "overfit_single_batch", "skip_loss_z", "skip_grad_z")
+    return {**{k: getattr(opts, k) for k in keep}, "config": config_dict(config), "grad_accumulation": accum,
+            "device": device}
+
+
+def _model_config(desc: str) -> GPT2Config:
+    """The configuration -e names, without building its weights (a resume replaces them)."""
+    if os.path.exists(desc):
+        from .checkpoint import load_model_file
+        return load_model_file(desc)[0]
+    return parse_descriptor(desc)
+
+
+def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log):
+    """One line naming the field and both values when the run differs from its checkpoint where it must
+    not; a note where it may (the schedule then differs from the original run's)."""
+    from .training_state import CONFIG_FIELDS, config_dict
+    name = state.model_file.name
+    saved = state.meta.get("options", {})
+    mine = config_dict(config)
+    theirs = config_dict(state.config)
+    for k in CONFIG_FIELDS:
+        if mine[k] != theirs[k]:
+            raise LlmpyError(f"-y 1: the checkpoint {name} has {k}={theirs[k]} but this run's model (-e "
+                             f"{opts.model}) has {k}={mine[k]}")
+    for fld, flag, key in _RESUME_MUST_MATCH:
+        if key in saved and saved[key] != getattr(opts, fld):
+            raise LlmpyError(f"-y 1: the checkpoint {name} was saved with {flag} {saved[key]} but this run has "
+                             f"{flag} {getattr(opts, fld)}")
+    if "grad_accumulation" in saved and saved["grad_accumulation"] != accum:
+        raise LlmpyError(f"-y 1: the checkpoint {name} was saved with gradient accumulation "
+                         f"{saved['grad_accumulation']} (-d {saved.get('total_batch_size')}) but this run has "
+                         f"{accum} (-d {opts.total_batch_size})")
+    changed = [f"{flag} {saved[fld]} -> {getattr(opts, fld)}" for fld, flag in _RESUME_MAY_CHANGE
+               if fld in saved and saved[fld] != getattr(opts, fld)]
+    if changed:
+        log(f"note: resuming with changed settings ({', '.join(changed)})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,6 +451,9 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     sample: str | None = None
+    start_step: int = 0                    # the step a -y 1 run resumed from (0: a fresh run)
+    stopped_by: str | None = None          # "SIGINT"/"SIGTERM" when a signal ended the run early
+    last_step: int = 0                     # the last completed step
 
 
 def _fmt_options(opts: TrainOptions) -> str:
@@ -385,8 +484,6 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             for name, value in settings:
                 if getattr(opts, name) == getattr(defaults, name):
                     setattr(opts, name, value)
-    if opts.model is None:
-        opts.model = "d12"
     opts.validate()
     device = _resolve_device(opts)
     if not opts.dtype:
@@ -394,7 +491,25 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     if device == "cpu" and opts.dtype != "float32":
         raise LlmpyError(f"--dtype {opts.dtype}: the CPU reference trains in float32")
 
-    config, params = load_or_create_model(opts.model, seed=opts.seed)
+    state = None
+    if opts.resume:
+        from .training_state import latest_complete_step, load_checkpoint
+        ckpt_dir = Path(opts.output_dir)
+        found = latest_complete_step(ckpt_dir) if ckpt_dir.is_dir() else None
+        if found is None:
+            raise LlmpyError(f"-y 1: no checkpoint to resume from in {ckpt_dir} (no model_*.bin with a "
+                             "matching state_*.safetensors)")
+        state = load_checkpoint(ckpt_dir, found)
+        if opts.model is None:  # no -e: the checkpoint's own model
+            opts.model = state.meta.get("options", {}).get("model") or str(state.model_file)
+            config = state.config
+        else:
+            config = _model_config(opts.model)
+        params = state.params_fp32
+    else:
+        if opts.model is None:
+            opts.model = "d12"
+        config, params = load_or_create_model(opts.model, seed=opts.seed)
     B, T = opts.batch_size, opts.seq_len
     if T > config.max_seq_len:
         raise LlmpyError(f"-t {T}: longer than the model's context of {config.max_seq_len} tokens")
@@ -413,12 +528,36 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     if opts.val_data and opts.val_every > 0:
         val_loader = EvalLoader(opts.val_data, B, T, vocab_size=config.vocab_size)
         val_batches = min(opts.val_max_steps, len(val_loader))
-    steps = opts.max_steps if opts.max_steps > 0 else max(1, len(train_loader) // accum)
+    if opts.max_steps > 0:
+        steps = opts.max_steps
+    elif state is not None and state.meta.get("total_steps"):
+        steps = int(state.meta["total_steps"])  # no -x: the checkpointed run's length
+    else:
+        steps = max(1, len(train_loader) // accum)
+    start_step = 0
+    loss_outliers, grad_outliers = OutlierDetector(), OutlierDetector()
+    first_batch = None
+    if state is not None:
+        _check_resume(state, opts, config, accum, log)
+        if opts.overfit_single_batch:  # -a 1 trains on the loader's first batch, whatever its position
+            first_batch = train_loader.next_batch()
+        try:
+            train_loader.load_state_dict(state.meta["data"])
+            loss_outliers.load_state_dict(state.meta["outliers"]["loss"])
+            grad_outliers.load_state_dict(state.meta["outliers"]["grad"])
+        except LlmpyError as e:
+            raise LlmpyError(f"-y 1: {state.state_file}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise LlmpyError(f"-y 1: {state.state_file}: malformed training state ({type(e).__name__}: {e})") \
+                from None
+        start_step = state.step
     schedule = LRSchedule(opts.lr_schedule, opts.learning_rate, opts.warmup_steps, steps, opts.final_lr_frac)
     tokenizer = _tokenizer_for(config.vocab_size, byte_data=embedded)
     out_dir = _check_output_dir(opts.output_dir) if opts.output_dir else None  # after every check of the input
 
     backend = GPUBackend(config, params, opts) if device == "cuda" else CPUBackend(config, params)
+    if state is not None:
+        backend.load_state(state.tensors, state.meta.get("rng", {}).get("sr_seeds"))
     model = backend.model
     log(f"llmpy train | device {device} | {backend.describe()}")
     log(f"model {opts.model}: {config.describe()} | padded vocab {config.padded_vocab_size} | "
@@ -430,19 +569,25 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         f"| clip {opts.grad_clip}")
     if out_dir:
         log(f"output {out_dir}")
+    if state is not None:
+        log(f"resuming from {state.model_file.name} + {state.state_file.name} (step {start_step} of {steps})")
     mfu_of = None
     if device == "cuda":
         from .mfu import estimate_mfu
         gpu_name = torch.cuda.get_device_name()
         mfu_of = lambda tok_s: estimate_mfu(config, T, tok_s, gpu_name)  # noqa: E731
 
-    result = TrainResult(config=config, model=model)
+    result = TrainResult(config=config, model=model, start_step=start_step, last_step=start_step)
+    if start_step >= steps:
+        log(f"the checkpoint is at step {start_step} and the run has {steps} steps: nothing to do "
+            "(raise -x to train further)")
+        return result
     run_log = RunLog(out_dir)
-    loss_outliers, grad_outliers = OutlierDetector(), OutlierDetector()
     progress = None
     if opts.progress == 1 or (opts.progress == -1 and sys.stderr.isatty()):
         from tqdm import tqdm
-        progress = tqdm(total=steps, unit="step", dynamic_ncols=True, leave=False, file=sys.stderr)
+        progress = tqdm(total=steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False,
+                        file=sys.stderr)
         log = progress.write  # step lines above the bar
 
     def validate(step):
@@ -476,9 +621,31 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             (opts.skip_grad_z > 0 and last_z[1] > opts.skip_grad_z)
     skip_fn = outlier if (opts.skip_loss_z > 0 or opts.skip_grad_z > 0) else None
 
-    first_batch = None
+    from . import __version__
+    run_options = _run_options(opts, config, accum, device)
+
+    def checkpoint(step_done: int, final: bool = False):
+        meta = {"llmpy_version": __version__, "total_steps": steps, "options": run_options,
+                "data": train_loader.state_dict(),
+                "outliers": {"loss": loss_outliers.state_dict(), "grad": grad_outliers.state_dict()},
+                "rng": {"sr_seeds": backend.seed_state()}}
+        _save_checkpoint(out_dir, step_done, config, backend, opts, meta, final=final)
+
+    # SIGINT/SIGTERM only raise a flag, read between steps: the step in flight finishes, its checkpoint
+    # is saved, and the run ends; a second signal interrupts at once
+    stop_signal: list[int] = []
+
+    def on_signal(signum, frame):
+        if stop_signal:
+            raise KeyboardInterrupt
+        stop_signal.append(signum)
+    old_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old_handlers[sig] = signal.signal(sig, on_signal)
+
     try:
-        for step in range(steps):
+        for step in range(start_step, steps):
             if opts.val_every > 0 and step % opts.val_every == 0:
                 validate(step)
             if opts.sample_every > 0 and step > 0 and step % opts.sample_every == 0:
@@ -508,19 +675,33 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 f"{tok_s:.0f} tok/s{mfu}")
             if progress is not None:
                 progress.update(1)
+            result.last_step = step + 1
+            saved = False
             if out_dir and opts.checkpoint_every > 0 and (step + 1) % opts.checkpoint_every == 0 and step + 1 < steps:
-                _save_checkpoint(out_dir, step + 1, config, backend.parameters_fp32(), opts)
-        validate(steps)
-        result.sample = sample(steps)
-        if out_dir:
-            _save_checkpoint(out_dir, steps, config, backend.parameters_fp32(), opts, final=True)
+                checkpoint(step + 1)
+                saved = True
+            if stop_signal and step + 1 < steps:
+                result.stopped_by = signal.Signals(stop_signal[0]).name
+                if out_dir and not saved:
+                    checkpoint(step + 1)
+                where = (f"checkpoint of step {step + 1} in {out_dir}; continue with -y 1" if out_dir
+                         else "no -o, so nothing was saved")
+                log(f"stopped by {result.stopped_by} after step {step + 1}/{steps}: {where}")
+                break
+        if result.stopped_by is None:
+            validate(steps)
+            result.sample = sample(steps)
+            if out_dir:
+                checkpoint(steps, final=True)
     finally:
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
         if progress is not None:
             progress.close()
         run_log.close()
     if len(result.step_ms) > 1:
         timed = sorted(result.step_ms[1:])
-        print(f"done: {steps} steps, median {timed[len(timed) // 2]:.1f} ms/step, "
+        print(f"done: {result.last_step - start_step} steps, median {timed[len(timed) // 2]:.1f} ms/step, "
               f"final train loss {result.train_losses[-1]:.4f}"
               + (f", val loss {result.val_losses[-1][1]:.4f}" if result.val_losses else ""))
     return result

@@ -1,0 +1,47 @@
+"""`llmpy export MODEL OUTDIR`: an llm.c .bin (fp32 or bf16) or HF safetensors model into a folder that
+transformers' GPT2LMHeadModel.from_pretrained loads: model.safetensors (fp32), config.json and
+generation_config.json. No tokenizer files are written (GPT-2's come from the hub: AutoTokenizer "gpt2")."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .errors import LlmpyError
+
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    parser.description = "Export a model to a HuggingFace transformers GPT2LMHeadModel folder."
+    parser.add_argument("model", metavar="MODEL", help="model file: llm.c .bin, model.safetensors or its folder")
+    parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write (created if missing)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = export_hf(args.model, args.out_dir)
+    print(f"wrote {out}/ (model.safetensors, config.json, {GENERATION_CONFIG_NAME})")
+    return 0
+
+
+def generation_config_dict(eos: int) -> dict:
+    # what transformers derives from config.json itself; written so from_pretrained finds it
+    return {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos}
+
+
+def export_hf(model_path, out_dir) -> Path:
+    """Write the HF folder for `model_path` into out_dir; returns out_dir."""
+    from .checkpoint import atomic_write, hf_config_dict, load_model_file, save_hf
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise LlmpyError(f"{out} exists and is not a directory")
+    src = Path(model_path)
+    if src.exists() and out.exists() and src.resolve() == out.resolve():
+        raise LlmpyError(f"{out}: exporting a folder onto itself")
+    config, flat, _ = load_model_file(model_path)
+    save_hf(out, config, flat.float())  # HF's GPT-2 is fp32 here; a bf16 .bin widens exactly
+    eos = hf_config_dict(config)["eos_token_id"]
+    text = json.dumps(generation_config_dict(eos), indent=2) + "\n"
+    atomic_write(out / GENERATION_CONFIG_NAME, lambda f: f.write(text.encode()))
+    return out

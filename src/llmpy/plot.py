@@ -1,0 +1,183 @@
+"""`llmpy plot DIR`: PNG charts of a run from its main.jsonl (the trainer's RunLog).
+
+One chart per quantity: loss (train raw + smoothed, validation), learning rate, gradient norm, and
+tokens/s and MFU when the log carries them ("tok_s", "mfu"; MFU is a fraction, drawn in percent).
+matplotlib is an optional dependency (`pip install matplotlib`, or the `plot` extra), imported only here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from .errors import LlmpyError
+
+LOG_NAME = "main.jsonl"
+NUMERIC_KEYS = ("loss", "norm", "lr", "ms", "skipped", "tok_s", "mfu")
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    parser.description = "Draw PNG charts of a training run from DIR/main.jsonl."
+    parser.add_argument("run_dir", metavar="DIR", help="the run's output directory (train -o), holding main.jsonl")
+    parser.add_argument("-o", "--output", default=None, help="folder for the PNGs (default: DIR/plots)")
+    parser.add_argument("--smooth", type=float, default=0.9,
+                        help="EMA weight of the smoothed train loss, in [0, 1) (default: 0.9)")
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = plot_run(args.run_dir, args.output, smooth=args.smooth)
+    for p in paths:
+        print(p)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading the log
+
+def read_log(path) -> list[dict]:
+    """The records of a main.jsonl; a bad line is an LlmpyError naming its line number.
+
+    A run appends to its log, so a resumed or repeated run logs some steps again: the last record of
+    each (kind, step) wins, and the result is sorted by step.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise LlmpyError(f"{path}: no such file")
+    latest: dict[tuple[str, int], dict] = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            if not line.strip():
+                raise LlmpyError(f"{where}: empty line")
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise LlmpyError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise LlmpyError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            step, kind = rec.get("step"), rec.get("kind")
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise LlmpyError(f"{where}: 'step' must be an integer, got {step!r}")
+            if kind not in ("train", "val"):
+                raise LlmpyError(f"{where}: 'kind' must be \"train\" or \"val\", got {kind!r}")
+            for key in NUMERIC_KEYS:  # other keys a later trainer adds are carried, not checked
+                if key in rec and not _is_number(rec[key]):
+                    raise LlmpyError(f"{where}: '{key}' must be a number, got {rec[key]!r}")
+            latest[(kind, step)] = rec
+    if not latest:
+        raise LlmpyError(f"{path}: empty log (no steps yet)")
+    return sorted(latest.values(), key=lambda r: (r["step"], r["kind"] != "train"))
+
+
+def _is_number(v) -> bool:
+    # "skipped" is a JSON bool (bool is an int subclass); null stands for a value not measured
+    return isinstance(v, (int, float)) or v is None
+
+
+def series(records: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `key` over the records of `kind` that have it (None and missing left out)."""
+    xs, ys = [], []
+    for r in records:
+        if r["kind"] == kind and r.get(key) is not None:
+            xs.append(r["step"])
+            ys.append(float(r[key]))
+    return xs, ys
+
+
+def ema(values: list[float], weight: float) -> list[float]:
+    """Bias-corrected exponential moving average (TensorBoard's smoothing); non-finite values are
+    passed over so one NaN loss does not blank the rest of the curve."""
+    if not 0.0 <= weight < 1.0:
+        raise LlmpyError(f"--smooth {weight}: must be in [0, 1)")
+    out, acc, norm = [], 0.0, 0.0
+    for v in values:
+        if math.isfinite(v):
+            acc = weight * acc + (1 - weight) * v
+            norm = weight * norm + (1 - weight)
+        out.append(acc / norm if norm > 0 else float("nan"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# drawing
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise LlmpyError("plotting needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")  # files only, no display needed (servers, CI)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_run(run_dir, out_dir=None, smooth: float = 0.9) -> list[Path]:
+    """Write the charts of run_dir/main.jsonl as PNGs into out_dir (default run_dir/plots); returns their paths."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise LlmpyError(f"{run_dir}: no such directory")
+    if not run_dir.is_dir():
+        raise LlmpyError(f"{run_dir} is not a directory (give the run's output directory)")
+    log = run_dir / LOG_NAME
+    if not log.is_file():
+        raise LlmpyError(f"{run_dir}: no {LOG_NAME} in it (was it written by `llmpy train -o`?)")
+    records = read_log(log)
+    if not 0.0 <= smooth < 1.0:
+        raise LlmpyError(f"--smooth {smooth}: must be in [0, 1)")
+    out = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    if out.exists() and not out.is_dir():
+        raise LlmpyError(f"{out} exists and is not a directory")
+    plt = _pyplot()
+    out.mkdir(parents=True, exist_ok=True)
+    title = run_dir.resolve().name
+    written = []
+
+    def save(fig, name):
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    def new(ylabel, what):
+        fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}: {what}")
+        ax.grid(True, alpha=0.3)
+        return fig, ax
+
+    # loss: raw train faint, smoothed train, validation as markers + line
+    tx, ty = series(records, "train", "loss")
+    vx, vy = series(records, "val", "loss")
+    if tx or vx:
+        fig, ax = new("loss", "loss")
+        if tx:
+            ax.plot(tx, ty, color="C0", alpha=0.25, linewidth=0.8, label="train")
+            if len(tx) > 1 and smooth > 0:
+                ax.plot(tx, ema(ty, smooth), color="C0", linewidth=1.6, label=f"train (EMA {smooth:g})")
+            skipped = [(r["step"], r["loss"]) for r in records
+                       if r["kind"] == "train" and r.get("skipped") and r.get("loss") is not None]
+            if skipped:
+                ax.scatter(*zip(*skipped), color="C3", marker="x", zorder=3, label="skipped update")
+        if vx:
+            ax.plot(vx, vy, color="C1", marker="o", markersize=3, linewidth=1.4, label="val")
+        ax.legend()
+        save(fig, "loss.png")
+
+    for key, fname, ylabel, what, scale, logy in (
+            ("lr", "lr.png", "learning rate", "learning rate", 1.0, False),
+            ("norm", "grad_norm.png", "gradient norm", "gradient norm (before clipping)", 1.0, True),
+            ("tok_s", "tokens_per_s.png", "tokens / s", "throughput", 1.0, False),
+            ("mfu", "mfu.png", "MFU (%)", "model FLOPs utilization", 100.0, False)):
+        xs, ys = series(records, "train", key)
+        if not xs:
+            continue  # the log does not carry this quantity (older trainer, CPU run): no chart
+        fig, ax = new(ylabel, what)
+        ax.plot(xs, [y * scale for y in ys], color="C2", linewidth=1.2)
+        if logy and all(y > 0 for y in ys if math.isfinite(y)) and any(math.isfinite(y) for y in ys):
+            ax.set_yscale("log")  # norms span orders of magnitude early in training
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        save(fig, fname)
+    return written

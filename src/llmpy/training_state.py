@@ -1,0 +1,209 @@
+"""Training-state checkpoints: what `-y 1` needs to continue a run bit for bit.
+
+A checkpoint of step N under the output directory is a pair:
+  * `model_%08d.bin`: llm.c's fp32 model file (loads anywhere llm.c's do);
+  * `state_%08d.safetensors`: the tensors (the device's parameter storage, fp32 master weights when
+    there are some, AdamW's m and v) and, in the safetensors metadata (str -> str), one JSON entry
+    "llmpy" with the step, the options that define the run, the data loader's and outlier detectors'
+    states, the GPU's stochastic-rounding seeds and CRC-32 checksums of the model file and tensors.
+
+The model file is written first and the state last, each atomically (checkpoint.atomic_path), so a
+pair is complete exactly when the state exists and its metadata names the model file's step; a crash
+between the two leaves an orphan model file that resume ignores.
+"""
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import atomic_path, load_llmc, save_llmc
+from .config import GPT2Config
+from .errors import LlmpyError
+
+STATE_FORMAT = "llmpy-train-state"
+STATE_FORMAT_VERSION = 1
+META_KEY = "llmpy"
+
+_MODEL_RE = re.compile(r"^model_(\d{8})\.bin$")
+_STATE_RE = re.compile(r"^state_(\d{8})\.safetensors$")
+_CRC_CHUNK = 1 << 24
+
+# config fields a resumed run must share with its checkpoint, with how the user names them
+CONFIG_FIELDS = ("num_layers", "channels", "num_heads", "max_seq_len", "vocab_size", "padded_vocab_size")
+
+
+def model_path(out_dir, step: int) -> Path:
+    return Path(out_dir) / f"model_{step:08d}.bin"
+
+
+def state_path(out_dir, step: int) -> Path:
+    return Path(out_dir) / f"state_{step:08d}.safetensors"
+
+
+def config_dict(config: GPT2Config) -> dict:
+    return {k: int(getattr(config, k)) for k in CONFIG_FIELDS}
+
+
+def _tensor_crc(t: torch.Tensor) -> int:
+    # bytes as stored: bf16 has no numpy dtype, so hash its bits as int16
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    crc = 0
+    for s in range(0, t.numel(), _CRC_CHUNK):
+        crc = zlib.crc32(memoryview(t[s:s + _CRC_CHUNK].numpy()).cast("B"), crc)
+    return crc
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CRC_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _write_state_file(path: Path, tensors: dict, metadata: dict) -> None:
+    """The one place the state's bytes are written (tests patch it to simulate a full disk)."""
+    from safetensors.torch import save_file
+    save_file(tensors, str(path), metadata=metadata)
+
+
+@dataclass
+class TrainingState:
+    step: int
+    meta: dict
+    tensors: dict          # name -> CPU tensor
+    config: GPT2Config
+    params_fp32: torch.Tensor  # from the model file
+    model_file: Path
+    state_file: Path
+
+
+def save_checkpoint(out_dir, step: int, config: GPT2Config, params_fp32: torch.Tensor, tensors: dict,
+                    meta: dict) -> tuple[Path, Path]:
+    """Write the model file then the state file of `step`. On failure (a full disk, say) neither file of
+    this step is left behind, no temp file either, and every earlier checkpoint is untouched."""
+    mpath, spath = model_path(out_dir, step), state_path(out_dir, step)
+    wrote_model = False
+    try:
+        save_llmc(mpath, config, params_fp32, dtype="float32")
+        wrote_model = True
+        crcs = {name: _tensor_crc(t) for name, t in tensors.items()}
+        crcs["model_file"] = _file_crc(mpath)
+        full = {**meta, "format": STATE_FORMAT, "format_version": STATE_FORMAT_VERSION, "step": int(step),
+                "model_file": mpath.name, "checksums": crcs}
+        cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        with atomic_path(spath) as tmp:
+            _write_state_file(tmp, cpu, {META_KEY: json.dumps(full)})
+    except OSError as e:
+        # the step's new model file alone would be an orphan (or mismatch an older state of the same
+        # step): remove both so the folder holds whole pairs only. A failed model write replaced nothing.
+        for p in ((spath, mpath) if wrote_model else ()):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        raise LlmpyError(f"cannot write the checkpoint of step {step} to {out_dir}: {e.strerror or e}; "
+                         "earlier checkpoints are kept") from None
+    return mpath, spath
+
+
+def _read_meta(spath: Path) -> dict:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(spath), framework="pt") as f:
+            raw = (f.metadata() or {}).get(META_KEY)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LlmpyError(f"{spath}: corrupt or truncated training state ({e})") from None
+    if raw is None:
+        raise LlmpyError(f"{spath}: not an llmpy training state (no '{META_KEY}' metadata)")
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise LlmpyError(f"{spath}: corrupt training-state metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
+        raise LlmpyError(f"{spath}: not an llmpy training state")
+    if meta.get("format_version") != STATE_FORMAT_VERSION:
+        raise LlmpyError(f"{spath}: training-state format version {meta.get('format_version')}; this llmpy "
+                         f"reads version {STATE_FORMAT_VERSION}")
+    return meta
+
+
+def _steps(out_dir: Path, pattern) -> set[int]:
+    return {int(m.group(1)) for p in out_dir.iterdir() if (m := pattern.match(p.name))}
+
+
+def checkpoint_steps(out_dir) -> list[int]:
+    """Steps that have both a model file and a state file (not yet checked against each other)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    return sorted(_steps(out_dir, _MODEL_RE) & _steps(out_dir, _STATE_RE))
+
+
+def latest_complete_step(out_dir) -> int | None:
+    """The latest step whose pair is complete: both files exist and the state names this model file.
+    A state that cannot be read is an error naming it, not something to skip silently."""
+    for step in reversed(checkpoint_steps(out_dir)):
+        meta = _read_meta(state_path(out_dir, step))
+        if meta.get("step") == step and meta.get("model_file") == model_path(out_dir, step).name:
+            return step
+    return None
+
+
+def load_checkpoint(out_dir, step: int) -> TrainingState:
+    """Read and verify the pair of `step`: sizes, checksums and shapes; LlmpyError names the bad file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    mpath, spath = model_path(out_dir, step), state_path(out_dir, step)
+    meta = _read_meta(spath)
+    try:
+        tensors = load_file(str(spath))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LlmpyError(f"{spath}: corrupt or truncated training state ({e})") from None
+    crcs = meta.get("checksums", {})
+    for name, t in tensors.items():
+        if crcs.get(name) != _tensor_crc(t):
+            raise LlmpyError(f"{spath}: tensor '{name}' fails its checksum: the file is corrupt")
+    config, flat, _version = load_llmc(mpath)  # raises naming the file if truncated or not a model
+    if crcs.get("model_file") != _file_crc(mpath):
+        raise LlmpyError(f"{mpath}: fails the checksum recorded in {spath.name}: the model file is corrupt")
+    saved = meta.get("options", {}).get("config", {})
+    if saved and saved != config_dict(config):
+        raise LlmpyError(f"{mpath}: its model ({config.describe()}) is not the one {spath.name} was saved with")
+    for name in ("m", "v", "params", "master"):
+        if name in tensors and tensors[name].numel() != config.num_parameters:
+            raise LlmpyError(f"{spath}: tensor '{name}' has {tensors[name].numel()} elements, the model "
+                             f"has {config.num_parameters}")
+    for name in ("m", "v"):
+        if name not in tensors:
+            raise LlmpyError(f"{spath}: no AdamW '{name}' tensor")
+    return TrainingState(step=step, meta=meta, tensors=tensors, config=config, params_fp32=flat.float(),
+                         model_file=mpath, state_file=spath)
+
+
+def prune_checkpoints(out_dir, keep_last: int, keep_every: int) -> list[int]:
+    """-nk/-nm: keep the last `keep_last` checkpoints (0: all) and every `keep_every`-th for ever;
+    delete both files of the others. Returns the steps removed."""
+    if keep_last <= 0:
+        return []
+    out_dir = Path(out_dir)
+    steps = sorted(_steps(out_dir, _MODEL_RE) | _steps(out_dir, _STATE_RE))
+    removed = []
+    for s in steps[:-keep_last]:
+        if keep_every > 0 and s % keep_every == 0:
+            continue
+        # state first: a model file without its state is already "incomplete" if we stop half-way
+        for p in (state_path(out_dir, s), model_path(out_dir, s)):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        removed.append(s)
+    return removed

@@ -1,0 +1,260 @@
+"""`llmpy plot` (charts from main.jsonl) and `llmpy export` (a transformers GPT2LMHeadModel folder)."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmpy import plot as pl
+from llmpy.checkpoint import load_model_file, save_llmc
+from llmpy.config import GPT2Config, parameter_views
+from llmpy.errors import LlmpyError
+from llmpy.export import export_hf
+from llmpy.reference import GPT2Reference
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+try:
+    import matplotlib  # noqa: F401
+    HAS_MPL = True
+except ImportError:
+    HAS_MPL = False
+try:
+    import transformers
+except ImportError:
+    transformers = None
+needs_mpl = pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed (pip install matplotlib)")
+
+
+def run_cli(*args, cwd=None):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "llmpy", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def write_log(run_dir: Path, steps=60, val_every=10, extra=True) -> Path:
+    """A main.jsonl shaped like RunLog's, with a NaN loss, a skipped step and optional tok_s/mfu."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for s in range(1, steps + 1):
+        rec = {"step": s, "kind": "train", "loss": 5.0 * math.exp(-s / 30) + 0.1 * math.sin(s),
+               "norm": 10.0 / s, "lr": 3e-4 * min(1.0, s / 10), "ms": 100.0 + s % 3, "skipped": s == 25}
+        if s == 40:
+            rec["loss"] = float("nan")  # json.dumps writes NaN; the trainer can log one
+        if extra:
+            rec.update(tok_s=40000.0 + s, mfu=0.4 + 0.001 * s)
+        lines.append(json.dumps(rec))
+        if s % val_every == 0:
+            lines.append(json.dumps({"step": s, "kind": "val", "loss": 5.0 * math.exp(-s / 30) + 0.2}))
+    path = run_dir / "main.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def assert_pngs(folder: Path, names):
+    found = sorted(p.name for p in folder.glob("*.png"))
+    assert found == sorted(names)
+    for n in names:
+        data = (folder / n).read_bytes()
+        assert len(data) > 1000 and data[:8] == PNG_MAGIC, n
+
+
+# ---------------------------------------------------------------------------------------------------
+# plot: reading the log (no matplotlib needed)
+
+def test_read_log_sorted_and_last_record_wins(tmp_path):
+    path = tmp_path / "main.jsonl"
+    recs = [{"step": 2, "kind": "train", "loss": 2.0}, {"step": 1, "kind": "train", "loss": 1.0},
+            {"step": 2, "kind": "val", "loss": 9.0},
+            {"step": 2, "kind": "train", "loss": 3.0, "future_key": "text is fine"}]  # a resumed run re-logs step 2
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = pl.read_log(path)
+    assert [(r["step"], r["kind"], r["loss"]) for r in out] == [(1, "train", 1.0), (2, "train", 3.0), (2, "val", 9.0)]
+    assert pl.series(out, "train", "loss") == ([1, 2], [1.0, 3.0])
+    assert pl.series(out, "train", "mfu") == ([], [])
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "empty log"),
+    ('{"step": 1, "kind": "train", "loss": 1}\n\n', ":2: empty line"),
+    ('{"step": 1, "kind": "train", "loss": 1}\n{"step": 2, "kind": "tr', ":2: not valid JSON"),
+    ('[1, 2]\n', ":1: expected a JSON object"),
+    ('{"kind": "train", "loss": 1}\n', ":1: 'step' must be an integer"),
+    ('{"step": 1.5, "kind": "train"}\n', ":1: 'step' must be an integer"),
+    ('{"step": 1, "kind": "test"}\n', ":1: 'kind' must be"),
+    ('{"step": 1, "kind": "train"}\n{"step": 2, "kind": "val", "loss": "high"}\n', ":2: 'loss' must be a number"),
+])
+def test_read_log_errors_name_the_line(tmp_path, content, message):
+    path = tmp_path / "main.jsonl"
+    path.write_text(content)
+    with pytest.raises(LlmpyError, match=message.replace("[", r"\[")):
+        pl.read_log(path)
+
+
+def test_ema_bias_corrected_and_skips_nan():
+    assert pl.ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # no pull towards 0 at the start
+    out = pl.ema([1.0, float("nan"), 3.0], 0.5)
+    # weights after bias correction: 1 then (0.25*1 + 0.5*3) / 0.75
+    assert out == pytest.approx([1.0, 1.0, (0.25 + 1.5) / 0.75])
+    assert math.isnan(pl.ema([float("nan")], 0.5)[0])
+    with pytest.raises(LlmpyError, match="--smooth"):
+        pl.ema([1.0], 1.0)
+
+
+def test_plot_errors(tmp_path):
+    with pytest.raises(LlmpyError, match="no such directory"):
+        pl.plot_run(tmp_path / "missing")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(LlmpyError, match="not a directory"):
+        pl.plot_run(tmp_path / "afile")
+    with pytest.raises(LlmpyError, match="no main.jsonl"):
+        pl.plot_run(tmp_path)
+    write_log(tmp_path / "run")
+    with pytest.raises(LlmpyError, match="--smooth"):
+        pl.plot_run(tmp_path / "run", smooth=-0.1)
+    with pytest.raises(LlmpyError, match="not a directory"):
+        pl.plot_run(tmp_path / "run", tmp_path / "afile")
+
+
+def test_plot_without_matplotlib_is_one_clear_error(tmp_path, monkeypatch):
+    write_log(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.raises(LlmpyError, match="pip install matplotlib"):
+        pl.plot_run(tmp_path)
+
+
+def test_cli_plot_error_is_one_line(tmp_path):
+    r = run_cli("plot", tmp_path / "nope")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"llmpy plot: error: {tmp_path / 'nope'}: no such directory"]
+    (tmp_path / "main.jsonl").write_text('{"step": 1, "kind": "train"}\nnot json\n')
+    r = run_cli("plot", tmp_path)
+    assert r.returncode == 1 and "main.jsonl:2: not valid JSON" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# plot: drawing
+
+ALL_CHARTS = ["loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png"]
+
+
+@needs_mpl
+def test_plot_run_writes_all_charts(tmp_path):
+    write_log(tmp_path)
+    paths = pl.plot_run(tmp_path)
+    assert sorted(p.name for p in paths) == sorted(ALL_CHARTS)
+    assert all(p.parent == tmp_path / "plots" for p in paths)
+    assert_pngs(tmp_path / "plots", ALL_CHARTS)
+
+
+@needs_mpl
+def test_plot_run_skips_what_the_log_lacks(tmp_path):
+    write_log(tmp_path, extra=False)
+    out = tmp_path / "elsewhere" / "charts"
+    pl.plot_run(tmp_path, out)
+    assert_pngs(out, ["loss.png", "lr.png", "grad_norm.png"])
+    # a run with validation records only still gives its loss chart
+    only_val = tmp_path / "val_only"
+    only_val.mkdir()
+    (only_val / "main.jsonl").write_text(json.dumps({"step": 0, "kind": "val", "loss": 4.0}) + "\n")
+    assert [p.name for p in pl.plot_run(only_val)] == ["loss.png"]
+
+
+@needs_mpl
+def test_cli_plot(tmp_path):
+    write_log(tmp_path / "run")
+    r = run_cli("plot", tmp_path / "run", "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert sorted(Path(line).name for line in r.stdout.split()) == sorted(ALL_CHARTS)
+    assert_pngs(tmp_path / "out", ALL_CHARTS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# export
+
+TINY = GPT2Config(num_layers=2, channels=64, num_heads=4, vocab_size=100, max_seq_len=32)  # Vp = 128
+
+
+def rand_params(config, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(config.num_parameters, generator=g) * 0.2
+
+
+def zero_pad(flat):
+    """flat with wte's padded rows zeroed: HF keeps the real vocab only, so they come back as zeros."""
+    out = flat.clone()
+    parameter_views(out, TINY)["wte"][TINY.vocab_size:] = 0
+    return out
+
+
+def test_export_round_trip(tmp_path):
+    flat = rand_params(TINY)
+    save_llmc(tmp_path / "m.bin", TINY, flat)
+    out = export_hf(tmp_path / "m.bin", tmp_path / "hf")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["vocab_size"], cfg["n_positions"]) == (2, 64, 4, 100, 32)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == cfg["eos_token_id"] == 99
+    config, back, dtype = load_model_file(out)
+    assert config == TINY and dtype == "float32"
+    assert torch.equal(back, zero_pad(flat))
+
+
+def test_export_bf16_bin_widens_exactly(tmp_path):
+    flat = rand_params(TINY, seed=1)
+    save_llmc(tmp_path / "m.bin", TINY, flat, dtype="bfloat16")
+    _, stored, dtype = load_model_file(tmp_path / "m.bin")
+    assert dtype == "bfloat16"
+    _, back, _ = load_model_file(export_hf(tmp_path / "m.bin", tmp_path / "hf"))
+    assert torch.equal(back, zero_pad(stored.float()))  # bf16 -> fp32 is exact
+
+
+def test_export_errors(tmp_path):
+    with pytest.raises(LlmpyError, match="no such file"):
+        export_hf(tmp_path / "missing.bin", tmp_path / "hf")
+    save_llmc(tmp_path / "m.bin", TINY, rand_params(TINY))
+    (tmp_path / "taken").write_text("x")
+    with pytest.raises(LlmpyError, match="not a directory"):
+        export_hf(tmp_path / "m.bin", tmp_path / "taken")
+    export_hf(tmp_path / "m.bin", tmp_path / "hf")
+    with pytest.raises(LlmpyError, match="onto itself"):
+        export_hf(tmp_path / "hf", tmp_path / "hf")
+
+
+def test_cli_export(tmp_path):
+    save_llmc(tmp_path / "m.bin", TINY, rand_params(TINY))
+    r = run_cli("export", tmp_path / "m.bin", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and "wrote" in r.stdout
+    r = run_cli("export", tmp_path / "nope.bin", tmp_path / "hf2")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("llmpy export: error:") and not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.skipif(transformers is None, reason="transformers is not installed (pip install transformers)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_matches_transformers(tmp_path, dtype):
+    flat = rand_params(TINY, seed=2)
+    save_llmc(tmp_path / "m.bin", TINY, flat, dtype=dtype)
+    export_hf(tmp_path / "m.bin", tmp_path / "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    assert hf.config.vocab_size == TINY.vocab_size and hf.config.n_layer == TINY.num_layers
+    # the reference runs the weights as stored (a bf16 file widened to fp32), as the export does
+    _, stored, _ = load_model_file(tmp_path / "m.bin")
+    ref = GPT2Reference(TINY, stored.float())
+    g = torch.Generator().manual_seed(3)
+    for B, T in ((2, TINY.max_seq_len), (1, 7)):
+        tokens = torch.randint(0, TINY.vocab_size, (B, T), generator=g)
+        with torch.no_grad():
+            hf_logits = hf(tokens).logits
+        ref.forward(tokens)
+        assert hf_logits.shape == (B, T, TINY.vocab_size)
+        diff = (hf_logits - ref.logits[..., :TINY.vocab_size]).abs().max().item()
+        assert diff < 1e-4, diff

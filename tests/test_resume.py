@@ -1,0 +1,326 @@
+"""Training-state checkpoints and -y 1: a run stopped after step k and resumed gives the uninterrupted
+run's losses bit for bit (CPU reference); bad resumes, damaged files, a full disk and signals end in one
+line naming what is wrong, with every earlier checkpoint left loadable."""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmpy import trainer, training_state
+from llmpy.errors import LlmpyError
+from llmpy.data import write_shard
+from llmpy.outliers import OutlierDetector
+from llmpy.trainer import TrainOptions, train
+from llmpy.training_state import latest_complete_step, load_checkpoint, model_path, state_path
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
+
+
+@pytest.fixture
+def shards(tmp_path):
+    rng = np.random.default_rng(0)
+    train_f, val_f = tmp_path / "t_train_000000.bin", tmp_path / "t_val_000000.bin"
+    write_shard(train_f, rng.integers(0, 257, 3000))
+    write_shard(val_f, rng.integers(0, 257, 600))
+    return train_f, val_f
+
+
+def options(shards, out, **kw):
+    train_f, val_f = shards
+    base = dict(train_data=str(train_f), val_data=str(val_f), model=TINY, batch_size=2, seq_len=16, max_steps=12,
+                val_every=4, val_max_steps=2, sample_every=0, gen_tokens=0, output_dir=str(out), learning_rate=1e-2,
+                warmup_steps=2, final_lr_frac=0.1, lr_schedule="cosine", progress=0, device="cpu")
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def quiet(_line):
+    pass
+
+
+def stop_after(k, sig=signal.SIGTERM):
+    """A log function that signals this process when step k's line is printed: the run stops there as it
+    would when a scheduler preempts it."""
+    def log(line):
+        m = re.match(r"step\s+(\d+)/", line)  # the step lines, not "step k: skipped the update"
+        if m and int(m.group(1)) == k:
+            os.kill(os.getpid(), sig)
+    return log
+
+
+def logged(out, kind="train"):
+    """step -> last logged record of that kind in main.jsonl (a resume may repeat steps after a crash)."""
+    recs = {}
+    for line in (Path(out) / "main.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == kind:
+            recs[r["step"]] = r
+    return recs
+
+
+def assert_same_run(a, b, steps=12):
+    ta, tb = logged(a), logged(b)
+    assert sorted(ta) == sorted(tb) == list(range(1, steps + 1))
+    for s in ta:  # bitwise: the JSON floats are Python's repr, exact round trips
+        assert ta[s]["loss"] == tb[s]["loss"], (s, ta[s]["loss"], tb[s]["loss"])
+        assert ta[s]["norm"] == tb[s]["norm"] and ta[s]["lr"] == tb[s]["lr"] and ta[s]["skipped"] == tb[s]["skipped"]
+    va, vb = logged(a, "val"), logged(b, "val")
+    # b may hold more (a shorter first leg validates at its own end); every one of a's must match
+    assert va.keys() <= vb.keys() and all(va[s]["loss"] == vb[s]["loss"] for s in va)
+    # and the final weights are the same bits
+    assert model_path(a, steps).read_bytes() == model_path(b, steps).read_bytes()
+
+
+@pytest.mark.parametrize("extra", [{}, {"total_batch_size": 64}, {"skip_loss_z": 0.3, "skip_grad_z": 0.3}],
+                         ids=["plain", "accum2", "outliers"])
+def test_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, shards, monkeypatch, extra):
+    if "skip_loss_z" in extra:  # a short window so the detectors decide (and their state matters) in 12 steps
+        monkeypatch.setattr(trainer, "OutlierDetector", lambda: OutlierDetector(window=3))
+    full, part = tmp_path / "full", tmp_path / "part"
+    ref = train(options(shards, full, checkpoint_every=3, **extra), log=quiet)
+    assert ref.stopped_by is None and len(ref.train_losses) == 12
+
+    first = train(options(shards, part, checkpoint_every=3, **extra), log=stop_after(5))
+    assert first.stopped_by == "SIGTERM" and first.last_step == 5
+    assert latest_complete_step(part) == 5 and not (part / "DONE_00000005").exists()
+    second = train(options(shards, part, checkpoint_every=3, resume=1, **extra), log=quiet)
+    assert second.start_step == 5 and len(second.train_losses) == 7
+    assert first.train_losses + second.train_losses == ref.train_losses
+    assert_same_run(full, part)
+    assert (part / "DONE_00000012").exists()
+    if "skip_loss_z" in extra:
+        assert any(r["skipped"] for r in logged(full).values())
+
+
+def test_short_run_continued_with_a_larger_x(tmp_path, shards):
+    # the brief's form: -x 6 -n 3, then -y 1 -x 12 (a constant rate, so the schedule does not depend on -x)
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(options(shards, full, lr_schedule="constant", warmup_steps=0), log=quiet)
+    train(options(shards, part, lr_schedule="constant", warmup_steps=0, max_steps=6, checkpoint_every=3), log=quiet)
+    res = train(options(shards, part, lr_schedule="constant", warmup_steps=0, max_steps=12, resume=1), log=quiet)
+    assert res.start_step == 6
+    assert_same_run(full, part)
+
+
+def test_state_file_contents(tmp_path, shards):
+    out = tmp_path / "o"
+    train(options(shards, out, max_steps=4, checkpoint_every=2), log=quiet)
+    st = load_checkpoint(out, 2)
+    meta = st.meta
+    assert meta["step"] == 2 and meta["total_steps"] == 4 and meta["model_file"] == "model_00000002.bin"
+    assert meta["format_version"] == training_state.STATE_FORMAT_VERSION and meta["llmpy_version"]
+    assert meta["options"]["batch_size"] == 2 and meta["options"]["config"]["channels"] == 16
+    assert meta["data"]["window_pos"] == 2 and set(meta["outliers"]) == {"loss", "grad"}
+    assert {"params", "m", "v"} <= set(st.tensors) and st.tensors["m"].abs().sum() > 0
+
+
+def test_keep_last_and_major_checkpoints(tmp_path, shards):
+    out = tmp_path / "o"
+    train(options(shards, out, max_steps=8, checkpoint_every=1, checkpoints_keep=2, major_checkpoint_every=3,
+                  val_every=0), log=quiet)
+    models = sorted(p.name for p in out.glob("model_*.bin"))
+    states = sorted(p.name for p in out.glob("state_*.safetensors"))
+    assert models == [f"model_{s:08d}.bin" for s in (3, 6, 7, 8)]
+    assert states == [f"state_{s:08d}.safetensors" for s in (3, 6, 7, 8)]
+
+
+def test_resume_ignores_an_incomplete_pair(tmp_path, shards):
+    out = tmp_path / "o"
+    train(options(shards, out, max_steps=6, checkpoint_every=3), log=quiet)
+    # a model file without its state, and a state that names another step: neither is complete
+    shutil.copy(model_path(out, 6), model_path(out, 9))
+    shutil.copy(model_path(out, 6), model_path(out, 8))
+    shutil.copy(state_path(out, 6), state_path(out, 8))
+    assert latest_complete_step(out) == 6
+    res = train(options(shards, out, max_steps=7, resume=1), log=quiet)
+    assert res.start_step == 6 and len(res.train_losses) == 1
+
+
+def test_nothing_to_do_when_the_checkpoint_reaches_x(tmp_path, shards):
+    out = tmp_path / "o"
+    train(options(shards, out, max_steps=3), log=quiet)
+    before = (out / "main.jsonl").read_text()
+    res = train(options(shards, out, max_steps=3, resume=1), log=quiet)
+    assert res.train_losses == [] and (out / "main.jsonl").read_text() == before
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors: one line (LlmpyError) naming what is wrong, nothing damaged
+
+@pytest.fixture
+def saved(tmp_path, shards):
+    out = tmp_path / "o"
+    train(options(shards, out, max_steps=4, checkpoint_every=2), log=quiet)
+    return out
+
+
+def snapshot(out):
+    return {p.name: p.read_bytes() for p in sorted(Path(out).iterdir())}
+
+
+@pytest.mark.parametrize("change, needles", [
+    ({"model": "layers=1,channels=32,heads=2,seq=32,vocab=257"}, ["channels=16", "channels=32"]),
+    ({"model": "layers=2,channels=16,heads=2,seq=32,vocab=257"}, ["num_layers=1", "num_layers=2"]),
+    ({"batch_size": 4}, ["-b 2", "-b 4"]),
+    ({"seq_len": 8}, ["-t 16", "-t 8"]),
+    ({"total_batch_size": 64}, ["accumulation 1", "2"]),
+], ids=["channels", "layers", "B", "T", "accum"])
+def test_resume_with_a_different_run_is_refused(saved, shards, change, needles):
+    before = snapshot(saved)
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1, **change), log=quiet)
+    msg = str(e.value)
+    assert "\n" not in msg and "model_00000004.bin" in msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    assert snapshot(saved) == before
+
+
+def test_resume_without_a_checkpoint(tmp_path, shards):
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(LlmpyError, match="no checkpoint"):
+            train(options(shards, out, resume=1), log=quiet)
+
+
+@pytest.mark.parametrize("damage", ["truncate_state", "flip_state", "truncate_model", "flip_model"])
+def test_damaged_checkpoint_is_named(saved, shards, damage):
+    target = state_path(saved, 4) if damage.endswith("state") else model_path(saved, 4)
+    data = bytearray(target.read_bytes())
+    if damage.startswith("truncate"):
+        target.write_bytes(bytes(data[:len(data) - 100]))
+    else:
+        data[-50] ^= 0xFF  # a byte inside the last tensor
+        target.write_bytes(bytes(data))
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert target.name in str(e.value) and "\n" not in str(e.value)
+
+
+def _assert_previous_checkpoint_intact(out, shards):
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert not model_path(out, 4).exists() and not state_path(out, 4).exists()
+    assert latest_complete_step(out) == 2
+    load_checkpoint(out, 2)  # verifies every checksum
+    res = train(options(shards, out, max_steps=4, resume=1), log=quiet)  # and the run can go on
+    assert res.start_step == 2 and latest_complete_step(out) == 4
+
+
+def test_disk_full_while_writing_the_state(tmp_path, shards, monkeypatch):
+    out = tmp_path / "o"
+    real = training_state._write_state_file
+    calls = []
+
+    def full_disk(path, tensors, metadata):
+        calls.append(path)
+        if len(calls) == 2:  # the second checkpoint: half a file, then ENOSPC
+            Path(path).write_bytes(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, tensors, metadata)
+    monkeypatch.setattr(training_state, "_write_state_file", full_disk)
+    with pytest.raises(LlmpyError, match="No space left") as e:
+        train(options(shards, out, max_steps=4, checkpoint_every=2), log=quiet)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(training_state, "_write_state_file", real)
+    _assert_previous_checkpoint_intact(out, shards)
+
+
+def test_disk_full_while_writing_the_model_file(tmp_path, shards, monkeypatch):
+    import llmpy.checkpoint as ck
+    out = tmp_path / "o"
+    real = ck._write_tensor
+    calls = []
+
+    def full_disk(f, tensor, dtype="float32"):
+        calls.append(1)
+        if len(calls) == 2:
+            f.write(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, tensor, dtype)
+    monkeypatch.setattr(ck, "_write_tensor", full_disk)
+    with pytest.raises(LlmpyError, match="No space left"):
+        train(options(shards, out, max_steps=4, checkpoint_every=2), log=quiet)
+    monkeypatch.setattr(ck, "_write_tensor", real)
+    _assert_previous_checkpoint_intact(out, shards)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_saves_and_restores_handlers(tmp_path, shards, sig):
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    out = tmp_path / "o"
+    lines = []
+    log = stop_after(2, sig)
+    res = train(options(shards, out), log=lambda l: (lines.append(l), log(l)))
+    assert res.stopped_by == sig.name and res.last_step == 2
+    assert any(f"stopped by {sig.name} after step 2/12" in l for l in lines)
+    assert latest_complete_step(out) == 2
+    assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
+
+
+def test_sigterm_to_the_command_line_then_resume(tmp_path, shards):
+    train_f, _ = shards
+    out = tmp_path / "o"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "llmpy", "train", "-i", train_f, "-e", TINY, "-b", 2, "-t", 16, "-v", 0, "-s", 0,
+            "-g", 0, "-k", "constant", "-o", out, "--progress", 0]
+    proc = subprocess.Popen([str(a) for a in args + ["-x", 100000]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step "):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "stopped by SIGTERM" in rest
+    k = latest_complete_step(out)
+    assert k is not None and k >= 1 and not list(out.glob("DONE_*"))
+    load_checkpoint(out, k)
+    res = subprocess.run([str(a) for a in args + ["-x", k + 2, "-y", 1]], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"step {k + 1:5d}/{k + 2}" in res.stdout and f"step {k:5d}/" not in res.stdout
+    assert latest_complete_step(out) == k + 2 and (out / f"DONE_{k + 2:08d}").exists()
+
+
+def test_gpu_backend_state_round_trip(device):
+    """GPUBackend's state (bf16 working weights, fp32 master weights, m, v, stochastic-rounding seeds)
+    comes back bit for bit; on a machine without a GPU GPT2Model runs its kernels in Triton's interpreter."""
+    import torch
+    from llmpy.config import parse_descriptor
+    from llmpy.init import init_parameters
+    from llmpy.model import GPT2Model
+    from llmpy.trainer import GPUBackend
+    cfg = parse_descriptor(TINY)
+    params = init_parameters(cfg, seed=1)
+
+    def backend(seed):
+        b = object.__new__(GPUBackend)  # its __init__ insists on cuda; the state methods do not care
+        b.model = GPT2Model(cfg, params, 2, 16, device=device, dtype=torch.bfloat16, master_weights=True,
+                            seed=seed, cuda_graph=False)
+        b.config = cfg
+        return b
+    a, b = backend(1), backend(2)
+    md = a.model
+    md.master_memory.add_(torch.randn_like(md.master_memory) * 1e-3)
+    md.params_memory.copy_((md.master_memory + 1e-4).to(torch.bfloat16))  # not the RNE of the master
+    md.m_memory.normal_()
+    md.v_memory.uniform_()
+    md._advance_seeds()
+    tensors, seeds = a.state_tensors(), a.seed_state()
+    assert tensors["params"].dtype == torch.bfloat16 and tensors["master"].dtype == torch.float32
+    b.load_state(tensors, seeds)
+    for name in ("master_memory", "params_memory", "m_memory", "v_memory", "_seeds"):
+        assert torch.equal(getattr(a.model, name), getattr(b.model, name)), name
