@@ -668,9 +668,11 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             ms = (time.perf_counter() - t0) * 1000
             result.train_losses.append(loss)
             result.step_ms.append(ms)
-            run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, skipped=skip)
             tok_s = tokens_per_micro * accum / (ms / 1000)
-            mfu = f" | {100 * mfu_of(tok_s):.1f}% MFU" if mfu_of is not None and mfu_of(tok_s) > 0 else ""
+            mfu_frac = mfu_of(tok_s) if mfu_of is not None else -1.0
+            extra = {"mfu": mfu_frac} if mfu_frac > 0 else {}
+            run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, tok_s=tok_s, skipped=skip, **extra)
+            mfu = f" | {100 * mfu_frac:.1f}% MFU" if mfu_frac > 0 else ""
             log(f"step {step + 1:5d}/{steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | {ms:.1f} ms | "
                 f"{tok_s:.0f} tok/s{mfu}")
             if progress is not None:
