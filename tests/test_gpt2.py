@@ -14,6 +14,15 @@ load_debug_state (llm.c's exchange format); then the model, in each configuratio
 Also: gradient accumulation (2 micro-steps of B against one of 2B), bitwise reproducibility from the
 seed, and on the GPU the CUDA-graph step bitwise equal to the eager one.
 
+Classifier chunks (classifier_chunks=k: the logits a chunk of rows at a time, the lm_head backward in
+the forward): k = 2, 3 (ragged: 32 rows) and B*T (one row a chunk) against the reference and against
+k = 1. What is bitwise and what is not (fp32, CPU): each chunk's GEMMs give the rows the unchunked GEMM
+gives, so the losses and the 15 gradients other than wte are bitwise those of k = 1 for k = 2, 3; dwte
+sums its chunks' products in another order (rounding-level, and in bf16 one more rounding a chunk). With
+one row a chunk, torch's CPU GEMM takes its single-row path (another reduction order), so the logits,
+hence every loss and gradient, differ at rounding level (rel 1e-6): within the tolerances, not bitwise.
+On the GPU, cuBLAS may pick another kernel for another row count: only the tolerances are asserted.
+
 CPU (CI): a tiny model through Triton's interpreter, few configurations (the interpreter runs every
 program in Python: a training step costs seconds). The multi-step tests use the Triton flash attention,
 several times cheaper than the classic path's per-row softmax under the interpreter; the classic path is
@@ -32,7 +41,7 @@ from llmpy.errors import LlmpyError
 from llmpy.init import init_parameters
 from llmpy.kernels import global_norm as knorm
 from llmpy.kernels.common import interpreting
-from llmpy.model import GPT2Model, format_memory, memory_plan
+from llmpy.model import GPT2Model, default_classifier_chunks, format_memory, memory_plan
 from llmpy.reference import GPT2Reference, clip_scale
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -133,11 +142,12 @@ def check_against(model: GPT2Model, state, x, y, dtype, label="", scale="tiny"):
     """Logits, loss and every gradient of model on (x, y) against a debug state."""
     tol = TOL[scale][dtype]
     cfg = model.config
-    model.forward(x, y)  # the validation variant: the logits stay
-    logits = model.logits_view()[..., :cfg.vocab_size].float().cpu()
-    assert torch.isfinite(logits).all(), f"{label}: non-finite logits"
-    err = max_rel_err(logits, state["logits"])
-    assert err < tol["logits"], f"{label}: logits max relative error {err:.3g} >= {tol['logits']}"
+    model.forward(x, y)  # the validation variant: the logits stay (unchunked)
+    if model.classifier_chunks == 1:  # chunked, no forward keeps them all: the losses and gradients tell
+        logits = model.logits_view()[..., :cfg.vocab_size].float().cpu()
+        assert torch.isfinite(logits).all(), f"{label}: non-finite logits"
+        err = max_rel_err(logits, state["logits"])
+        assert err < tol["logits"], f"{label}: logits max relative error {err:.3g} >= {tol['logits']}"
     loss = model.loss()
     assert abs(loss - state["loss"]) < tol["loss"] * max(1.0, abs(state["loss"])), \
         f"{label}: loss {loss} vs reference {state['loss']}"
@@ -214,6 +224,62 @@ def test_odd_shape_matches_reference(device):
         check_against(model, state, x, y, FP32, f"odd {attention}")
 
 
+def _one_step(model, x, y):
+    """Validation losses, training losses, and the gradients of one training forward + backward."""
+    model.forward(x, y)
+    val = model.acts["losses"].cpu().clone()
+    model.zero_grad()
+    model.forward(x, y, dloss=1.0 / x.numel())
+    train = model.acts["losses"].cpu().clone()
+    model.backward()
+    return val, train, parameter_views(model.gradients_fp32(), model.config)
+
+
+def test_classifier_chunks_match(tiny, device):
+    """fp32, k = 2, 3 (32 rows: chunks of 10, 11, 11), B*T: the reference's loss and gradients, and k = 1's
+    bits where the arithmetic is the same (see the module docstring)."""
+    params, x, y, state = tiny
+    tol = TOL["tiny"][FP32]
+    expected = parameter_views(state["grads"], TINY)
+    one = GPT2Model(TINY, params, B, T, device=device, dtype=FP32, attention="flash", classifier_chunks=1)
+    v1, t1, g1 = _one_step(one, x, y)
+    for k in (2, 3, B * T):
+        model = GPT2Model(TINY, params, B, T, device=device, dtype=FP32, attention="flash", classifier_chunks=k)
+        assert model.classifier_chunks == k
+        vk, tk, gk = _one_step(model, x, y)
+        assert torch.equal(vk, tk), f"chunks {k}: training and validation losses differ"
+        loss = float(tk.double().mean())
+        assert abs(loss - state["loss"]) < tol["loss"] * max(1.0, abs(state["loss"])), f"chunks {k}: loss {loss}"
+        bitwise = device == "cpu" and k < B * T
+        if bitwise:
+            assert torch.equal(tk, t1), f"chunks {k}: losses not bitwise those of chunks 1"
+        else:
+            assert max_rel_err(tk, t1) < 1e-6, f"chunks {k}: losses {max_rel_err(tk, t1):.3g}"
+        for name in PARAMETER_NAMES:
+            err = rel_err(gk[name], expected[name])
+            assert err < tol["grad"], f"chunks {k}: {name} relative error {err:.3g} against the reference"
+            if bitwise and name != "wte":
+                assert torch.equal(gk[name], g1[name]), f"chunks {k}: {name} not bitwise that of chunks 1"
+            else:
+                err = rel_err(gk[name], g1[name])
+                assert err < 2e-6, f"chunks {k}: {name} relative error {err:.3g} against chunks 1"
+        assert not gk["wte"][TINY.vocab_size:].any(), f"chunks {k}: gradient in the padded rows of wte"
+    # the logits buffer holds the largest chunk (one row at k = B*T), not B*T rows
+    assert model.acts["output"].numel() == TINY.padded_vocab_size
+    with pytest.raises(LlmpyError, match="classifier_chunks"):
+        model.logits_view()
+
+
+def test_classifier_chunks_bf16_classic(tiny, device):
+    """bf16, classic attention (its qkv and datt scratch share the chunk-sized logits buffer), k = 3."""
+    params, x, y, state = tiny
+    model = GPT2Model(TINY, params, B, T, device=device, attention="classic", classifier_chunks=3)
+    C, NH = TINY.channels, TINY.num_heads
+    assert model.acts["output"].numel() == max(-(-B * T // 3) * TINY.padded_vocab_size, B * T * 3 * C, B * NH * T * T)
+    assert "datt" not in model.acts
+    check_against(model, state, x, y, BF16, "bf16 classic chunks 3")
+
+
 def test_logits_last_and_parameters(tiny, device):
     """Sampling's logits (a shorter context in a (B, T) batch), and the parameters in and out."""
     params, x, _, _ = tiny
@@ -224,6 +290,13 @@ def test_logits_last_and_parameters(tiny, device):
     got = model.logits_last(ctx.tolist())
     assert got.shape == (1, TINY.vocab_size)
     assert max_rel_err(got[0], ref.logits[0, -1, :TINY.vocab_size]) < TOL["tiny"][FP32]["logits"]
+    # chunked (one row a chunk: the two rows come out a chunk at a time)
+    chunked = GPT2Model(TINY, params, B, T, device=device, dtype=FP32, attention="flash", classifier_chunks=B * T)
+    both = chunked.logits_last(x[:, :7])
+    assert both.shape == (2, TINY.vocab_size)
+    assert max_rel_err(both[0], got[0]) < 1e-6
+    ref.forward(x[1:, :7])
+    assert max_rel_err(both[1], ref.logits[0, -1, :TINY.vocab_size]) < TOL["tiny"][FP32]["logits"]
     assert torch.equal(model.parameters_fp32(), params)
     other = params * 0.5
     model.load_parameters(other)
@@ -248,6 +321,9 @@ def test_bad_inputs(tiny, device):
         GPT2Model(TINY, params, B, T, device=device, recompute=3)
     with pytest.raises(LlmpyError, match="-t 64"):
         GPT2Model(TINY, params, B, 64, device=device)
+    for k in (0, B * T + 1):
+        with pytest.raises(LlmpyError, match="classifier_chunks"):
+            GPT2Model(TINY, params, B, T, device=device, classifier_chunks=k)
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +335,8 @@ def small():
 
 
 @pytest.mark.parametrize("kw", [pytest.param(dict(dtype=FP32), id="fp32"), pytest.param({}, id="bf16"),
-                                pytest.param(dict(master_weights=False), id="bf16-w0")])
+                                pytest.param(dict(master_weights=False), id="bf16-w0"),
+                                pytest.param(dict(dtype=FP32, classifier_chunks=3), id="fp32-chunks3")])
 def test_training_follows_reference(small, device, kw):
     """TRAIN_STEPS steps of AdamW (weight decay, clipping active: the first norms are above CLIP)."""
     params, batches, (ref_losses, ref_norms, ref_params) = small
@@ -292,6 +369,11 @@ def test_gradient_accumulation(small, device):
     # AdamW's first step is about lr * sign(g): where a gradient is ~0 its sign follows rounding noise, so
     # the parameters agree to the gradients' accuracy only in norm (1.8e-5 seen on an H200)
     assert rel_err(two.parameters_fp32(), one.parameters_fp32()) < 1e-4
+    # chunked: dwte accumulates over the chunks of both micro-steps (zero_grad only before the first)
+    chk = GPT2Model(SMALL, params, 1, T, device=device, dtype=FP32, attention="flash", classifier_chunks=3)
+    loss3, norm3 = chk.train_step([(x[:1], y[:1]), (x[1:], y[1:])], LR, 1, WD, CLIP)
+    assert loss3 == pytest.approx(loss1, abs=1e-5) and norm3 == pytest.approx(norm1, rel=1e-5)
+    assert rel_err(chk.gradients_fp32(), one.gradients_fp32()) < 1e-5
 
 
 def test_same_seed_same_bits(small, device):
@@ -327,6 +409,28 @@ def test_memory_plan():
     assert memory_plan(cfg, 64, 1024, BF16, True, 1, "classic")["total"] > totals[1] + 16 * 2**30
 
 
+def test_memory_plan_classifier_chunks():
+    """d12, B=64, T=1024: the default cuts the logits into 8 chunks of 8192 rows (0.77 GiB, bf16), the plan
+    drops by 7/8 of the 6.14 GiB logits: 28.79 GB -> 23.02 GB at -r 0 (dlnf reuses scratch_bt4c)."""
+    cfg = parse_descriptor("d12")
+    Vp = cfg.padded_vocab_size
+    assert default_classifier_chunks(cfg, 64, 1024, BF16) == 8
+    assert default_classifier_chunks(cfg, 64, 1024, FP32) == 16
+    assert default_classifier_chunks(cfg, 4, 64, BF16) == 1  # small batches: unchunked
+    assert default_classifier_chunks(cfg, 24, 1024, BF16) == 3  # 2.47 GB of logits
+    for att in ("flash", "cudnn"):
+        full = memory_plan(cfg, 64, 1024, BF16, True, 0, att, classifier_chunks=1)
+        auto = memory_plan(cfg, 64, 1024, BF16, True, 0, att)  # None: the default, 8
+        assert full["buffers"]["output"] == 64 * 1024 * Vp * 2
+        assert auto["buffers"]["output"] == 8192 * Vp * 2
+        assert full["total"] - auto["total"] == 7 * 8192 * Vp * 2
+        assert set(auto["buffers"]) == set(full["buffers"])  # no new buffer
+        assert auto["total"] <= 23.1e9, format_memory(auto)  # under the 24 GB goal (the GPU adds ~0.1-0.6 GB)
+    # classic: the buffer also holds datt (B, NH, T, T), larger than a chunk at T=1024; no datt of its own
+    classic = memory_plan(cfg, 64, 1024, BF16, True, 1, "classic")
+    assert classic["buffers"]["output"] == 64 * cfg.num_heads * 1024 * 1024 * 2 and "datt" not in classic["buffers"]
+
+
 def test_memory_plan_matches_allocation(tiny):
     params = tiny[0]
     model = GPT2Model(TINY, params, B, T, device="cpu", attention="classic", recompute=2)
@@ -338,6 +442,11 @@ def test_memory_plan_matches_allocation(tiny):
     assert 0 <= counted - arena <= 16 * 1024
     assert groups["master"] == 4 * TINY.num_parameters + (-4 * TINY.num_parameters) % 256
     assert "ln1" in plan["buffers"] and model.acts["ln1"].shape[0] == 1  # -r 2: one shared ln1
+    chunked = GPT2Model(TINY, params, B, T, device="cpu", attention="flash", classifier_chunks=4)
+    plan = chunked.memory_report()
+    arena = sum(b.numel() * b.element_size() for b in chunked.acts.buffers)
+    assert 0 <= plan["groups"]["activations"] + plan["groups"]["scratch"] - arena <= 16 * 1024
+    assert plan["buffers"]["output"] == B * T // 4 * TINY.padded_vocab_size * 2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -359,6 +468,11 @@ GPU_CONFIGS = {
     "torch-flash": dict(attention="torch-flash", gelu_fusion=-1),
     "fp32": dict(dtype=FP32, gelu_fusion=-1),
     "fp32-classic": dict(dtype=FP32, attention="classic", gelu_fusion=-1),
+    # the classifier in chunks (B=4: 256 / 4096 rows): 8 even ones, 3 ragged ones, classic sharing the buffer
+    "chunks8": dict(classifier_chunks=8, gelu_fusion=-1),
+    "chunks3": dict(classifier_chunks=3, attention="flash", gelu_fusion=-1),
+    "chunks8-classic": dict(classifier_chunks=8, attention="classic", gelu_fusion=-1),
+    "fp32-chunks8": dict(dtype=FP32, classifier_chunks=8, gelu_fusion=-1),
 }
 
 
@@ -403,8 +517,8 @@ def _d12_steps(cfg, params, batches, steps, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("skip,accum", [(False, 1), (True, 1), (False, 2)])
-def test_gpu_cuda_graph_bitwise(d12, skip, accum):
+@pytest.mark.parametrize("skip,accum,chunks", [(False, 1, 1), (True, 1, 1), (False, 2, 1), (False, 2, 8)])
+def test_gpu_cuda_graph_bitwise(d12, skip, accum, chunks):
     """The graphed step (whole step; or two graphs around a skip decision; with gradient accumulation)
     gives the eager step's bits. The flash kernel: cuDNN's backward need not be reproducible."""
     cfg, params = d12
@@ -413,7 +527,7 @@ def test_gpu_cuda_graph_bitwise(d12, skip, accum):
     results = []
     for graph in (False, True):
         model = GPT2Model(cfg, params, D12_B, 64, device="cuda", attention="flash", gelu_fusion=-1,
-                          cuda_graph=graph)
+                          cuda_graph=graph, classifier_chunks=chunks)
         steps = [model.train_step([batches[(s + k) % 3] for k in range(accum)], LR, s + 1, WD, CLIP, skip=decide)
                  for s in range(5)]
         results.append((steps, model.params_memory.clone(), model.master_memory.clone()))
@@ -465,7 +579,7 @@ def d12_training(d12):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "w0", "r2", "ge0", "ge3", "classic", "fp32"])
+@pytest.mark.parametrize("name", ["default", "w0", "r2", "ge0", "ge3", "classic", "fp32", "chunks8", "chunks3"])
 def test_gpu_training_follows_reference(d12, d12_training, name):
     """TRAIN_STEPS steps (CUDA graphs from step 2) against the fp32 reference on the GPU."""
     cfg, params = d12
@@ -498,7 +612,8 @@ def test_gpu_gradient_accumulation(d12):
 @pytest.mark.gpu
 def test_gpu_memory_d12_b64(d12):
     """GPT-2 124M, B=64, T=1024, -r 0: what is allocated is the plan, and a training step (eager, then
-    captured) peaks within 28 GiB of torch allocations."""
+    captured) peaks within 28 GiB of torch allocations; with the default classifier chunks (8 here; the
+    plan is 23.02 GB) within the 24 GB goal."""
     cfg, params = d12
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -513,8 +628,10 @@ def test_gpu_memory_d12_b64(d12):
         assert math.isfinite(loss)
     peak = torch.cuda.max_memory_allocated() - base
     free, total = torch.cuda.mem_get_info()
+    assert model.classifier_chunks == 8
     assert peak <= 28 * 2**30, f"peak {peak / 2**30:.2f} GiB ({format_memory(model.memory_report())}); " \
                                f"device in use {(total - free) / 2**30:.2f} GiB"
+    assert peak <= 24e9, f"peak {peak / 1e9:.2f} GB over the 24 GB goal ({format_memory(model.memory_report())})"
 
 
 @pytest.mark.gpu

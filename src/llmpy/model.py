@@ -16,6 +16,14 @@ Recompute (llm.c's -r): 0 keeps every per-layer activation; 1 does not keep GELU
 ln2 buffer instead of one per layer, recomputed in the backward from the residual and the saved
 mean/rstd.
 
+Classifier chunks (classifier_chunks, default `default_classifier_chunks`): the (B*T, Vp) logits are
+the largest activation (6.6 GB at GPT-2 124M, B=64, T=1024, bf16), and they are only needed a row at a
+time. With k > 1 chunks a training forward runs, per chunk of rows r (fixed order): logits_r = lnf[r] @
+wte^T into a chunk-sized buffer; the fused classifier writes losses[r] and the logit gradient in place;
+then at once dlnf[r] = dlogits_r @ wte and dwte += dlogits_r^T @ lnf[r] - the classifier's backward,
+moved into the forward, so backward() starts from the stored dlnf. Validation is chunked the same way
+(losses only); a forward without targets stops at lnf, and logits_last computes the rows it returns.
+
 Attention: "classic" (llm.c's permute + cuBLAS + softmax path: keeps qkvr and the (B, NH, T, T)
 probabilities per layer), "flash" (the Triton flash kernel), "cudnn" / "torch-flash" (PyTorch's fused
 ops); the fused paths keep qkv and the fp32 log-sum-exp per layer. "auto" asks
@@ -64,6 +72,9 @@ MEMORY_MARGIN = 1 << 30
 # Python, so a few long chunks instead of one per row (the GPU keeps kernels.layernorm's constant).
 INTERPRET_LN_CHUNKS = 4
 
+# The default classifier chunk: at most this many bytes of logits at once (see default_classifier_chunks).
+CLASSIFIER_CHUNK_BYTES = 1 << 30
+
 # Every buffer starts on a 256-byte boundary of its arena (vectorised loads, cuBLAS alignment).
 _ALIGN_BYTES = 256
 
@@ -80,6 +91,32 @@ def default_gelu_fusion(device) -> int:
     than cuBLAS + the GELU kernel on an H200 (0.99 ms against 0.69 ms for fc at B=64, T=1024:
     bench/RESULTS.md), so fusion stays opt-in (-ge 1..3) until it wins."""
     return 0
+
+
+def default_classifier_chunks(config: GPT2Config, B: int, T: int, dtype: torch.dtype) -> int:
+    """What classifier_chunks=None means: k = ceil(B*T*Vp*itemsize / CLASSIFIER_CHUNK_BYTES) (so one chunk
+    of logits is at most 1 GiB), rounded up to the next divisor of B*T (every chunk the same GEMM shape).
+    1 (the unchunked path) when the logits fit in one chunk. GPT-2 124M, B=64, T=1024: 8 chunks of 8192
+    rows, 0.77 GiB each, in bf16 (16 in fp32)."""
+    rows = B * T
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    want = max(1, -(-rows * config.padded_vocab_size * itemsize // CLASSIFIER_CHUNK_BYTES))
+    return next(k for k in range(min(want, rows), rows + 1) if rows % k == 0)
+
+
+def _resolve_chunks(config: GPT2Config, B: int, T: int, dtype: torch.dtype, chunks: int | None) -> int:
+    if chunks is None:
+        return default_classifier_chunks(config, B, T, dtype)
+    if not isinstance(chunks, int) or not 1 <= chunks <= B * T:
+        raise LlmpyError(f"classifier_chunks={chunks!r}: must be None (automatic) or 1 ... B*T = {B * T}")
+    return chunks
+
+
+def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """[start, end) rows of each classifier chunk, in order: chunk i is [i*rows//k, (i+1)*rows//k), so k
+    chunks exactly, sizes differing by at most one when k does not divide rows (the largest is
+    ceil(rows / k), what the logits buffer holds)."""
+    return [(i * rows // chunks, (i + 1) * rows // chunks) for i in range(chunks)]
 
 
 def _resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -122,9 +159,10 @@ def _aligned(nbytes: int) -> int:
 
 
 def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, recompute: int,
-                     attention: str, device="cpu") -> list[BufferSpec]:
+                     attention: str, device="cpu", classifier_chunks: int = 1) -> list[BufferSpec]:
     """The activation and scratch buffers of the model (llm.c's ActivationTensors), for a resolved
-    attention impl. Per-layer tensors have a leading L; those recompute shares across layers have 1."""
+    attention impl and a resolved number of classifier chunks. Per-layer tensors have a leading L; those
+    recompute shares across layers have 1."""
     L, C, NH, Vp = config.num_layers, config.channels, config.num_heads, config.padded_vocab_size
     hs = C // NH
     f32 = torch.float32
@@ -132,11 +170,16 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     Ll = 1 if recompute >= 2 else L  # ln1, ln2
     classic = attention == "classic"
     ln_chunks = (INTERPRET_LN_CHUNKS,) if interpreting() else ()
-    # the logits; in the classic path also the forward's qkv scratch and (when it fits) the backward's
-    # datt scratch: both are dead whenever the logits are live (llm.c's "scratchX = acts.output")
-    out_numel = B * T * Vp
+    # the logits (one chunk of rows of them); in the classic path also the forward's qkv scratch and the
+    # backward's datt scratch: both are dead whenever the logits are live (llm.c's "scratchX =
+    # acts.output"). Unchunked, datt gets a buffer of its own when it is the larger (as before); chunked,
+    # the buffer grows to hold datt (the chunk is small, and max(chunk, datt) < chunk + datt).
+    chunk_rows = -(-B * T // classifier_chunks)
+    out_numel = chunk_rows * Vp
     if classic:
         out_numel = max(out_numel, B * T * 3 * C)
+        if classifier_chunks > 1:
+            out_numel = max(out_numel, B * NH * T * T)
     specs = [
         BufferSpec("encoded", (B, T, C), dtype, "activations"),
         BufferSpec("ln1", (Ll, B, T, C), dtype, "activations"),
@@ -165,7 +208,8 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         BufferSpec("output", (out_numel,), dtype, "activations"),
         # forward: the attention / MLP projection output; backward: dl_btc, the (B, T, C) gradient
         BufferSpec("scratch_btc", (B, T, C), dtype, "scratch"),
-        # backward: dl_bt4c (the MLP's 4C gradient), also dlnf and dqkv
+        # backward: dl_bt4c (the MLP's 4C gradient), also dlnf and dqkv; with classifier chunks, dlnf from the
+        # training forward's classifier until the backward's first layernorm (the forward never uses it)
         BufferSpec("scratch_bt4c", (B, T, 4 * C), dtype, "scratch"),
         # backward: the gradient of the residual stream, accumulated by every layernorm backward
         BufferSpec("dresidual", (B, T, C), dtype, "scratch"),
@@ -185,9 +229,10 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
 
 def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.bfloat16,
                 master_weights: bool = True, recompute: int = 1, attention: str = "cudnn",
-                device="cpu") -> dict:
+                device="cpu", classifier_chunks: int | None = None) -> dict:
     """Bytes the model allocates, by group and by buffer, without allocating anything (attention must be
-    a resolved impl, not "auto"). The returned dict: {"groups": {group: bytes}, "buffers": {name: bytes},
+    a resolved impl, not "auto"; classifier_chunks as the model's: None is default_classifier_chunks,
+    1 the unchunked logits). The returned dict: {"groups": {group: bytes}, "buffers": {name: bytes},
     "total": bytes}."""
     N = config.num_parameters
     f32 = torch.float32
@@ -195,7 +240,8 @@ def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.b
              BufferSpec("adam_m", (N,), f32, "optimizer"), BufferSpec("adam_v", (N,), f32, "optimizer")]
     if master_weights and dtype != torch.float32:
         specs.append(BufferSpec("master", (N,), f32, "master"))
-    specs += activation_specs(config, B, T, dtype, recompute, attention, device)
+    chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
+    specs += activation_specs(config, B, T, dtype, recompute, attention, device, chunks)
     # integer buffers: inputs, targets (int32), the encoder's sort (int32 ids, int64 permutation)
     specs += [BufferSpec("inputs", (B, T), torch.int32, "scratch"),
               BufferSpec("targets", (B, T), torch.int32, "scratch"),
@@ -281,7 +327,7 @@ class GPT2Model:
     def __init__(self, config: GPT2Config, params: torch.Tensor, B: int, T: int, *, device="cuda",
                  dtype: torch.dtype = torch.bfloat16, master_weights: bool = True, recompute: int = 1,
                  gelu_fusion: int = 0, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
-                 stochastic_rounding: bool = True):
+                 stochastic_rounding: bool = True, classifier_chunks: int | None = None):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -311,9 +357,12 @@ class GPT2Model:
         # False only to show what round-to-nearest does to bf16 weights updated without master weights
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = seed
+        # None: default_classifier_chunks (<= 1 GiB of logits a chunk); 1: the whole (B*T, Vp) logits
+        self.classifier_chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
+        self._chunk_bounds = chunk_bounds(B * T, self.classifier_chunks)
 
         self._plan = memory_plan(config, B, T, dtype, self.master_weights, recompute, self.attention,
-                                 self.device)
+                                 self.device, self.classifier_chunks)
         self._check_memory()
 
         N = config.num_parameters
@@ -330,7 +379,8 @@ class GPT2Model:
         self.load_parameters(params)
 
         # activations and scratch
-        self.acts = _Arena(activation_specs(config, B, T, dtype, recompute, self.attention, dev), dev)
+        self.acts = _Arena(activation_specs(config, B, T, dtype, recompute, self.attention, dev,
+                                            self.classifier_chunks), dev)
         self.inputs = torch.zeros(B, T, dtype=torch.int32, device=dev)
         self.targets = torch.zeros(B, T, dtype=torch.int32, device=dev)
         self._enc_scratch = kenc.EncoderBackwardScratch(
@@ -353,7 +403,9 @@ class GPT2Model:
         self._seeds = torch.tensor(init, dtype=torch.int64, device=dev)
 
         self._cur_inputs = None      # the (B, T) ids of the last forward (the backward's encoder needs them)
-        self._have_dlogits = False   # the last forward wrote the logit gradient in place
+        # the last forward was a training one: the logit gradient is in place (unchunked), or dlnf is in
+        # scratch_bt4c and dwte has the classifier's share (chunked)
+        self._have_dlogits = False
         self._norm_fresh = False     # _norm_sq holds the norm of the current gradients
         self._graphs: dict = {}      # key -> (main graph, update graph or None)
         self._warmed: set = set()
@@ -390,6 +442,7 @@ class GPT2Model:
         return (f"GPT2Model {self.config.describe()} | B={self.B} T={self.T} | {str(self.dtype).split('.')[-1]} | "
                 f"master weights {int(self.master_weights)} | recompute {self.recompute} | "
                 f"gelu fusion {self.gelu_fusion} | attention {self.attention} | "
+                f"classifier chunks {self.classifier_chunks} | "
                 f"cuda graph {int(self.cuda_graph)} | memory {format_memory(self._plan)}")
 
     # ------------------------------------------------------------------------------------------------
@@ -469,7 +522,11 @@ class GPT2Model:
         return self.acts["output"].view(-1)[:numel]
 
     def logits_view(self) -> torch.Tensor:
-        """(B, T, Vp) view of the logits buffer (the logit gradient after a training forward)."""
+        """(B, T, Vp) view of the logits buffer (the logit gradient after a training forward). Only with
+        classifier_chunks=1: chunked, the buffer holds one chunk, and no forward keeps all the logits."""
+        if self.classifier_chunks > 1:
+            raise LlmpyError(f"logits_view: classifier_chunks={self.classifier_chunks} keeps no (B, T, Vp) "
+                             f"logits (build the model with classifier_chunks=1, or use logits_last)")
         return self._output(self.B * self.T * self.config.padded_vocab_size).view(
             self.B, self.T, self.config.padded_vocab_size)
 
@@ -482,7 +539,11 @@ class GPT2Model:
         """llm.c's gpt2_forward. inputs/targets: (B, T) token ids (CPU tensors are copied into the static
         device buffers; (B, T) int32 tensors on the device are used as they are). With targets: the
         losses; with dloss as well (training): the logit gradient dloss * (softmax - onehot) is written
-        over the logits, ready for backward(). Returns nothing; loss() reads the mean loss."""
+        over the logits, ready for backward(). Returns nothing; loss() reads the mean loss.
+
+        classifier_chunks > 1: the logits exist one chunk at a time; a training forward also runs the
+        classifier's backward (dlnf, and dwte ACCUMULATED: zero_grad() comes before it, not between it and
+        backward()), and a forward without targets stops at lnf (logits_last computes its rows)."""
         cfg, p, a = self.config, self.params, self.acts
         NH, L = cfg.num_heads, cfg.num_layers
         if dloss is not None and targets is None:
@@ -519,6 +580,11 @@ class GPT2Model:
             else:
                 kln.fused_residual_forward(b["residual3"], a["lnf"], a["lnf_mean"], a["lnf_rstd"], b["residual2"],
                                            proj, p["lnfw"], p["lnfb"])
+        if self.classifier_chunks > 1:
+            if targets is not None:
+                self._chunked_classifier(self._device_ids(targets, self.targets, "targets"), dloss)
+                self._have_dlogits = dloss is not None
+            return
         logits = self.logits_view()
         kmm.matmul_forward(logits, a["lnf"], p["wte"])
         if targets is not None:
@@ -526,6 +592,29 @@ class GPT2Model:
             fused_classifier(logits, a["losses"], 0.0 if dloss is None else dloss, tgt, cfg.vocab_size,
                              write_dlogits=dloss is not None)
             self._have_dlogits = dloss is not None
+
+    def _dlnf(self) -> torch.Tensor:
+        # the first B*T*C of scratch_bt4c: free from the end of one backward's layers to the start of the
+        # next backward's lnf layernorm (the forward writes no scratch_bt4c)
+        B, T, C = self.B, self.T, self.config.channels
+        return self.acts["scratch_bt4c"].view(-1)[:B * T * C].view(B, T, C)
+
+    def _chunked_classifier(self, tgt: torch.Tensor, dloss: float | None):
+        """The classifier chunk by chunk of rows, in a fixed order (see the module docstring). Views only:
+        nothing is allocated (CUDA graphs)."""
+        cfg, p, g, a = self.config, self.params, self.grads, self.acts
+        Vp, C = cfg.padded_vocab_size, cfg.channels
+        lnf, losses, tgt = a["lnf"].view(-1, C), a["losses"].view(-1), tgt.view(-1)
+        dlnf = self._dlnf().view(-1, C) if dloss is not None else None
+        for r0, r1 in self._chunk_bounds:
+            logits = self._output((r1 - r0) * Vp).view(r1 - r0, Vp)
+            kmm.matmul_forward(logits, lnf[r0:r1], p["wte"])
+            fused_classifier(logits, losses[r0:r1], 0.0 if dloss is None else dloss, tgt[r0:r1], cfg.vocab_size,
+                             write_dlogits=dloss is not None)
+            if dloss is not None:
+                # the lm_head backward of these rows while their logit gradient is here: dlnf rows
+                # overwritten, dwte accumulated chunk after chunk (one more rounding a chunk in bf16)
+                kmm.matmul_backward(dlnf[r0:r1], g["wte"], None, logits, lnf[r0:r1], p["wte"])
 
     def loss(self) -> float:
         """Mean loss of the last forward with targets (one host sync)."""
@@ -552,7 +641,21 @@ class GPT2Model:
         batch = torch.zeros(self.B, self.T, dtype=torch.int32)
         batch[:x.shape[0], :t] = x
         self.forward(batch)
-        return self.logits_view()[:x.shape[0], t - 1, :self.config.vocab_size].float().cpu()
+        if self.classifier_chunks == 1:
+            return self.logits_view()[:x.shape[0], t - 1, :self.config.vocab_size].float().cpu()
+        # chunked: only the b rows asked for, at most one chunk of them at a time (not inside a graph:
+        # the gathered rows are a small fresh tensor)
+        Vp = self.config.padded_vocab_size
+        rows = self.acts["lnf"][:x.shape[0], t - 1].contiguous()
+        step = self._chunk_bounds[0][1] - self._chunk_bounds[0][0]  # the smallest chunk's row count
+        out = []
+        for r0 in range(0, rows.shape[0], step):
+            piece = rows[r0:r0 + step]
+            logits = self._output(piece.shape[0] * Vp).view(piece.shape[0], Vp)
+            kmm.matmul_forward(logits, piece, self.params["wte"])
+            # a copy: the next piece reuses the buffer (.float().cpu() of fp32 on the CPU is a view)
+            out.append(logits[:, :self.config.vocab_size].to("cpu", torch.float32, copy=True))
+        return torch.cat(out)
 
     # ------------------------------------------------------------------------------------------------
     # backward
@@ -573,8 +676,9 @@ class GPT2Model:
         self._seeds.mul_(_LCG_A).add_(_LCG_C).remainder_(_LCG_M)
 
     def backward(self):
-        """llm.c's gpt2_backward: from the logit gradient the last forward(..., dloss) left in place, every
-        parameter gradient ACCUMULATED into the gradient buffer (zero_grad() before micro-step 0)."""
+        """llm.c's gpt2_backward: from the logit gradient the last forward(..., dloss) left in place (with
+        classifier chunks: from the dlnf it left), every parameter gradient ACCUMULATED into the gradient
+        buffer (zero_grad() before micro-step 0)."""
         if not self._have_dlogits:
             raise RuntimeError("backward() needs a forward(inputs, targets, dloss=...) just before it")
         self._have_dlogits = False
@@ -590,9 +694,10 @@ class GPT2Model:
         bt4c_flat = dl_bt4c.view(-1)
         dresidual.zero_()
 
-        # classifier matmul: dlnf = dlogits @ wte, dwte += dlogits^T @ lnf
-        dlnf = bt4c_flat[:B * T * C].view(B, T, C)
-        kmm.matmul_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"])
+        # classifier matmul: dlnf = dlogits @ wte, dwte += dlogits^T @ lnf (chunked: the forward did it)
+        dlnf = self._dlnf()
+        if self.classifier_chunks == 1:
+            kmm.matmul_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"])
         kln.layernorm_backward(dresidual, g["lnfw"], g["lnfb"], ln_scratch, dlnf, a["residual3"][L - 1], p["lnfw"],
                                a["lnf_mean"], a["lnf_rstd"], seed=self._seed(1))
         dqkv = bt4c_flat[:B * T * 3 * C].view(B, T, 3 * C)
