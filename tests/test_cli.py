@@ -118,3 +118,17 @@ def test_nothing_written_when_the_run_fails_at_start(tmp_path, shards):
     assert res.returncode != 0
     assert sorted(p.name for p in out.iterdir()) == ["model_00000005.bin"]
     assert (out / "model_00000005.bin").read_bytes() == b"earlier run"
+
+
+def test_model_file_of_the_wrong_precision(tmp_path, shards):
+    """llm.c's rule: a bf16 (version 5) model file does not load into an fp32 run (the CPU trains in fp32)."""
+    import torch
+
+    from llmpy.checkpoint import save_llmc
+    from llmpy.config import parse_descriptor
+    train, _ = shards
+    cfg = parse_descriptor(TINY)
+    model = tmp_path / "tiny_bf16.bin"
+    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02, dtype="bfloat16")
+    assert_one_line_error(llmpy("train", "-i", train, "-e", model, "-b", 2, "-t", 16, "-x", 1, "--device", "cpu"),
+                          "tiny_bf16.bin", "bf16")

@@ -314,6 +314,16 @@ class GPUBackend:
             own.copy_(torch.tensor(seeds, dtype=own.dtype))
 
 
+def _check_model_precision(path: str, run_dtype: str):
+    """An llm.c model file must be in the run's precision, as llm.c requires (v3 fp32 for fp32 runs,
+    v5 bf16 for bf16 runs); HuggingFace files carry no such contract and are converted."""
+    from .checkpoint import MODEL_MAGIC, check_precision
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if len(head) == 4 and int.from_bytes(head, "little") == MODEL_MAGIC:
+        check_precision(path, run_dtype)
+
+
 def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.Tensor]:
     """(config, flat fp32 parameters) from a descriptor (llm.c's random init) or a model file."""
     if os.path.exists(desc):
@@ -509,6 +519,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     else:
         if opts.model is None:
             opts.model = "d12"
+        if os.path.isfile(opts.model):
+            _check_model_precision(opts.model, opts.dtype)
         config, params = load_or_create_model(opts.model, seed=opts.seed)
     B, T = opts.batch_size, opts.seq_len
     if T > config.max_seq_len:
