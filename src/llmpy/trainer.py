@@ -389,10 +389,12 @@ class RunLog:
 
 def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts: TrainOptions, meta: dict,
                      final: bool = False):
-    """llm.c's model file model_%08d.bin (fp32, version 3) and the training state state_%08d.safetensors
-    that -y 1 resumes from; a DONE_%08d marker after the final pair; then -nk/-nm pruning."""
+    """llm.c's model file model_%08d.bin in the run's precision (version 3 fp32 or 5 bf16, as llm.c) and
+    the training state state_%08d.safetensors that -y 1 resumes from; a DONE_%08d marker after the final
+    pair; then -nk/-nm pruning."""
     from .training_state import prune_checkpoints, save_checkpoint
-    save_checkpoint(out_dir, step, config, backend.parameters_fp32(), backend.state_tensors(), meta)
+    save_checkpoint(out_dir, step, config, backend.parameters_fp32(), backend.state_tensors(), meta,
+                    model_dtype=opts.dtype)
     if final:
         (out_dir / f"DONE_{step:08d}").write_text("")
     prune_checkpoints(out_dir, opts.checkpoints_keep, opts.major_checkpoint_every)

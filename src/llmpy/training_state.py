@@ -1,7 +1,8 @@
 """Training-state checkpoints: what `-y 1` needs to continue a run bit for bit.
 
 A checkpoint of step N under the output directory is a pair:
-  * `model_%08d.bin`: llm.c's fp32 model file (loads anywhere llm.c's do);
+  * `model_%08d.bin`: llm.c's model file in the run's precision (version 3 fp32, version 5 bf16, as
+    llm.c writes them, so `-e` loads it into a run of the same precision);
   * `state_%08d.safetensors`: the tensors (the device's parameter storage, fp32 master weights when
     there are some, AdamW's m and v) and, in the safetensors metadata (str -> str), one JSON entry
     "llmpy" with the step, the options that define the run, the data loader's and outlier detectors'
@@ -86,13 +87,13 @@ class TrainingState:
 
 
 def save_checkpoint(out_dir, step: int, config: GPT2Config, params_fp32: torch.Tensor, tensors: dict,
-                    meta: dict) -> tuple[Path, Path]:
+                    meta: dict, model_dtype: str = "float32") -> tuple[Path, Path]:
     """Write the model file then the state file of `step`. On failure (a full disk, say) neither file of
     this step is left behind, no temp file either, and every earlier checkpoint is untouched."""
     mpath, spath = model_path(out_dir, step), state_path(out_dir, step)
     wrote_model = False
     try:
-        save_llmc(mpath, config, params_fp32, dtype="float32")
+        save_llmc(mpath, config, params_fp32, dtype=model_dtype)
         wrote_model = True
         crcs = {name: _tensor_crc(t) for name, t in tensors.items()}
         crcs["model_file"] = _file_crc(mpath)
