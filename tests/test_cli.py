@@ -132,3 +132,17 @@ def test_model_file_of_the_wrong_precision(tmp_path, shards):
     save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02, dtype="bfloat16")
     assert_one_line_error(llmpy("train", "-i", train, "-e", model, "-b", 2, "-t", 16, "-x", 1, "--device", "cpu"),
                           "tiny_bf16.bin", "bf16")
+
+
+def test_out_of_memory_is_one_line(monkeypatch, capsys):
+    """An allocation failure (here a CUDA out-of-memory raised inside the step) ends in one line with advice."""
+    import torch
+
+    from llmpy import cli, trainer
+
+    def boom(opts, log=print):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+    monkeypatch.setattr(trainer, "train", boom)
+    assert cli.main(["train", "-x", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "out of memory" in err[0] and "-b" in err[0] and "6.00 GiB" in err[0]

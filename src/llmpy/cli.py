@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torch_oom():
+    """torch's out-of-memory exception (a RuntimeError, not a MemoryError), or MemoryError without torch."""
+    import torch
+    return getattr(torch, "OutOfMemoryError", MemoryError)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -45,6 +51,11 @@ def main(argv=None) -> int:
         return args.func(args) or 0
     except LlmpyError as e:
         print(f"llmpy {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except (MemoryError, _torch_oom()) as e:
+        detail = str(e).splitlines()[0] if str(e) else "host memory exhausted"
+        print(f"llmpy {args.command}: error: out of memory ({detail[:200]}); lower the batch size -b, "
+              "raise recompute -r, or use a smaller model", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"llmpy {args.command}: interrupted", file=sys.stderr)
