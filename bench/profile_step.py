@@ -1,0 +1,406 @@
+"""Profile one GPT-2 training step of llmpy: GPU kernel time per kernel and per group, against the floors.
+
+    PYTHONPATH=src:. python -m bench.profile_step [--model d12] [--B 64] [--T 1024] [--recompute 0] \
+        [--attention auto|classic|flash|cudnn|torch-flash] [--gelu-fusion N] [--classifier-chunks K] \
+        [--warmup 5] [--steps 5] [--graph-steps 20] [--no-graph-compare] [--json out.json] [--md out.md]
+
+What it does (the "profile first" step of the 100-ms issue):
+  1. builds llmpy.model.GPT2Model with cuda_graph=False, so torch.profiler sees every kernel launch;
+  2. runs --warmup eager steps (Triton JIT, cuBLAS/cuDNN set-up), then profiles --steps steps
+     (ProfilerActivity.CUDA only, to keep host-side overhead small);
+  3. sums GPU kernel time (memcpy/memset included) per kernel name, classifies each name by the regex
+     table CLASSES below into matrix / attention / memory-bound / optimizer / other, and reports
+     "gaps" = wall time of a profiled step minus its kernel time (launch overhead, idle device);
+  4. frees that model, builds a second one with cuda_graph=True and reports its median step time, the
+     figure bench_step measures, so the eager "gaps" can be read against what the graph removes.
+
+Output: a per-kernel table (calls a step, ms a step, share of the step, group), the group summary next
+to the floors of shared/ANCHORS.md, the "other" kernels listed by name; --json writes every figure,
+--md a markdown section to paste into bench/RESULTS.md.
+
+The aggregation and formatting are pure Python (tests/test_profile_step.py runs them on fake events);
+torch, triton and llmpy's model are imported only inside the GPU functions.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------------------------------
+# classification: (group, regex) searched case-insensitively in the kernel name; the FIRST match wins,
+# so order matters (e.g. fmha_cutlassF is attention although it says "cutlass"). Extend here.
+
+CLASSES: list[tuple[str, str]] = [
+    # optimizer: our AdamW / norm / clip kernels, torch's fused/foreach Adam
+    ("optimizer", r"adamw|global_norm|clip_scale|init_from_master|multi_tensor_apply|fused_adam"),
+    # attention before matrix: cuDNN's and torch's fused attention names contain gemm-ish words
+    ("attention", r"flash|fmha|sdpa|cudnn|attn|attention|_softmax_(forward|backward)_kernel|softmax_warp"
+                  r"|_permute_kernel|_dkdv|_dq_block|_fwd_block"),
+    # matrix products: cuBLAS(Lt) (nvjet, sm90_xmma, cutlass, *gemm*), split-K reductions, our Triton matmul
+    ("matrix", r"nvjet|cutlass|gemm|xmma|cublas|splitkreduce|s16816|s1688|wgmma|_matmul_kernel|_mm_kernel"),
+    # memory-bound: layernorm, GELU, encoder, residual, classifier, bias reduction, copies / fills
+    ("memory-bound", r"layernorm|layer_norm|gelu|encoder|_wte_|_wpe_|residual|_fc_|classifier|cross_entropy"
+                     r"|bias|memcpy|memset|copy|fill|zero|elementwise|reduce_kernel|round|cat_|index"),
+]
+_COMPILED = [(g, re.compile(p, re.IGNORECASE)) for g, p in CLASSES]
+
+GROUPS = ("matrix", "attention", "memory-bound", "optimizer", "other")
+
+# floors for one GPT-2 124M step at B=64, T=1024 on an H200 (shared/ANCHORS.md), ms: (low, high)
+FLOORS: dict[str, tuple[float, float] | None] = {
+    "matrix": (76.4, 76.4),        # all linear-layer products fwd+bwd through cuBLAS, CUDA graph
+    "attention": (16.2, 16.2),     # cuDNN causal attention fwd+bwd, 12 layers
+    "memory-bound": (5.0, 8.0),    # ~20-30 GB of traffic at full bandwidth
+    "optimizer": (1.0, 1.0),       # AdamW over 124 M parameters, roughly
+    "other": None,
+    "gaps": None,
+}
+
+
+def classify(name: str) -> str:
+    for group, rx in _COMPILED:
+        if rx.search(name):
+            return group
+    return "other"
+
+
+# ----------------------------------------------------------------------------------------------------
+# aggregation (pure Python)
+
+def aggregate(events, steps: int, wall_ms_per_step: float | None = None) -> dict:
+    """events: iterable of (kernel name, duration in us, calls), all over `steps` profiled steps; the
+    same name may appear many times (summed). wall_ms_per_step: the measured wall time of one step;
+    None takes the kernel sum (no gaps). Returns rows (per kernel, descending ms), groups, gaps, step_ms.
+
+    step_ms is max(wall, kernel sum): kernels on concurrent streams can overlap and make the sum exceed
+    the wall time; then gaps are 0 and the shares still add up to 100 %."""
+    if steps < 1:
+        raise ValueError("steps must be at least 1")
+    acc: dict[str, list[float]] = {}
+    for name, dur_us, calls in events:
+        a = acc.setdefault(name, [0.0, 0])
+        a[0] += float(dur_us)
+        a[1] += int(calls)
+    kernel_ms = sum(us for us, _ in acc.values()) / 1e3 / steps
+    wall = kernel_ms if wall_ms_per_step is None else float(wall_ms_per_step)
+    step_ms = max(wall, kernel_ms)
+    gaps_ms = step_ms - kernel_ms
+
+    def share(ms):
+        return ms / step_ms if step_ms > 0 else 0.0
+
+    rows = []
+    for name, (us, calls) in acc.items():
+        ms = us / 1e3 / steps
+        rows.append({"name": name, "group": classify(name), "calls": calls / steps, "ms": ms, "share": share(ms)})
+    rows.sort(key=lambda r: (-r["ms"], r["name"]))
+    groups = {}
+    for g in GROUPS:
+        sel = [r for r in rows if r["group"] == g]
+        ms = sum(r["ms"] for r in sel)
+        groups[g] = {"ms": ms, "share": share(ms), "kernels": len(sel), "calls": sum(r["calls"] for r in sel),
+                     "floor_ms": FLOORS[g]}
+    groups["gaps"] = {"ms": gaps_ms, "share": share(gaps_ms), "kernels": 0, "calls": 0, "floor_ms": None}
+    return {"steps": steps, "wall_ms": wall, "kernel_ms": kernel_ms, "step_ms": step_ms, "gaps_ms": gaps_ms,
+            "rows": rows, "groups": groups, "other": [r["name"] for r in rows if r["group"] == "other"]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# formatting (pure Python)
+
+def _short(name: str, width: int) -> str:
+    """Demangled C++ kernel names run to hundreds of characters: keep the head, mark the cut."""
+    name = " ".join(name.split())
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def _floor_str(floor) -> str:
+    if floor is None:
+        return "-"
+    lo, hi = floor
+    return f"{lo:.1f}" if lo == hi else f"{lo:g}-{hi:g}"
+
+
+def _over_str(ms: float, floor) -> str:
+    """ms above the floor (above its high end for a range); '-' where there is no floor."""
+    if floor is None:
+        return "-"
+    return f"{ms - floor[1]:+.1f}"
+
+
+def format_kernels(agg: dict, top: int | None = None, width: int = 72) -> str:
+    rows = agg["rows"] if top is None else agg["rows"][:top]
+    hdr = f"{'kernel':{width}s} {'calls':>7s} {'ms/step':>9s} {'share':>7s}  group"
+    lines = [hdr, "-" * len(hdr)]
+    for r in rows:
+        lines.append(f"{_short(r['name'], width):{width}s} {r['calls']:7.1f} {r['ms']:9.3f} {r['share']:7.1%}  "
+                     f"{r['group']}")
+    if top is not None and len(agg["rows"]) > top:
+        rest = agg["rows"][top:]
+        ms = sum(r["ms"] for r in rest)
+        lines.append(f"{f'({len(rest)} more kernels)':{width}s} {sum(r['calls'] for r in rest):7.1f} {ms:9.3f} "
+                     f"{ms / agg['step_ms'] if agg['step_ms'] else 0:7.1%}")
+    lines.append(f"{'gaps (wall - kernels: launch overhead, idle)':{width}s} {'':7s} {agg['gaps_ms']:9.3f} "
+                 f"{agg['groups']['gaps']['share']:7.1%}  gaps")
+    lines.append(f"{'step':{width}s} {'':7s} {agg['step_ms']:9.3f} {1.0 if agg['step_ms'] else 0:7.1%}")
+    return "\n".join(lines)
+
+
+def format_groups(agg: dict) -> str:
+    hdr = f"{'group':14s} {'ms/step':>9s} {'share':>7s} {'kernels':>8s} {'calls':>8s} {'floor ms':>9s} {'over':>7s}"
+    lines = [hdr, "-" * len(hdr)]
+    for g, v in agg["groups"].items():
+        lines.append(f"{g:14s} {v['ms']:9.3f} {v['share']:7.1%} {v['kernels']:8d} {v['calls']:8.1f} "
+                     f"{_floor_str(v['floor_ms']):>9s} {_over_str(v['ms'], v['floor_ms']):>7s}")
+    fl = _step_floor()
+    lines.append(f"{'step':14s} {agg['step_ms']:9.3f} {1.0 if agg['step_ms'] else 0:7.1%} {len(agg['rows']):8d} "
+                 f"{'':8s} {_floor_str(fl):>9s} {_over_str(agg['step_ms'], fl):>7s}")
+    if agg["other"]:
+        lines.append("unclassified ('other'; extend CLASSES in bench/profile_step.py):")
+        lines += [f"  {n}" for n in agg["other"]]
+    return "\n".join(lines)
+
+
+def _step_floor() -> tuple[float, float]:
+    """The whole step's floor: the sum of the group floors."""
+    fl = [f for f in FLOORS.values() if f is not None]
+    return sum(f[0] for f in fl), sum(f[1] for f in fl)
+
+
+def _md_cell(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+def format_markdown(agg: dict, meta: dict | None = None, top: int | None = 30) -> str:
+    """A section for bench/RESULTS.md: the settings line, the group table, the top kernels."""
+    meta = meta or {}
+    out = []
+    if meta:
+        out.append(f"**{meta.get('date', '?')}, {meta.get('device', '?')}, torch {meta.get('torch', '?')}, "
+                   f"triton {meta.get('triton', '?')}, commit {str(meta.get('commit') or '?')[:7]}"
+                   f"{' (dirty)' if meta.get('dirty') else ''}.**")
+        if meta.get("command"):
+            out.append(f"Command: `{meta['command']}`.")
+        line = (f"Eager step (no CUDA graph) under torch.profiler, {agg['steps']} steps: "
+                f"{agg['step_ms']:.1f} ms wall, {agg['kernel_ms']:.1f} ms of kernels.")
+        if meta.get("graph_median_ms") is not None:
+            line += f" The same model with the CUDA graph: median {meta['graph_median_ms']:.1f} ms a step."
+        out.append(line)
+        out.append("")
+    out += ["| group | ms / step | share | kernels | floor (ANCHORS.md) ms | over floor ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for g, v in agg["groups"].items():
+        out.append(f"| {g} | {v['ms']:.2f} | {v['share']:.1%} | {v['kernels']} | {_floor_str(v['floor_ms'])} | "
+                   f"{_over_str(v['ms'], v['floor_ms'])} |")
+    lo, hi = _step_floor()
+    out.append(f"| **step** | **{agg['step_ms']:.2f}** | {1.0 if agg['step_ms'] else 0:.1%} | {len(agg['rows'])} | "
+               f"{_floor_str((lo, hi))} | {_over_str(agg['step_ms'], (lo, hi))} |")
+    out += ["", "| kernel | calls / step | ms / step | share | group |", "| --- | ---: | ---: | ---: | --- |"]
+    rows = agg["rows"] if top is None else agg["rows"][:top]
+    for r in rows:
+        out.append(f"| `{_md_cell(_short(r['name'], 90))}` | {r['calls']:.1f} | {r['ms']:.3f} | {r['share']:.1%} | "
+                   f"{r['group']} |")
+    if top is not None and len(agg["rows"]) > top:
+        rest = agg["rows"][top:]
+        ms = sum(r["ms"] for r in rest)
+        out.append(f"| ({len(rest)} more) | {sum(r['calls'] for r in rest):.1f} | {ms:.3f} | "
+                   f"{ms / agg['step_ms'] if agg['step_ms'] else 0:.1%} | |")
+    out.append(f"| gaps (wall - kernels) | | {agg['gaps_ms']:.3f} | {agg['groups']['gaps']['share']:.1%} | gaps |")
+    if agg["other"]:
+        out += ["", "Unclassified kernels: " + ", ".join(f"`{_md_cell(_short(n, 90))}`" for n in agg["other"])]
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU parts (not called by the tests)
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="d12", help="llm.c model descriptor")
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--recompute", type=int, default=0, help="llm.c's -r (0, 1, 2)")
+    ap.add_argument("--attention", default="auto", help="auto, classic, flash, cudnn, torch-flash")
+    ap.add_argument("--gelu-fusion", type=int, default=None, help="llm.c's -ge; model default if not given")
+    ap.add_argument("--classifier-chunks", type=int, default=None, help="model default (None) if not given")
+    ap.add_argument("--warmup", type=int, default=5, help="eager steps before profiling")
+    ap.add_argument("--steps", type=int, default=5, help="profiled eager steps")
+    ap.add_argument("--graph-steps", type=int, default=20, help="timed CUDA-graph steps (after 3 warm-up)")
+    ap.add_argument("--no-graph-compare", action="store_true", help="skip the CUDA-graph timing")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--data-seed", type=int, default=1337)
+    ap.add_argument("--top", type=int, default=40, help="kernels shown in the printed table (0: all)")
+    ap.add_argument("--trace", default=None, help="also export a Chrome trace of the profiled steps here")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None)
+    args = ap.parse_args(argv)
+    for name in ("B", "T", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    return args
+
+
+def _model_options(args, cuda_graph: bool) -> dict:
+    opts = {"master_weights": True, "attention": args.attention, "seed": args.seed, "cuda_graph": cuda_graph,
+            "recompute": args.recompute, "classifier_chunks": args.classifier_chunks}
+    if args.gelu_fusion is not None:
+        opts["gelu_fusion"] = args.gelu_fusion
+    return opts
+
+
+def _build(args, cuda_graph: bool):
+    import torch
+    from llmpy.config import parse_descriptor
+    from llmpy.init import init_parameters
+    from llmpy.model import GPT2Model
+    config = parse_descriptor(args.model)
+    flat = init_parameters(config, args.seed)
+    model = GPT2Model(config, flat, args.B, args.T, device="cuda", dtype=torch.bfloat16,
+                      **_model_options(args, cuda_graph))
+    return config, model
+
+
+def _kernel_events(prof):
+    """(name, us, 1) per device-side event of the profile (kernels, memcpy, memset), and the device span
+    (first start to last end) in us."""
+    from torch.autograd import DeviceType
+    out, lo, hi = [], None, None
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        tr = e.time_range
+        out.append((e.name, tr.elapsed_us(), 1))
+        lo = tr.start if lo is None else min(lo, tr.start)
+        hi = tr.end if hi is None else max(hi, tr.end)
+    return out, (hi - lo) if out else 0.0
+
+
+def profile_eager(args) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from bench.bench_step import make_batches
+    config, model = _build(args, cuda_graph=False)
+    n = args.warmup + args.steps
+    batches = make_batches(config.vocab_size, args.B, args.T, n, args.data_seed, pin=True)
+
+    def step(i):
+        loss, norm = model.train_step([batches[i]], args.lr, i + 1, args.weight_decay, args.grad_clip)
+        return float(loss), float(norm)
+
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    walls, losses = [], []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(args.warmup, n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            losses.append(step(i)[0])
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t) * 1e3)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    events, span_us = _kernel_events(prof)
+    # the mean, not the median: kernel time is summed over all profiled steps, so wall must match it
+    agg = aggregate(events, args.steps, sum(walls) / len(walls))
+    agg.update(wall_ms_each=walls, device_span_ms=span_us / 1e3 / args.steps, losses=losses,
+               attention_impl=model.attention, classifier_chunks=model.classifier_chunks,
+               gelu_fusion=model.gelu_fusion, recompute=model.recompute)
+    if not events:
+        print("warning: the profiler recorded no device events (CUPTI unavailable?)", file=sys.stderr)
+    model = None  # not del: step() closes over it; this frees the buffers before the graphed model's
+    torch.cuda.empty_cache()
+    return agg
+
+
+def time_graphed(args, warmup: int = 3) -> dict:
+    import torch
+    from bench.bench_step import make_batches
+    config, model = _build(args, cuda_graph=True)
+    n = warmup + args.graph_steps
+    batches = make_batches(config.vocab_size, args.B, args.T, n, args.data_seed, pin=True)
+    ms = []
+    for i in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss, _ = model.train_step([batches[i]], args.lr, i + 1, args.weight_decay, args.grad_clip)
+        float(loss)
+        torch.cuda.synchronize()
+        ms.append((time.perf_counter() - t) * 1e3)
+    del model
+    torch.cuda.empty_cache()
+    timed = ms[warmup:] or ms
+    return {"median_ms": statistics.median(timed), "min_ms": min(timed), "step_ms": ms, "warmup": warmup}
+
+
+def _meta(argv) -> dict:
+    import torch
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception:
+        tv = None
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return ""
+    return {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": tv, "commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "command": "python -m bench.profile_step " + " ".join(argv)}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("bench.profile_step needs a CUDA device", file=sys.stderr)
+        return 1
+    meta = _meta(argv)
+    print(f"=== eager profile: {args.warmup} warm-up + {args.steps} profiled steps, B={args.B} T={args.T}, "
+          f"model {args.model}", flush=True)
+    agg = profile_eager(args)
+    meta.update({k: agg[k] for k in ("attention_impl", "classifier_chunks", "gelu_fusion", "recompute")})
+    graph = None
+    if not args.no_graph_compare:
+        print(f"=== CUDA graph: {args.graph_steps} timed steps", flush=True)
+        graph = time_graphed(args)
+        meta["graph_median_ms"] = graph["median_ms"]
+    print(f"\nresolved: attention {agg['attention_impl']}, classifier chunks {agg['classifier_chunks']}, "
+          f"gelu fusion {agg['gelu_fusion']}, recompute {agg['recompute']}; losses {agg['losses']}")
+    print(f"\n=== kernels (per step, mean of {args.steps} eager profiled steps)")
+    print(format_kernels(agg, top=args.top or None))
+    print("\n=== groups (floors: shared/ANCHORS.md, H200, B=64 T=1024 GPT-2 124M)")
+    print(format_groups(agg))
+    print(f"\neager wall {agg['wall_ms']:.2f} ms/step (device span {agg['device_span_ms']:.2f} ms), "
+          f"kernels {agg['kernel_ms']:.2f} ms/step"
+          + (f"; CUDA graph median {graph['median_ms']:.2f} ms/step "
+             f"(kernels + {graph['median_ms'] - agg['kernel_ms']:+.2f} ms)" if graph else ""), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "settings": vars(args), "profile": agg, "graph": graph,
+                       "classes": CLASSES, "floors": FLOORS}, f, indent=1)
+    if args.md:
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md).write_text(format_markdown(agg, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""CPU tests of bench/profile_step.py's classification, aggregation and formatting (no GPU, no profiler)."""
+import json
+
+import pytest
+
+from bench import profile_step as ps
+
+NVJET = "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT"
+CUTLASS = ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>"
+           "(cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8::Params)")
+
+
+@pytest.mark.parametrize("name,group", [
+    (NVJET, "matrix"),
+    (CUTLASS, "matrix"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "matrix"),
+    ("_matmul_kernel", "matrix"),
+    ("void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "matrix"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),  # says cutlass, but is attention
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
+    ("_flash_fwd_kernel", "attention"),
+    ("_softmax_backward_kernel", "attention"),
+    ("_permute_kernel", "attention"),
+    ("_fc_twopass_kernel", "memory-bound"),
+    ("_layernorm_backward_reduce_kernel", "memory-bound"),
+    ("_gelu_backward_inplace_kernel", "memory-bound"),
+    ("_encoder_forward_kernel", "memory-bound"),
+    ("_wte_backward_chunks_kernel", "memory-bound"),
+    ("_fused_residual_forward_kernel", "memory-bound"),
+    ("_bias_partial_kernel", "memory-bound"),
+    ("Memcpy HtoD (Pinned -> Device)", "memory-bound"),
+    ("Memset (Device)", "memory-bound"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "memory-bound"),
+    ("adamw_kernel", "optimizer"),
+    ("global_norm_squared_kernel", "optimizer"),
+    ("clip_scale_kernel", "optimizer"),
+    ("some_new_mystery_kernel", "other"),
+])
+def test_classify(name, group):
+    assert ps.classify(name) == group
+
+
+def fake_events():
+    # two profiled steps; names repeat (summed), durations in us
+    return [
+        (NVJET, 30_000.0, 48), (NVJET, 30_000.0, 48),
+        (CUTLASS, 40_000.0, 4),
+        ("_flash_fwd_kernel", 8_000.0, 24),
+        ("_flash_bwd_kernel", 16_000.0, 24),
+        ("_fc_twopass_kernel", 6_000.0, 2),
+        ("_layernorm_forward_kernel", 2_000.0, 50),
+        ("adamw_kernel", 2_000.0, 2),
+        ("some_new_mystery_kernel", 1_000.0, 2),
+    ]
+
+
+def test_aggregate_groups_and_shares():
+    agg = ps.aggregate(fake_events(), steps=2, wall_ms_per_step=80.0)
+    assert agg["kernel_ms"] == pytest.approx(67.5)
+    assert agg["gaps_ms"] == pytest.approx(12.5)
+    assert agg["step_ms"] == pytest.approx(80.0)
+    g = agg["groups"]
+    assert g["matrix"]["ms"] == pytest.approx(50.0)
+    assert g["matrix"]["kernels"] == 2
+    assert g["attention"]["ms"] == pytest.approx(12.0)
+    assert g["memory-bound"]["ms"] == pytest.approx(4.0)
+    assert g["optimizer"]["ms"] == pytest.approx(1.0)
+    assert g["other"]["ms"] == pytest.approx(0.5)
+    assert sum(v["share"] for v in g.values()) == pytest.approx(1.0)
+    assert sum(r["share"] for r in agg["rows"]) + g["gaps"]["share"] == pytest.approx(1.0)
+    # per kernel: the repeated nvjet name is one row, per step
+    top = agg["rows"][0]
+    assert top["name"] == NVJET and top["ms"] == pytest.approx(30.0) and top["calls"] == pytest.approx(48)
+    assert [r["ms"] for r in agg["rows"]] == sorted((r["ms"] for r in agg["rows"]), reverse=True)
+    assert agg["other"] == ["some_new_mystery_kernel"]
+    assert g["matrix"]["floor_ms"] == (76.4, 76.4)
+    json.dumps(agg)  # --json must be able to write it
+
+
+def test_aggregate_overlap_and_no_wall():
+    # overlapping streams: kernel sum above the wall time -> no negative gaps, shares still 100 %
+    agg = ps.aggregate(fake_events(), steps=2, wall_ms_per_step=50.0)
+    assert agg["gaps_ms"] == 0.0 and agg["step_ms"] == pytest.approx(67.5)
+    assert sum(v["share"] for v in agg["groups"].values()) == pytest.approx(1.0)
+    agg = ps.aggregate(fake_events(), steps=2)
+    assert agg["gaps_ms"] == 0.0
+    with pytest.raises(ValueError):
+        ps.aggregate([], steps=0)
+    empty = ps.aggregate([], steps=1)
+    assert empty["step_ms"] == 0.0 and all(v["share"] == 0.0 for v in empty["groups"].values())
+    ps.format_groups(empty), ps.format_kernels(empty), ps.format_markdown(empty)
+
+
+def test_text_tables():
+    agg = ps.aggregate(fake_events(), steps=2, wall_ms_per_step=80.0)
+    kt = ps.format_kernels(agg, top=3)
+    assert "nvjet_tst" in kt and "cutlass::Kernel2" in kt
+    assert "(5 more kernels)" in kt
+    assert "gaps" in kt and "12.500" in kt
+    assert all(len(line) < 120 for line in kt.splitlines())  # long C++ names are cut
+    gt = ps.format_groups(agg)
+    for g in ("matrix", "attention", "memory-bound", "optimizer", "other", "gaps"):
+        assert g in gt
+    assert "76.4" in gt and "16.2" in gt and "5-8" in gt
+    assert "some_new_mystery_kernel" in gt.split("unclassified")[1]
+
+
+def test_markdown():
+    agg = ps.aggregate(fake_events(), steps=2, wall_ms_per_step=80.0)
+    meta = {"date": "2026-12-02", "device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0",
+            "commit": "abcdef0123", "dirty": False, "command": "python -m bench.profile_step",
+            "graph_median_ms": 70.0}
+    md = ps.format_markdown(agg, meta, top=None)
+    lines = md.splitlines()
+    assert "commit abcdef0" in md and "median 70.0 ms" in md
+    tables = [l for l in lines if l.startswith("|")]
+    # each table's rows have as many cells as its header
+    assert all(l.count("|") == 7 for l in tables[:8])
+    assert "| matrix | 50.00 | 62.5% | 2 | 76.4 | -26.4 |" in md
+    assert "| memory-bound | 4.00 | 5.0% | 2 | 5-8 | -4.0 |" in md
+    assert "| gaps | 12.50 | 15.6% |" in md
+    assert "| **step** | **80.00** | 100.0% |" in md
+    assert "`some_new_mystery_kernel`" in md.split("Unclassified")[1]
+    # a '|' inside a kernel name must not break the table
+    agg2 = ps.aggregate([("weird|name", 1000.0, 1)], steps=1)
+    assert "weird\\|name" in ps.format_markdown(agg2)
+
+
+def test_classes_table_is_extensible(monkeypatch):
+    monkeypatch.setattr(ps, "_COMPILED", [("optimizer", __import__("re").compile("mystery"))] + ps._COMPILED)
+    assert ps.classify("some_new_mystery_kernel") == "optimizer"
+
+
+def test_parse_args_defaults():
+    a = ps.parse_args([])
+    assert (a.B, a.T, a.recompute, a.attention, a.classifier_chunks, a.gelu_fusion) == (64, 1024, 0, "auto", None, None)
+    opts = ps._model_options(a, cuda_graph=False)
+    assert opts["cuda_graph"] is False and opts["classifier_chunks"] is None and "gelu_fusion" not in opts
+    a = ps.parse_args(["--gelu-fusion", "2", "--classifier-chunks", "4", "--attention", "cudnn"])
+    opts = ps._model_options(a, cuda_graph=True)
+    assert opts["gelu_fusion"] == 2 and opts["classifier_chunks"] == 4 and opts["attention"] == "cudnn"
