@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [step] [train] [parity] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [step] [train] [parity] [profile] [sanitize]
 # (model: test_gpt2 on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -37,6 +37,10 @@ for stage in $stages; do
       # needs tinyshakespeare shards in .parity_data (carried): see bench/parity.py
       timeout ${PARITY_TIMEOUT:-300} python3 -m bench.parity --data .parity_data ${PARITY_ARGS:-} --json "$OUT/parity.json" \
         --png "$OUT/parity.png" 2>&1 | tee "$OUT/parity.log"
+      rc=$? ;;
+    profile)
+      timeout ${PROFILE_TIMEOUT:-300} python3 -m bench.profile_step ${PROFILE_ARGS:-} --json "$OUT/profile.json" \
+        --md "$OUT/profile.md" 2>&1 | tee "$OUT/profile.log"
       rc=$? ;;
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any
