@@ -167,6 +167,17 @@ def test_plot_run_skips_what_the_log_lacks(tmp_path):
 
 
 @needs_mpl
+def test_plot_run_draws_hellaswag_accuracy(tmp_path):
+    write_log(tmp_path, extra=False)
+    with open(tmp_path / "main.jsonl", "a") as f:
+        for step, acc in ((0, 0.25), (10, 0.27), (20, 0.3)):
+            f.write(json.dumps({"step": step, "kind": "eval", "accuracy": acc, "correct": 3, "total": 10}) + "\n")
+    names = [p.name for p in pl.plot_run(tmp_path)]
+    assert "hellaswag.png" in names
+    assert_pngs(tmp_path / "plots", ["hellaswag.png"])
+
+
+@needs_mpl
 def test_cli_plot(tmp_path):
     write_log(tmp_path / "run")
     r = run_cli("plot", tmp_path / "run", "-o", tmp_path / "out")

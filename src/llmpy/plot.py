@@ -14,7 +14,8 @@ from pathlib import Path
 from .errors import LlmpyError
 
 LOG_NAME = "main.jsonl"
-NUMERIC_KEYS = ("loss", "norm", "lr", "ms", "skipped", "tok_s", "mfu")
+NUMERIC_KEYS = ("loss", "norm", "lr", "ms", "skipped", "tok_s", "mfu", "accuracy")
+KINDS = ("train", "val", "eval")  # eval: HellaSwag accuracy (-h 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -59,8 +60,8 @@ def read_log(path) -> list[dict]:
             step, kind = rec.get("step"), rec.get("kind")
             if isinstance(step, bool) or not isinstance(step, int):
                 raise LlmpyError(f"{where}: 'step' must be an integer, got {step!r}")
-            if kind not in ("train", "val"):
-                raise LlmpyError(f"{where}: 'kind' must be \"train\" or \"val\", got {kind!r}")
+            if kind not in KINDS:
+                raise LlmpyError(f"{where}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
             for key in NUMERIC_KEYS:  # other keys a later trainer adds are carried, not checked
                 if key in rec and not _is_number(rec[key]):
                     raise LlmpyError(f"{where}: '{key}' must be a number, got {rec[key]!r}")
@@ -180,4 +181,9 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9) -> list[Path]:
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         save(fig, fname)
+    xs, ys = series(records, "eval", "accuracy")
+    if xs:
+        fig, ax = new("accuracy (%)", "HellaSwag accuracy")
+        ax.plot(xs, [100 * y for y in ys], color="C4", marker="o", markersize=3, linewidth=1.2)
+        save(fig, "hellaswag.png")
     return written

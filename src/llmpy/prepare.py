@@ -8,6 +8,8 @@ path), or a named dataset fetched like llm.c's dev/data scripts:
                    val = the stories of data00.json
   fineweb          HuggingFaceFW/fineweb sample-10BT (needs the `datasets` package), val = first shard
   fineweb-edu      HuggingFaceFW/fineweb-edu sample-10BT, likewise
+  hellaswag        rowanz/hellaswag's hellaswag_val.jsonl -> llm.c's eval file OUTDIR/hellaswag_val.bin
+                   (for `llmpy train -h 1`; not token shards)
 
 Named datasets take precedence over a local path of the same name (write ./NAME for the path).
 Every document is preceded by one end-of-text token. Downloads are kept in --cache-dir.
@@ -41,7 +43,7 @@ TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/maste
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStories_all_data.tar.gz"
 FINEWEB_REPOS = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
-NAMED_DATASETS = ("tinyshakespeare", "tinystories", "fineweb", "fineweb-edu")
+NAMED_DATASETS = ("tinyshakespeare", "tinystories", "fineweb", "fineweb-edu", "hellaswag")
 
 _urlopen = urllib.request.urlopen  # module attribute so tests can take the network away
 
@@ -313,6 +315,12 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     if val_tokens is not None and val_tokens < 0:
         raise LlmpyError(f"--val-tokens {val_tokens} must not be negative")
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_download_dir()
+    if source.strip().lower() == "hellaswag":  # an eval file, not train/val shards
+        from .hellaswag import prepare_hellaswag
+        if val_fraction is not None or val_tokens is not None or name is not None:
+            raise LlmpyError("hellaswag: --val-fraction, --val-tokens and --name do not apply to the eval file")
+        dest = prepare_hellaswag(outdir, cache, tokenizer, tokenizer_dir, log=log)
+        return {"val": [(dest, 0)], "train": []}
     src = resolve_source(source, cache, shard_size)
     if name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise LlmpyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")

@@ -63,6 +63,8 @@ class TrainOptions:
     skip_loss_z: float = 0.0               # -sl
     skip_grad_z: float = 0.0               # -sg
     hellaswag: int = 0                     # -h
+    hellaswag_file: str = os.path.join("data", "hellaswag", "hellaswag_val.bin")
+    hellaswag_examples: int = 0            # 0: every example of the file
     grad_clip: float = 1.0
     seed: int = 42
     device: str = "auto"
@@ -100,9 +102,12 @@ class TrainOptions:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be >= 0")
         if self.resume and not self.output_dir:
             raise LlmpyError("-y 1 resumes from the output directory: give it with -o")
-        # what the CPU path does not do yet is refused, not silently ignored
-        if self.hellaswag:
-            raise LlmpyError("-h 1: HellaSwag evaluation is not implemented yet")
+        if self.hellaswag_examples < 0:
+            raise LlmpyError(f"--hellaswag-examples {self.hellaswag_examples}: must be >= 0 (0: all)")
+        if self.hellaswag and self.batch_size % 4:
+            # the 4 completions of an example share one (B, T) forward; the GPU model is built for B rows
+            raise LlmpyError(f"-h 1: -b {self.batch_size} must be a multiple of 4 (HellaSwag scores the 4 "
+                             "completions of an example in one batch)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -152,6 +157,8 @@ EXTRA_FLAGS = [  # long-only flags
     ("--temperature", "temperature", float, "sampling temperature (0: greedy)"),
     ("--top-k", "top_k", int, "sample from the k most likely tokens (0: all)"),
     ("--progress", "progress", int, "1: show a progress bar, 0: not, -1: when stderr is a terminal"),
+    ("--hellaswag-file", "hellaswag_file", str, "llm.c HellaSwag eval file for -h 1 (`llmpy prepare hellaswag`)"),
+    ("--hellaswag-examples", "hellaswag_examples", int, "-h 1 scores the first N examples (0: all)"),
 ]
 
 
@@ -226,6 +233,11 @@ class CPUBackend:
     def validate(self, x, y) -> float:
         return self.model.forward(x, y)
 
+    def position_losses(self, x, y) -> torch.Tensor:
+        """(B, T) per-position losses (HellaSwag)."""
+        self.model.forward(x, y)
+        return self.model.losses
+
     def next_logits(self, ctx):
         self.model.forward(torch.tensor([ctx]))
         return self.model.logits[0, -1]
@@ -276,6 +288,12 @@ class GPUBackend:
 
     def validate(self, x, y) -> float:
         return self.model.validate(x, y)
+
+    def position_losses(self, x, y) -> torch.Tensor:
+        """(B, T) per-position losses (HellaSwag). GPT2Model has no accessor for them: forward with targets
+        leaves them in its activation buffer acts["losses"], read here."""
+        self.model.forward(x, y)
+        return self.model.acts["losses"].float().cpu()
 
     def next_logits(self, ctx):
         return self.model.logits_last(ctx)[0]
@@ -377,6 +395,8 @@ class RunLog:
             self.text.write(f"s:{step} trl:{values['loss']:.6f}\n")
         elif kind == "val":
             self.text.write(f"s:{step} tel:{values['loss']:.6f}\n")
+        elif kind == "eval":
+            self.text.write(f"s:{step} eval:{values['accuracy']:.4f}\n")
         self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
         self.text.flush()
         self.jsonl.flush()
@@ -461,6 +481,7 @@ class TrainResult:
     model: object
     train_losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
+    eval_accuracies: list[tuple[int, float]] = field(default_factory=list)  # -h 1: (step, HellaSwag accuracy)
     step_ms: list[float] = field(default_factory=list)
     sample: str | None = None
     start_step: int = 0                    # the step a -y 1 run resumed from (0: a fresh run)
@@ -542,6 +563,12 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     if opts.val_data and opts.val_every > 0:
         val_loader = EvalLoader(opts.val_data, B, T, vocab_size=config.vocab_size)
         val_batches = min(opts.val_max_steps, len(val_loader))
+    hs_examples = None
+    if opts.hellaswag and opts.val_every > 0:
+        from .hellaswag import read_eval_file
+        hs_examples = read_eval_file(opts.hellaswag_file, vocab_size=config.vocab_size)
+        if opts.hellaswag_examples:
+            hs_examples = hs_examples[:opts.hellaswag_examples]
     if opts.max_steps > 0:
         steps = opts.max_steps
     elif state is not None and state.meta.get("total_steps"):
@@ -577,7 +604,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     log(f"model {opts.model}: {config.describe()} | padded vocab {config.padded_vocab_size} | "
         f"{config.num_parameters:,} parameters")
     log(f"data {opts.train_data}: {train_loader.num_tokens:,} tokens, {len(train_loader)} batches of B={B} T={T}"
-        + (f" | val {opts.val_data}" if val_loader else ""))
+        + (f" | val {opts.val_data}" if val_loader else "")
+        + (f" | hellaswag {opts.hellaswag_file} ({len(hs_examples)} examples)" if hs_examples else ""))
     log(f"steps {steps} | grad accumulation {accum} ({tokens_per_micro * accum} tokens/step) | lr {opts.learning_rate} "
         f"{opts.lr_schedule} warmup {opts.warmup_steps} final x{opts.final_lr_frac} | weight decay {opts.weight_decay} "
         f"| clip {opts.grad_clip}")
@@ -605,13 +633,18 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         log = progress.write  # step lines above the bar
 
     def validate(step):
-        if val_loader is None:
-            return
-        losses = [backend.validate(x, y) for x, y in val_loader.batches(val_batches)]
-        val = sum(losses) / len(losses)
-        result.val_losses.append((step, val))
-        run_log.write(step, "val", loss=val)
-        log(f"val loss {val:.6f}")
+        if val_loader is not None:
+            losses = [backend.validate(x, y) for x, y in val_loader.batches(val_batches)]
+            val = sum(losses) / len(losses)
+            result.val_losses.append((step, val))
+            run_log.write(step, "val", loss=val)
+            log(f"val loss {val:.6f}")
+        if hs_examples:
+            from .hellaswag import score
+            hs = score(hs_examples, backend.position_losses, B, T)
+            result.eval_accuracies.append((step, hs.accuracy))
+            run_log.write(step, "eval", accuracy=hs.accuracy, correct=hs.correct, total=hs.total)
+            log(f"HellaSwag: {hs.correct}/{hs.total} = {hs.accuracy:.4f}")
 
     def sample(step):
         if opts.gen_tokens == 0:

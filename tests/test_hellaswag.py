@@ -1,0 +1,230 @@
+"""HellaSwag: llm.c's eval file read back exactly, its corruptions refused in one line, the batched
+scoring checked against a row-by-row oracle, `llmpy train -h 1` logging accuracy, and `llmpy prepare
+hellaswag` offline."""
+import io
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmpy import hellaswag as hs
+from llmpy import prepare as prep
+from llmpy.config import parse_descriptor
+from llmpy.data import write_shard
+from llmpy.errors import LlmpyError
+from llmpy.hellaswag import Example, read_eval_file, score, write_eval_file
+from llmpy.init import init_parameters
+from llmpy.reference import GPT2Reference
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
+
+
+def random_examples(n, rng, vocab=257, max_ctx=12, max_comp=6):
+    return [Example(i, int(rng.integers(0, 4)), rng.integers(0, vocab, int(rng.integers(1, max_ctx))).tolist(),
+                    [rng.integers(0, vocab, int(rng.integers(1, max_comp))).tolist() for _ in range(4)])
+            for i in range(n)]
+
+
+@pytest.fixture
+def eval_file(tmp_path):
+    exs = random_examples(5, np.random.default_rng(0))
+    return write_eval_file(tmp_path / "hs.bin", exs), exs
+
+
+# ----------------------------------------------------------------------------------------------
+# the file
+
+def test_round_trip_and_layout(eval_file):
+    path, exs = eval_file
+    assert read_eval_file(path) == exs
+    raw = path.read_bytes()
+    header = np.frombuffer(raw[:1024], dtype="<i4")
+    assert header[:3].tolist() == [20240522, 1, 5]
+    s = np.frombuffer(raw[1024:], dtype="<u2")
+    ex = exs[0]
+    expect = [65535, 0, 0, ex.label, 4, len(ex.context), *ex.context]
+    for c in ex.completions:
+        expect += [len(c), *c]
+    expect[1] = 2 * len(expect)  # the record's size in bytes, itself included
+    assert s[:len(expect)].tolist() == expect
+    assert s[len(expect)] == 65535  # the next example starts right after
+    assert header[3] == max(2 * (6 + len(e.context) + sum(1 + len(c) for c in e.completions)) for e in exs)
+
+
+def _patched(path, offset, values, dtype):
+    raw = bytearray(path.read_bytes())
+    b = np.asarray(values, dtype=dtype).tobytes()
+    raw[offset:offset + len(b)] = b
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("corrupt, needle", [
+    (lambda p: _patched(p, 0, [20240520], "<i4"), "magic"),
+    (lambda p: _patched(p, 4, [2], "<i4"), "version"),
+    (lambda p: _patched(p, 8, [6], "<i4"), "truncated"),
+    (lambda p: _patched(p, 1024, [65534], "<u2"), "delimiter"),
+    (lambda p: p.write_bytes(p.read_bytes()[:-6]), "truncated"),
+    (lambda p: p.write_bytes(p.read_bytes()[:100]), "header"),
+    (lambda p: p.write_bytes(p.read_bytes() + b"\0\0"), "after the last"),
+    (lambda p: _patched(p, 1024 + 6, [7], "<u2"), "label"),
+    (lambda p: _patched(p, 1024 + 8, [3], "<u2"), "completions"),
+    (lambda p: _patched(p, 1024 + 4, [1], "<u2"), "index"),
+    (lambda p: _patched(p, 1024 + 2, [400], "<u2"), "example 0"),
+    (lambda p: _patched(p, 12, [2], "<i4"), "longest"),
+])
+def test_corrupt_files_are_one_line_errors(eval_file, corrupt, needle):
+    path, _ = eval_file
+    corrupt(path)
+    with pytest.raises(LlmpyError) as e:
+        read_eval_file(path)
+    msg = str(e.value)
+    assert "hs.bin" in msg and needle in msg and "\n" not in msg
+
+
+def test_missing_file_and_vocab(tmp_path, eval_file):
+    with pytest.raises(LlmpyError, match="nothere.bin.*llmpy prepare hellaswag"):
+        read_eval_file(tmp_path / "nothere.bin")
+    path, exs = eval_file
+    top = max(exs[0].context + sum(exs[0].completions, []))  # the first example already has ids >= 10
+    with pytest.raises(LlmpyError, match=rf"hs.bin: example 0: token id {top} .*vocabulary of 10"):
+        read_eval_file(path, vocab_size=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# scoring
+
+def oracle(model: GPT2Reference, examples, T, V):
+    """Row by row, no padding: log-softmax of the logits, mean -log p over the completion's tokens."""
+    preds = []
+    for ex in examples:
+        means = []
+        for comp in ex.completions:
+            row = (ex.context + comp)[-(T + 1):]  # the documented crop: context from the left
+            ncomp = min(len(comp), len(row) - 1)
+            model.forward(torch.tensor([row[:-1]]))
+            logp = torch.log_softmax(model.logits[0, :, :V].double(), -1)
+            tgt = torch.tensor(row[1:])
+            nll = -logp[torch.arange(len(tgt)), tgt]
+            means.append(float(nll[-ncomp:].mean()))
+        preds.append(int(np.argmin(means)))
+    return preds
+
+
+@pytest.mark.parametrize("B", [4, 8])
+def test_batched_score_matches_row_by_row_oracle(B):
+    cfg = parse_descriptor(TINY)
+    model = GPT2Reference(cfg, init_parameters(cfg, seed=3))
+    rng = np.random.default_rng(1)
+    exs = random_examples(7, rng)  # 7 examples: a partial last batch of padding rows
+    exs.append(Example(7, 2, rng.integers(0, 257, 30).tolist(), [rng.integers(0, 257, 5).tolist() for _ in range(4)]))
+    T = 16  # the last example is longer than T + 1: cropped
+    want = oracle(model, exs, T, cfg.vocab_size)
+
+    def position_losses(x, y):
+        assert x.shape == (B, T) and y.shape == (B, T)
+        model.forward(x, y)
+        return model.losses
+    res = score(exs, position_losses, B, T)
+    assert res.predictions == want
+    assert res.total == 8 and res.correct == sum(p == e.label for p, e in zip(want, exs))
+    assert res.accuracy == res.correct / 8
+
+
+def test_the_likely_completion_wins():
+    """A fake model to which token 7 is certain: the completion made of 7s is picked, whatever its slot,
+    and context tokens (also 7s here) do not count."""
+    exs = [Example(i, i % 4, [7] * 5, [[7, 7, 7] if k == i % 4 else [7, 3, 7] for k in range(4)]) for i in range(6)]
+
+    def position_losses(x, y):
+        return torch.where(y == 7, 0.0, 5.0)
+    res = score(exs, position_losses, 8, 10)
+    assert res.predictions == [e.label for e in exs] and res.accuracy == 1.0
+
+
+def test_batch_not_a_multiple_of_four():
+    with pytest.raises(LlmpyError, match="-b 6.*multiple of 4"):
+        score(random_examples(2, np.random.default_rng(0)), lambda x, y: torch.zeros_like(x, dtype=torch.float), 6, 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# the command line
+
+def llmpy(*args, cwd=None):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "llmpy", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def one_line_error(res, *needles):
+    assert res.returncode != 0, res.stdout + res.stderr
+    lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_train_with_hellaswag_logs_accuracy(tmp_path, eval_file):
+    path, exs = eval_file
+    rng = np.random.default_rng(2)
+    train, val = tmp_path / "t_train_000000.bin", tmp_path / "t_val_000000.bin"
+    write_shard(train, rng.integers(0, 257, 3000))
+    write_shard(val, rng.integers(0, 257, 1000))
+    out = tmp_path / "out"
+    common = ["-i", train, "-j", val, "-e", TINY, "-t", 16, "-x", 4, "-v", 2, "-m", 1, "-g", 0, "--progress", 0]
+    res = llmpy("train", *common, "-b", 4, "-h", 1, "--hellaswag-file", path, "-o", out)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("HellaSwag: ") == 3  # steps 0, 2 and the end
+    evals = [l for l in (out / "main.log").read_text().splitlines() if " eval:" in l]
+    assert [l.split()[0] for l in evals] == ["s:0", "s:2", "s:4"]
+    recs = [json.loads(l) for l in (out / "main.jsonl").read_text().splitlines()]
+    ev = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in ev] == [0, 2, 4]
+    for r, l in zip(ev, evals):
+        assert r["total"] == len(exs) and r["accuracy"] == r["correct"] / len(exs)
+        assert l == f"s:{r['step']} eval:{r['accuracy']:.4f}"
+    # -h 1 needs B a multiple of 4, and an eval file that exists
+    one_line_error(llmpy("train", *common, "-b", 2, "-h", 1, "--hellaswag-file", path), "-b 2", "multiple of 4")
+    one_line_error(llmpy("train", *common, "-b", 4, "-h", 1, "--hellaswag-file", tmp_path / "none.bin"),
+                   "none.bin", "llmpy prepare hellaswag")
+
+
+# ----------------------------------------------------------------------------------------------
+# prepare
+
+class _FakeResponse(io.BytesIO):
+    def __init__(self, data):
+        super().__init__(data)
+        self.headers = {"Content-Length": str(len(data))}
+
+
+def test_prepare_hellaswag_offline_is_one_clean_error(tmp_path, monkeypatch, capsys):
+    from llmpy import cli
+
+    def offline(url, timeout):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(prep, "_urlopen", offline)
+    assert cli.main(["prepare", "hellaswag", "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")]) != 0
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and hs.HELLASWAG_VAL_URL in err[0] and "hellaswag_val.jsonl" in err[0]
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
+
+
+def test_prepare_hellaswag_with_fake_download(tmp_path, monkeypatch):
+    rows = [{"ctx": "A man is", "label": 2, "endings": ["a", "bb", "walking.", "ccc"]},
+            {"ctx": "She", "label": 0, "endings": ["runs", "x", "y", "z"]}]
+    data = "\n".join(json.dumps(r) for r in rows).encode()
+    urls = []
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: urls.append(url) or _FakeResponse(data))
+    prep.prepare("hellaswag", tmp_path / "o", tokenizer="bytes", cache_dir=tmp_path / "c", log=lambda m: None)
+    assert urls == [hs.HELLASWAG_VAL_URL]
+    got = read_eval_file(tmp_path / "o" / "hellaswag_val.bin")
+    enc = lambda s: list(s.encode())  # noqa: E731  the byte tokenizer's ids
+    assert got == [Example(i, r["label"], enc(r["ctx"]), [enc(" " + e) for e in r["endings"]])
+                   for i, r in enumerate(rows)]
