@@ -174,7 +174,7 @@ def test_plot_run_draws_hellaswag_accuracy(tmp_path):
             f.write(json.dumps({"step": step, "kind": "eval", "accuracy": acc, "correct": 3, "total": 10}) + "\n")
     names = [p.name for p in pl.plot_run(tmp_path)]
     assert "hellaswag.png" in names
-    assert_pngs(tmp_path / "plots", ["hellaswag.png"])
+    assert_pngs(tmp_path / "plots", ["loss.png", "lr.png", "grad_norm.png", "hellaswag.png"])
 
 
 @needs_mpl
