@@ -620,6 +620,20 @@ class GPT2Model:
         """Mean loss of the last forward with targets (one host sync)."""
         return float(self.acts["losses"].double().mean())
 
+    def position_losses(self) -> torch.Tensor:
+        """(B, T) fp32 per-position losses of the last forward with targets, on the CPU (HellaSwag)."""
+        return self.acts["losses"].float().cpu()
+
+    def seed_state(self) -> list[int]:
+        """The stochastic-rounding seeds (one per rounding call site), for a checkpoint."""
+        return [int(x) for x in self._seeds.tolist()]
+
+    def load_seed_state(self, seeds: list[int]):
+        """Restore seed_state()'s values, so a resumed run rounds exactly as the uninterrupted one."""
+        if len(seeds) != self._seeds.numel():
+            raise LlmpyError(f"checkpoint has {len(seeds)} rounding seeds, the model {self._seeds.numel()}")
+        self._seeds.copy_(torch.tensor(seeds, dtype=self._seeds.dtype))
+
     def validate(self, inputs, targets) -> float:
         """Mean loss over a (B, T) batch, no gradient (the fused classifier's validation variant)."""
         self.forward(inputs, targets)

@@ -290,10 +290,9 @@ class GPUBackend:
         return self.model.validate(x, y)
 
     def position_losses(self, x, y) -> torch.Tensor:
-        """(B, T) per-position losses (HellaSwag). GPT2Model has no accessor for them: forward with targets
-        leaves them in its activation buffer acts["losses"], read here."""
+        """(B, T) per-position losses (HellaSwag)."""
         self.model.forward(x, y)
-        return self.model.acts["losses"].float().cpu()
+        return self.model.position_losses()
 
     def next_logits(self, ctx):
         return self.model.logits_last(ctx)[0]
@@ -312,10 +311,7 @@ class GPUBackend:
         return out
 
     def seed_state(self):
-        # GPT2Model has no public accessor for its stochastic-rounding seeds; they are the int64 device
-        # tensor _seeds (advanced every micro-step), read and restored in place here
-        seeds = getattr(self.model, "_seeds", None)
-        return None if seeds is None else [int(x) for x in seeds.tolist()]
+        return self.model.seed_state()
 
     def load_state(self, tensors: dict, seeds=None):
         md = self.model
@@ -327,9 +323,8 @@ class GPUBackend:
         else:  # saved in another dtype: the working copy follows the master weights
             md.params_memory.copy_(md.master_memory)
         md.load_optimizer_state(tensors["m"].float(), tensors["v"].float())
-        own = getattr(md, "_seeds", None)
-        if seeds is not None and own is not None and len(seeds) == own.numel():
-            own.copy_(torch.tensor(seeds, dtype=own.dtype))
+        if seeds is not None:
+            md.load_seed_state(seeds)
 
 
 def _check_model_precision(path: str, run_dtype: str):
