@@ -146,3 +146,25 @@ def test_out_of_memory_is_one_line(monkeypatch, capsys):
     assert cli.main(["train", "-x", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "out of memory" in err[0] and "-b" in err[0] and "6.00 GiB" in err[0]
+
+
+def test_tensorboard_events_match_the_jsonl_log(tmp_path, shards):
+    """With the tensorboard package installed (a test extra), the run's scalars are also TensorBoard events."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    train, val = shards
+    out = tmp_path / "out"
+    res = llmpy("train", "-i", train, "-j", val, "-e", TINY, "-b", 2, "-t", 16, "-x", 4, "-v", 2, "-m", 1, "-g", 0,
+                "-o", out, "--progress", 0)
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in (out / "main.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    train_loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    val_loss = {e.step: e.value for e in acc.Scalars("val/loss")}
+    for r in records:
+        table = train_loss if r["kind"] == "train" else val_loss
+        assert abs(table[r["step"]] - r["loss"]) < 1e-6 * max(1.0, abs(r["loss"]))
+    assert sorted(train_loss) == [1, 2, 3, 4] and sorted(val_loss) == [0, 2, 4]
+    assert {e.step for e in acc.Scalars("train/lr")} == {1, 2, 3, 4}

@@ -377,11 +377,26 @@ def _check_output_dir(path: str) -> Path:
 
 
 class RunLog:
-    """llm.c's main.log lines (`s:STEP trl:LOSS`, `s:STEP tel:LOSS`) and a JSONL twin with every field."""
+    """llm.c's main.log lines (`s:STEP trl:LOSS`, `s:STEP tel:LOSS`, `s:STEP eval:ACC`), a JSONL twin with
+    every field, and TensorBoard events under tensorboard/ when torch's TensorBoard writer (the
+    `tensorboard` package) is installed."""
+
+    # JSONL fields drawn as TensorBoard scalars, per kind: field -> tag
+    TB_SCALARS = {"train": {"loss": "train/loss", "norm": "train/grad_norm", "lr": "train/lr",
+                            "tok_s": "train/tokens_per_s", "mfu": "train/mfu"},
+                  "val": {"loss": "val/loss"}, "eval": {"accuracy": "eval/hellaswag"}}
 
     def __init__(self, out_dir: Path | None):
         self.text = open(out_dir / "main.log", "a") if out_dir else None
         self.jsonl = open(out_dir / "main.jsonl", "a") if out_dir else None
+        self.tb = None
+        if out_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # optional: no tensorboard package, no events
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
 
     def write(self, step: int, kind: str, **values):
         if self.text is None:
@@ -395,9 +410,13 @@ class RunLog:
         self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
         self.text.flush()
         self.jsonl.flush()
+        if self.tb is not None:
+            for field, tag in self.TB_SCALARS.get(kind, {}).items():
+                if isinstance(values.get(field), (int, float)) and not isinstance(values.get(field), bool):
+                    self.tb.add_scalar(tag, values[field], step)
 
     def close(self):
-        for f in (self.text, self.jsonl):
+        for f in (self.text, self.jsonl, self.tb):
             if f is not None:
                 f.close()
 
