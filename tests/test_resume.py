@@ -164,7 +164,8 @@ def saved(tmp_path, shards):
 
 
 def snapshot(out):
-    return {p.name: p.read_bytes() for p in sorted(Path(out).iterdir())}
+    """Every file under the output folder (TensorBoard's events folder included) and its bytes."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(Path(out).rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("change, needles", [
