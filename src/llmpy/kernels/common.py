@@ -56,10 +56,16 @@ def round_nearest_bf16(x):
     return tl.where(finite, rounded, x).to(tl.bfloat16)
 
 
+# the interpreter's fp32 -> bf16 cast truncates: there the rounding is written out in bits; on the GPU
+# the hardware conversion (round to nearest even) is used, with no extra instructions
+EXPLICIT_RNE = tl.constexpr(interpreting())
+
+
 @triton.jit
 def round_to(x, ptr):
-    """fp32 x in ptr's element type, rounded to nearest (even) on the GPU and in the interpreter alike."""
-    if ptr.dtype.element_ty == tl.bfloat16:
+    """fp32 x in ptr's element type, rounded to nearest (even) on the GPU and in the interpreter alike:
+    the one rounding every kernel stores through."""
+    if EXPLICIT_RNE and ptr.dtype.element_ty == tl.bfloat16:
         return round_nearest_bf16(x)
     else:
         return x.to(ptr.dtype.element_ty)
@@ -70,10 +76,8 @@ def store_rounded(ptr, x, mask, seed, offsets, STOCHASTIC: tl.constexpr):
     """Store fp32 x into ptr's dtype: stochastic rounding for bf16 when asked, else round-to-nearest."""
     if STOCHASTIC:
         tl.store(ptr, stochastic_round_bf16(x, seed, offsets), mask=mask)
-    elif ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(ptr, round_nearest_bf16(x), mask=mask)
     else:
-        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr, round_to(x, ptr), mask=mask)
 
 
 # Configurations whose pipelined build failed (to compile, or to fit in shared memory) and ran unpipelined

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..reference import LAYERNORM_EPS
-from .common import cdiv, interpreting, store_rounded, launch_pipelined
+from .common import cdiv, interpreting, launch_pipelined, round_to, store_rounded
 
 # Tuning knobs (launcher defaults; every launcher takes them as optional arguments, and
 # bench/kernels/bench_layernorm.py sweeps LN_FWD_SWEEP / LN_BWD_SWEEP below to pick them).
@@ -97,28 +97,12 @@ LN_BWD_SWEEP = {
     "r1 w2 k1024 s3": dict(rows=1, num_warps=2, chunks=1024, stages=3),
 }
 
-# Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even: under the
-# interpreter the kernels round explicitly, so CPU results carry the GPU's bits.
-EXPLICIT_RNE = interpreting()
-
 
 # ----------------------------------------------------------------------------------------------------
 # kernels
 
 @triton.jit
-def _to_floatx(x, ptr, EXPLICIT_RNE: tl.constexpr):
-    """fp32 x in ptr's element dtype, rounded to nearest even."""
-    if EXPLICIT_RNE and ptr.dtype.element_ty == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        return x.to(ptr.dtype.element_ty)
-
-
-@triton.jit
-def _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd_ptr, w, b, C, eps,
-                    EXPLICIT_RNE: tl.constexpr):
+def _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd_ptr, w, b, C, eps):
     """x: a [ROWS, BLOCK_C] fp32 tile of rows (zero where masked); w, b: [BLOCK_C] fp32 weight and bias.
     Stores mean, rstd and the normed rows."""
     mean = tl.sum(x, axis=1) / C
@@ -127,15 +111,14 @@ def _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd
     var = tl.sum(xc * xc, axis=1) / C
     rstd = 1.0 / tl.sqrt(var + eps)
     y = xc * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(out_ptr + offs, _to_floatx(y, out_ptr, EXPLICIT_RNE), mask=mask)
+    tl.store(out_ptr + offs, round_to(y, out_ptr), mask=mask)
     tl.store(mean_ptr + rows, mean, mask=row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
 def _layernorm_forward_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, bias_ptr, N, C, eps,
-                              BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
-                              EXPLICIT_RNE: tl.constexpr):
+                              BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
     """Row blocks pid, pid + num_programs, ...: one each unless the grid is persistent."""
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < C
@@ -149,15 +132,13 @@ def _layernorm_forward_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, 
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         # the input is read exactly once here: stream it past the cache
         x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd_ptr, w, b, C, eps,
-                        EXPLICIT_RNE)
+        _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd_ptr, w, b, C, eps)
 
 
 @triton.jit
 def _fused_residual_forward_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr, inp1_ptr, inp2_ptr,
                                    weight_ptr, bias_ptr, N, C, eps,
-                                   BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
-                                   EXPLICIT_RNE: tl.constexpr):
+                                   BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < C
     w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -169,28 +150,27 @@ def _fused_residual_forward_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr,
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         a = tl.load(inp1_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         b = tl.load(inp2_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        r = _to_floatx(a + b, residual_ptr, EXPLICIT_RNE)
+        r = round_to(a + b, residual_ptr)
         tl.store(residual_ptr + offs, r, mask=mask)
         # normalise what was stored (rounded to floatX), so the backward, which reads the stored residual,
         # sees the same numbers the forward normalised
         _normalize_rows(r.to(tl.float32), mask, offs, rows, row_ok, col_ok, normed_ptr, mean_ptr, rstd_ptr,
-                        w, bb, C, eps, EXPLICIT_RNE)
+                        w, bb, C, eps)
 
 
 @triton.jit
-def _residual_forward_kernel(out_ptr, inp1_ptr, inp2_ptr, numel, BLOCK: tl.constexpr,
-                             EXPLICIT_RNE: tl.constexpr):
+def _residual_forward_kernel(out_ptr, inp1_ptr, inp2_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     a = tl.load(inp1_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     b = tl.load(inp2_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    tl.store(out_ptr + offs, _to_floatx(a + b, out_ptr, EXPLICIT_RNE), mask=mask)
+    tl.store(out_ptr + offs, round_to(a + b, out_ptr), mask=mask)
 
 
 @triton.jit
 def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_ptr, mean_ptr, rstd_ptr,
                                N, C, rows_per_chunk, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
-                               STAGES: tl.constexpr, EXPLICIT_RNE: tl.constexpr):
+                               STAGES: tl.constexpr):
     """One program per chunk of consecutive rows: dinp += for each row, the chunk's sums of dout * norm
     and of dout into scratch[chunk, 0, :] and scratch[chunk, 1, :]. An empty chunk writes zeros."""
     chunk = tl.program_id(0)
@@ -218,7 +198,7 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
         dnorm_norm_mean = tl.sum(dnorm * norm, axis=1) / C
         dval = (dnorm - dnorm_mean[:, None] - norm * dnorm_norm_mean[:, None]) * rstd[:, None]
         old = tl.load(dinp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dinp_ptr + offs, _to_floatx(old + dval, dinp_ptr, EXPLICIT_RNE), mask=mask)
+        tl.store(dinp_ptr + offs, round_to(old + dval, dinp_ptr), mask=mask)
         dw_acc += dout * norm
         db_acc += dout
     base = scratch_ptr + chunk.to(tl.int64) * 2 * C
@@ -229,8 +209,7 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
 @triton.jit(do_not_specialize=["seed"])  # a new seed every step must not mean a new compilation
 def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, scratch_ptr, num_chunks, C, seed,
                                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                      SEED_IN_MEMORY: tl.constexpr, STOCHASTIC: tl.constexpr,
-                                      EXPLICIT_RNE: tl.constexpr):
+                                      SEED_IN_MEMORY: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Sum scratch[:, 0|1, cols] over the chunks in a fixed order; dweight/dbias[cols] += the sums."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
@@ -255,8 +234,8 @@ def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, scratch_ptr, num_c
         store_rounded(dweight_ptr + cols, dw, col_ok, s, cols, True)
         store_rounded(dbias_ptr + cols, db, col_ok, s, cols + C, True)
     else:
-        tl.store(dweight_ptr + cols, _to_floatx(dw, dweight_ptr, EXPLICIT_RNE), mask=col_ok)
-        tl.store(dbias_ptr + cols, _to_floatx(db, dbias_ptr, EXPLICIT_RNE), mask=col_ok)
+        tl.store(dweight_ptr + cols, round_to(dw, dweight_ptr), mask=col_ok)
+        tl.store(dbias_ptr + cols, round_to(db, dbias_ptr), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -332,7 +311,7 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp.device),)
     launch_pipelined(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, eps), stages,
-            BLOCK_C=block_c, ROWS=rows, EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
+            BLOCK_C=block_c, ROWS=rows, num_warps=num_warps)
     return out, mean, rstd
 
 
@@ -342,8 +321,7 @@ def residual_forward(out, inp1, inp2):
     assert inp1.dtype == inp2.dtype == out.dtype and out.dtype in _FLOATX, "residual_forward: dtypes"
     assert out.is_contiguous() and inp1.is_contiguous() and inp2.is_contiguous(), "must be contiguous"
     numel = out.numel()
-    _residual_forward_kernel[(cdiv(numel, RESIDUAL_BLOCK),)](out, inp1, inp2, numel, BLOCK=RESIDUAL_BLOCK,
-                                                             EXPLICIT_RNE=EXPLICIT_RNE, num_warps=4)
+    _residual_forward_kernel[(cdiv(numel, RESIDUAL_BLOCK),)](out, inp1, inp2, numel, BLOCK=RESIDUAL_BLOCK, num_warps=4)
     return out
 
 
@@ -368,7 +346,7 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp1.device),)
     launch_pipelined(_fused_residual_forward_kernel, grid, (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, eps),
-            stages, BLOCK_C=block_c, ROWS=rows, EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
+            stages, BLOCK_C=block_c, ROWS=rows, num_warps=num_warps)
     return residual, normed, mean, rstd
 
 
@@ -419,12 +397,10 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     rows_per_chunk = cdiv(N, num_chunks)
     block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD, rows, num_warps)
     args = (dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows_per_chunk)
-    launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
-            EXPLICIT_RNE=EXPLICIT_RNE, num_warps=num_warps)
+    launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows, num_warps=num_warps)
     _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](dweight, dbias, scratch, num_chunks, C, seed,
                                                                   BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C,
                                                                   SEED_IN_MEMORY=seed_in_memory,
                                                                   STOCHASTIC=stochastic,
-                                                                  EXPLICIT_RNE=EXPLICIT_RNE,
                                                                   num_warps=REDUCE_WARPS)
     return dinp, dweight, dbias

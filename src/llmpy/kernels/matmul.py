@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DOT_UPCAST, cdiv, interpreting, round_nearest_bf16, store_rounded
+from .common import DOT_UPCAST, cdiv, interpreting, round_to, store_rounded
 from .gelu import gelu_backward_inplace, gelu_forward, gelu_fp32, gelu_grad_fp32
 
 # 2 * sqrt(2 / pi) and 2 * sqrt(2 / pi) * 0.044715: sigmoid(2u) with u = sqrt(2/pi) * (x + 0.044715 x^3)
@@ -71,10 +71,7 @@ def _gelu_grad(x):
 @triton.jit
 def _round_like(x, ptr):
     """x rounded to ptr's element type and back to fp32 (round-to-nearest, also in the interpreter)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        return round_nearest_bf16(x).to(tl.float32)
-    else:
-        return x.to(ptr.dtype.element_ty).to(tl.float32)
+    return round_to(x, ptr).to(tl.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
