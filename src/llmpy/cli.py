@@ -15,23 +15,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="llmpy", description="GPT-2-family training from Python, llm.c's design.",
                            allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    # train's -h is llm.c's HellaSwag flag, so its help is --help only
-    t = sub.add_parser("train", help="train a model (no arguments: the embedded default)", add_help=False,
-                       allow_abbrev=False)
-    trainer.add_arguments(t)
-    t.set_defaults(func=trainer.run)
-    p = sub.add_parser("prepare", help="tokenize text into llm.c token shards", allow_abbrev=False)
-    prepare.add_arguments(p)
-    p.set_defaults(func=prepare.run)
-    s = sub.add_parser("sample", help="generate text from a model file", allow_abbrev=False)
-    sampler.add_arguments(s)
-    s.set_defaults(func=sampler.run)
-    pl = sub.add_parser("plot", help="draw PNG charts of a run from its main.jsonl", allow_abbrev=False)
-    plot.add_arguments(pl)
-    pl.set_defaults(func=plot.run)
-    ex = sub.add_parser("export", help="export a model to a HuggingFace transformers folder", allow_abbrev=False)
-    export.add_arguments(ex)
-    ex.set_defaults(func=export.run)
+    # every subcommand module has add_arguments(parser) and run(args); train's -h is llm.c's HellaSwag
+    # flag, so its help is --help only
+    for name, module, help_ in (
+            ("train", trainer, "train a model (no arguments: the embedded default)"),
+            ("prepare", prepare, "tokenize text into llm.c token shards"),
+            ("sample", sampler, "generate text from a model file"),
+            ("plot", plot, "draw PNG charts of a run from its main.jsonl"),
+            ("export", export, "export a model to a HuggingFace transformers folder")):
+        cmd = sub.add_parser(name, help=help_, add_help=name != "train", allow_abbrev=False)
+        module.add_arguments(cmd)
+        cmd.set_defaults(func=module.run)
     return parser
 
 
