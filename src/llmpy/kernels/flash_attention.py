@@ -88,6 +88,14 @@ def _store_tile(ptr, x, rows, cols, row_stride, T, HS: tl.constexpr, EVEN_HS: tl
 # forward
 
 @triton.jit
+def _head_bases(qkv_ptr, b, h, T, C, HS: tl.constexpr):
+    """Where head h of batch row b starts in the (B, T, 3C) qkv layout: q, k and v, each read in place
+    with a row stride of 3C (no permute pass)."""
+    q_base = qkv_ptr + b.to(tl.int64) * T * (3 * C) + h * HS
+    return q_base, q_base + C, q_base + 2 * C
+
+
+@triton.jit
 def _fwd_block(acc, l_i, m_i, q, k_base, v_base, n0, offs_m, offs_d, row_stride, T, scale_log2,
                HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_HS: tl.constexpr,
                DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
@@ -120,9 +128,7 @@ def _flash_fwd_kernel(qkv_ptr, out_ptr, lse_ptr, T, NH, C, scale_log2,
     h = bh % NH
     EVEN_HS: tl.constexpr = HS == HS_PAD
     row_stride = 3 * C
-    q_base = qkv_ptr + b.to(tl.int64) * T * row_stride + h * HS
-    k_base = q_base + C
-    v_base = q_base + 2 * C
+    q_base, k_base, v_base = _head_bases(qkv_ptr, b, h, T, C, HS)
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -226,9 +232,7 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
     h = bh % NH
     EVEN_HS: tl.constexpr = HS == HS_PAD
     row_stride = 3 * C
-    q_base = qkv_ptr + b.to(tl.int64) * T * row_stride + h * HS
-    k_base = q_base + C
-    v_base = q_base + 2 * C
+    q_base, k_base, v_base = _head_bases(qkv_ptr, b, h, T, C, HS)
     do_base = dout_ptr + b.to(tl.int64) * T * C + h * HS
     dq_base = dqkv_ptr + b.to(tl.int64) * T * row_stride + h * HS
     lse_base = lse_ptr + bh.to(tl.int64) * T
