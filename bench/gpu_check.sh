@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [step] [train] [parity] [profile] [sanitize]
-# (model: test_gpt2 on the GPU; step: the whole-step benchmark against the torch.compile baseline)
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [sanitize]
+# (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/llmpy_out}
@@ -25,6 +25,11 @@ for stage in $stages; do
       rc=$? ;;
     model)
       timeout ${MODEL_TIMEOUT:-300} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_gpt2.py 2>&1 | tee "$OUT/model.log"
+      rc=$? ;;
+    suite)
+      # the trainer-level tests (resume, HellaSwag, CLI, API) where `llmpy train` picks the GPU
+      timeout ${SUITE_TIMEOUT:-240} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_resume.py \
+        tests/test_hellaswag.py tests/test_cli.py tests/test_api.py 2>&1 | tee "$OUT/suite.log"
       rc=$? ;;
     step)
       timeout ${STEP_TIMEOUT:-480} python3 -m bench.bench_step ${STEP_ARGS:-} --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log"
@@ -52,5 +57,5 @@ for stage in $stages; do
   summary+=("$stage rc=$rc $(( $(date +%s) - t0 ))s")
 done
 echo "=== summary"; printf '%s\n' "${summary[@]}"
-grep -E "passed|failed" "$OUT/tests.log" "$OUT/model.log" 2>/dev/null | tail -2
+grep -E "passed|failed" "$OUT/tests.log" "$OUT/model.log" "$OUT/suite.log" 2>/dev/null | tail -3
 grep -E "ERROR SUMMARY" "$OUT/sanitize.log" 2>/dev/null | tail -1

@@ -325,3 +325,22 @@ def test_gpu_backend_state_round_trip(device):
     b.load_state(tensors, seeds)
     for name in ("master_memory", "params_memory", "m_memory", "v_memory", "_seeds"):
         assert torch.equal(getattr(a.model, name), getattr(b.model, name)), name
+
+
+GPU_MODEL = "layers=2,channels=128,heads=2,seq=32,vocab=257"  # head size 64: every attention path works
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [{}, {"total_batch_size": 64, "master_weights": 0}], ids=["plain", "accum2-w0"])
+def test_gpu_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, shards, extra):
+    """The GPU path (bf16 weights, fp32 master weights or stochastic rounding, the whole-step CUDA graph):
+    the stopped-and-resumed run gives the uninterrupted run's losses and weights bit for bit."""
+    gpu = dict(device="cuda", dtype="bfloat16", model=GPU_MODEL, checkpoint_every=3, **extra)
+    full, part = tmp_path / "full", tmp_path / "part"
+    ref = train(options(shards, full, **gpu), log=quiet)
+    first = train(options(shards, part, **gpu), log=stop_after(5))
+    assert first.stopped_by == "SIGTERM" and first.last_step == 5
+    second = train(options(shards, part, resume=1, **gpu), log=quiet)
+    assert second.start_step == 5
+    assert first.train_losses + second.train_losses == ref.train_losses
+    assert_same_run(full, part)
