@@ -608,9 +608,10 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
     write, dloss = bool(write_dlogits), float(dloss)
 
     if k["variant"] == "twopass":
-        # a block wider than the row only adds masked lanes; on the H200 (triton 3.6) blocks of 4096 and
-        # 8192 over rows of Vp = 64..128 wrote no loss (not understood yet), so the block is capped at the row
-        block = min(k["block_size"], max(16, triton.next_power_of_2(Vp)))
+        # at most the largest power of two <= V, so that the unmasked full-block loop runs at least once:
+        # on the H200 (triton 3.6) a ZERO-trip full-block loop (block > V: the tiny vocabularies of tests)
+        # left m and s undefined - NaN losses, and a hang in the validation kernel
+        block = min(k["block_size"], 1 << (V.bit_length() - 1))
         tile_ = min(k["tile"], block)
         grid = rows if not k["progs_per_sm"] else min(rows, k["progs_per_sm"] * _sm_count(logits))
         _fc_twopass_kernel[(grid,)](logits, losses, targets, dloss, V, Vp, rows, BLOCK=block,
