@@ -22,3 +22,17 @@ def test_create_train_sample(tmp_path):
     assert result.val_losses[-1][1] < result.val_losses[0][1]
     text = llmpy.sample(result.model, "ab", gen_tokens=5, temperature=0)
     assert isinstance(text, str) and len(text) > 0
+
+
+def test_sample_with_the_kernel_model_matches_the_reference(device):
+    """sample() takes the kernel model train() returns on a GPU (logits_last on its fixed (B, T) batch)
+    and continues a prompt as the CPU reference does (fp32, greedy: the same tokens)."""
+    import torch
+    from llmpy.model import GPT2Model
+    ref_model = llmpy.create_model("layers=1,channels=32,heads=2,seq=16,vocab=257", seed=3)
+    kernel_model = GPT2Model(ref_model.config, ref_model.params_flat, 2, 8, device=device, dtype=torch.float32,
+                             cuda_graph=False)
+    # 12 tokens from a 3-token prompt: the context outgrows the model's T = 8 and is cropped to the last 8
+    want = llmpy.sample(ref_model, "ab", gen_tokens=12, temperature=0)
+    got = llmpy.sample(kernel_model, "ab", gen_tokens=12, temperature=0)
+    assert got == want

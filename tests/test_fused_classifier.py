@@ -153,13 +153,16 @@ def test_fused_classifier_padding_garbage_and_extremes(device, dtype):
     logits, targets = make_case(B, T, V, Vp, dtype, seed=3, scale=40.0, padding=float("nan"))
     logits[0, 1, V - 1] = 300.0
     logits[1, 2, 0] = 300.0
+    # fp32 at |x| ~ 300: x * log2(e) - lse2 carries an absolute error of ~ulp(432) = 3e-5, which exp turns
+    # into a relative one (the H200's exp2 measured 2.8e-5 here; the interpreter's is exact)
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
     for kw in (dict(block_size=16), VARIANTS["onepass_p"], VARIANTS["onepass_pw"], VARIANTS["onepass_p_pow2"],
                VARIANTS["split_b64"], dict(variant="split", block_size=16)):
         losses, dlogits = run(logits, targets, V, 0.25, device, **kw)
         exp_losses, exp_dlogits = reference(logits, targets, V, 0.25)
         assert torch.isfinite(losses).all() and torch.isfinite(dlogits).all()
-        assert rel_err(losses, exp_losses) < TOL[dtype]
-        assert rel_err(dlogits.float(), exp_dlogits) < TOL[dtype]
+        assert rel_err(losses, exp_losses) < tol
+        assert rel_err(dlogits.float(), exp_dlogits) < tol
         assert (dlogits[..., V:] == 0).all()
 
 
@@ -279,8 +282,14 @@ def test_default_configs_on_any_vocabulary(device, V, Vp, write_dlogits):
     logits, targets = make_case(2, 3, V, Vp, torch.float32, seed=V)
     exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
     losses, out = run(logits, targets, V, dloss, device, write_dlogits=write_dlogits)
-    if write_dlogits:
+    assert torch.isfinite(losses).all()
+    if V == 1:  # loss and gradient are 0 in exact math: an absolute bound (the GPU's exp2/log2 give ~1e-7)
+        assert float((losses.cpu() - exp_losses.cpu()).abs().max()) < 1e-5
+        if write_dlogits:
+            assert float((out.cpu() - exp_dlogits.cpu()).abs().max()) < 1e-5 * dloss
+    elif write_dlogits:
         check_train(losses, out, exp_losses, exp_dlogits, V, dloss, torch.float32)
     else:
-        assert torch.isfinite(losses).all() and rel_err(losses, exp_losses) < TOL[torch.float32]
+        assert rel_err(losses, exp_losses) < TOL[torch.float32]
+    if not write_dlogits:
         assert torch.equal(out.cpu(), logits)

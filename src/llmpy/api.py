@@ -28,9 +28,10 @@ def train(log=print, **options) -> TrainResult:
     return _train(TrainOptions(**options), log=log)
 
 
-def sample(model: GPT2Reference, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 64,
+def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 64,
            temperature: float = 1.0, top_k: int = 0, seed: int = 1337) -> str:
-    """Continue `prompt`; tokenizer "auto" picks bytes for a 257-token vocab and GPT-2's BPE otherwise."""
+    """Continue `prompt` with a GPT2Reference (create_model, load_model; train on the CPU) or the GPU
+    model train returns on a GPU; tokenizer "auto" picks bytes for a 257-token vocab and GPT-2's BPE otherwise."""
     from .sampler import sample_text
     from .tokenizer import load_tokenizer
     name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")

@@ -54,11 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
                 seed: int = 1337) -> str:
-    """Continue `prompt` with a model that has forward(inputs) and .logits (the CPU reference model)."""
+    """Continue `prompt` with the CPU reference model (forward(inputs), then .logits) or the GPU model
+    (logits_last(tokens): its fixed (B, T) batch, the context cropped to its last T tokens)."""
     config = model.config
     start = [tokenizer.eot] + (tokenizer.encode(prompt) if prompt else [])
 
     def next_logits(ctx):
+        if hasattr(model, "logits_last"):
+            return model.logits_last([ctx])[0]
         model.forward(torch.tensor([ctx]))
         return model.logits[0, -1]
     ids = generate(next_logits, start, gen_tokens, config.vocab_size, config.max_seq_len, seed=seed,
