@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -46,6 +46,11 @@ for stage in $stages; do
     profile)
       timeout ${PROFILE_TIMEOUT:-300} python3 -m bench.profile_step ${PROFILE_ARGS:-} --json "$OUT/profile.json" \
         --md "$OUT/profile.md" 2>&1 | tee "$OUT/profile.log"
+      rc=$? ;;
+    dist)
+      # data-parallel scaling and bit-exactness over NCCL (needs the nvidia-h200-x2 kind)
+      timeout ${DIST_TIMEOUT:-420} python3 -m bench.bench_dist --nproc ${DIST_NPROC:-2} ${DIST_ARGS:-} \
+        --json "$OUT/dist.json" 2>&1 | tee "$OUT/dist.log"
       rc=$? ;;
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any

@@ -45,9 +45,11 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import GPT2Config, parameter_views
+from .distributed import DataParallel, shard_bounds
 from .errors import LlmpyError
 from .kernels import adamw as kadamw
 from .kernels import attention as kattn
@@ -223,23 +225,25 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     specs.append(BufferSpec("bias_scratch", (max(1, bias_numel),), f32, "scratch"))
     # the encoder backward's fp32 piece sums (its int scratch is allocated apart, counted below)
     specs.append(BufferSpec("encoder_partial", (2 * kenc.cdiv(B * T, kenc.ENC_PIECE), C), f32, "scratch"))
-    specs.append(BufferSpec("norm_partials", (knorm.NUM_PARTIALS,), f32, "scratch"))
+    specs.append(BufferSpec("norm_partials", (knorm.num_norm_partials(config.num_parameters),), f32, "scratch"))
     return specs
 
 
 def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.bfloat16,
                 master_weights: bool = True, recompute: int = 1, attention: str = "cudnn",
-                device="cpu", classifier_chunks: int | None = None) -> dict:
+                device="cpu", classifier_chunks: int | None = None, optimizer_numel: int | None = None) -> dict:
     """Bytes the model allocates, by group and by buffer, without allocating anything (attention must be
     a resolved impl, not "auto"; classifier_chunks as the model's: None is default_classifier_chunks,
-    1 the unchunked logits). The returned dict: {"groups": {group: bytes}, "buffers": {name: bytes},
-    "total": bytes}."""
+    1 the unchunked logits; optimizer_numel: the elements of AdamW's m, v and the master weights this
+    process keeps, all of them (None) or a ZeRO-1 shard). The returned dict: {"groups": {group: bytes},
+    "buffers": {name: bytes}, "total": bytes}."""
     N = config.num_parameters
+    S = N if optimizer_numel is None else optimizer_numel
     f32 = torch.float32
     specs = [BufferSpec("params", (N,), dtype, "parameters"), BufferSpec("grads", (N,), dtype, "gradients"),
-             BufferSpec("adam_m", (N,), f32, "optimizer"), BufferSpec("adam_v", (N,), f32, "optimizer")]
+             BufferSpec("adam_m", (S,), f32, "optimizer"), BufferSpec("adam_v", (S,), f32, "optimizer")]
     if master_weights and dtype != torch.float32:
-        specs.append(BufferSpec("master", (N,), f32, "master"))
+        specs.append(BufferSpec("master", (S,), f32, "master"))
     chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
     specs += activation_specs(config, B, T, dtype, recompute, attention, device, chunks)
     # integer buffers: inputs, targets (int32), the encoder's sort (int32 ids, int64 permutation)
@@ -327,7 +331,8 @@ class GPT2Model:
     def __init__(self, config: GPT2Config, params: torch.Tensor, B: int, T: int, *, device="cuda",
                  dtype: torch.dtype = torch.bfloat16, master_weights: bool = True, recompute: int = 1,
                  gelu_fusion: int = 0, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
-                 stochastic_rounding: bool = True, classifier_chunks: int | None = None):
+                 stochastic_rounding: bool = True, classifier_chunks: int | None = None,
+                 data_parallel: "DataParallel | None" = None):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -361,19 +366,34 @@ class GPT2Model:
         self.classifier_chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
         self._chunk_bounds = chunk_bounds(B * T, self.classifier_chunks)
 
+        # data parallelism (llmpy.distributed): this rank's shard [lo, hi) of the flat buffers, whole
+        # chunks of the global norm; with ZeRO-1 the optimizer state and master weights are the shard's
+        N = config.num_parameters
+        self.dp = data_parallel
+        self.world_size = data_parallel.world_size if data_parallel else 1
+        self.rank = data_parallel.rank if data_parallel else 0
+        self.zero_stage = data_parallel.zero_stage if data_parallel else 0
+        self._shards = shard_bounds(N, self.world_size, knorm.NORM_CHUNK)
+        self._lo, self._hi = self._shards[self.rank]
+        self._opt_lo = self._lo if self.zero_stage == 1 else 0
+        opt_n = (self._hi - self._lo) if self.zero_stage == 1 else N
+
         self._plan = memory_plan(config, B, T, dtype, self.master_weights, recompute, self.attention,
-                                 self.device, self.classifier_chunks)
+                                 self.device, self.classifier_chunks, optimizer_numel=opt_n)
         self._check_memory()
 
-        N = config.num_parameters
         f32 = torch.float32
         dev = self.device
         # parameters, gradients, optimizer state, master weights: flat buffers in llm.c's order
         self.params_memory = torch.empty(N, dtype=dtype, device=dev)
         self.grads_memory = torch.zeros(N, dtype=dtype, device=dev)
-        self.m_memory = torch.zeros(N, dtype=f32, device=dev)
-        self.v_memory = torch.zeros(N, dtype=f32, device=dev)
-        self.master_memory = torch.empty(N, dtype=f32, device=dev) if self.master_weights else None
+        self.m_memory = torch.zeros(opt_n, dtype=f32, device=dev)
+        self.v_memory = torch.zeros(opt_n, dtype=f32, device=dev)
+        self.master_memory = torch.empty(opt_n, dtype=f32, device=dev) if self.master_weights else None
+        # lazily: the fp32 accumulator of micro-steps, the reduction's buffers (see _prepare)
+        self._acc32 = None
+        self._reduce_bufs: dict = {}
+        self._update_grads = self.grads_memory  # what the next AdamW reads (set by _reduce_norm_clip)
         self.params = parameter_views(self.params_memory, config)
         self.grads = parameter_views(self.grads_memory, config)
         self.load_parameters(params)
@@ -392,7 +412,6 @@ class GPT2Model:
         self._hyper = kadamw.hyper_tensor(dev)
         self._decay = kadamw.decay_ranges_tensor(_decay_ranges(config), dev)
         self._norm_sq = torch.zeros(1, dtype=f32, device=dev)
-        self._loss_sum = torch.zeros(1, dtype=f32, device=dev)
         L = config.num_layers
         # slots: 0 encoder, 1 lnf, 2 adamw, then per layer ln1, ln2, qkvb, attprojb, fcb, fcprojb
         self._n_seeds = 3 + 6 * L
@@ -401,6 +420,7 @@ class GPT2Model:
         while len(set(init)) < len(init):  # distinct slots (vanishingly unlikely to loop)
             init = [rng.randrange(_LCG_M) for _ in range(self._n_seeds)]
         self._seeds = torch.tensor(init, dtype=torch.int64, device=dev)
+        self._seeds_base = self._seeds.clone()  # the seeds at the start of a train_step
 
         self._cur_inputs = None      # the (B, T) ids of the last forward (the backward's encoder needs them)
         # the last forward was a training one: the logit gradient is in place (unchunked), or dlnf is in
@@ -410,6 +430,7 @@ class GPT2Model:
         self._graphs: dict = {}      # key -> (main graph, update graph or None)
         self._warmed: set = set()
         self._staging: dict = {}     # accum -> (device inputs, device targets, pinned host buffer)
+        self._micro_losses: dict = {}  # accum -> (accum,) fp32: each micro-step's loss sum
         self.last_step_skipped = False
 
     # ------------------------------------------------------------------------------------------------
@@ -443,7 +464,14 @@ class GPT2Model:
                 f"master weights {int(self.master_weights)} | recompute {self.recompute} | "
                 f"gelu fusion {self.gelu_fusion} | attention {self.attention} | "
                 f"classifier chunks {self.classifier_chunks} | "
-                f"cuda graph {int(self.cuda_graph)} | memory {format_memory(self._plan)}")
+                f"cuda graph {int(self.cuda_graph)} | {self._describe_parallel()}memory {format_memory(self._plan)}")
+
+    def _describe_parallel(self) -> str:
+        if self.world_size == 1:
+            return ""
+        what = (f"ZeRO-1: AdamW state and master weights of {self._hi - self._lo:,} of "
+                f"{self.config.num_parameters:,} parameters" if self.zero_stage == 1 else "all-reduce (-z 0)")
+        return f"rank {self.rank} of {self.world_size}, {what} | "
 
     # ------------------------------------------------------------------------------------------------
     # parameters in and out
@@ -456,27 +484,56 @@ class GPT2Model:
                              f"{self.config.num_parameters}")
         flat = flat.detach().reshape(-1)
         if self.master_memory is not None:
-            self.master_memory.copy_(flat.to(torch.float32))
-            self.params_memory.copy_(self.master_memory)
-        else:
-            self.params_memory.copy_(flat.to(torch.float32))
+            self.master_memory.copy_(flat[self._opt_lo:self._opt_lo + self.master_memory.numel()].to(torch.float32))
+        # the working copy: the round-to-nearest of the (master) values
+        self.params_memory.copy_(flat.to(torch.float32))
+
+    def _whole(self, shard: torch.Tensor) -> torch.Tensor:
+        """A flat fp32 CPU copy of an optimizer-side buffer: itself, or with ZeRO-1 every rank's shard
+        gathered (a collective: every rank calls it)."""
+        if self.zero_stage != 1:
+            return shard.detach().to("cpu", torch.float32).clone()
+        whole = torch.empty(self.config.num_parameters, dtype=shard.dtype, device=shard.device)
+        self.dp.all_gather_uneven(whole, shard, self._shards)
+        return whole.to("cpu", torch.float32)
+
+    def _mine(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole flat buffer (all of it without ZeRO-1)."""
+        whole = whole.reshape(-1)
+        return whole[self._lo:self._hi] if self.zero_stage == 1 else whole
 
     def parameters_fp32(self) -> torch.Tensor:
-        """The flat fp32 parameters on the CPU (from the master weights when there are some)."""
-        src = self.master_memory if self.master_memory is not None else self.params_memory
-        return src.detach().to("cpu", torch.float32).clone()
+        """The flat fp32 parameters on the CPU (from the master weights when there are some). With ZeRO-1
+        a collective: every rank calls it."""
+        if self.master_memory is not None:
+            return self._whole(self.master_memory)
+        return self.params_memory.detach().to("cpu", torch.float32).clone()
+
+    def master_fp32(self) -> torch.Tensor | None:
+        """The whole fp32 master weights on the CPU, or None without them (ZeRO-1: a collective)."""
+        return None if self.master_memory is None else self._whole(self.master_memory)
 
     def optimizer_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """AdamW's (m, v), flat fp32 CPU copies (for checkpoints that resume)."""
-        return self.m_memory.cpu().clone(), self.v_memory.cpu().clone()
+        """AdamW's (m, v), whole flat fp32 CPU copies (for checkpoints that resume; ZeRO-1: gathered from
+        every rank's shard, a collective), so a checkpoint resumes on any number of GPUs."""
+        return self._whole(self.m_memory), self._whole(self.v_memory)
 
     def load_optimizer_state(self, m: torch.Tensor, v: torch.Tensor):
-        self.m_memory.copy_(m.reshape(-1))
-        self.v_memory.copy_(v.reshape(-1))
+        """Whole (m, v) as optimizer_state() returns them; ZeRO-1 keeps this rank's shard."""
+        self.m_memory.copy_(self._mine(m))
+        self.v_memory.copy_(self._mine(v))
+
+    def load_master(self, master: torch.Tensor):
+        """Whole fp32 master weights (a checkpoint's); ZeRO-1 keeps this rank's shard."""
+        self.master_memory.copy_(self._mine(master))
 
     def gradients_fp32(self) -> torch.Tensor:
-        """The flat gradient buffer as fp32 on the CPU (tests, debugging)."""
-        return self.grads_memory.detach().to("cpu", torch.float32).clone()
+        """The gradient as fp32 on the CPU (tests, debugging): after train_step the one AdamW used (the
+        micro-steps' sum, reduced over ranks; ZeRO-1: gathered, a collective), else the gradient buffer."""
+        g = self._update_grads
+        if g.numel() != self.config.num_parameters:
+            return self._whole(g)
+        return g.detach().to("cpu", torch.float32).clone()
 
     # ------------------------------------------------------------------------------------------------
     # inputs
@@ -677,6 +734,7 @@ class GPT2Model:
     def zero_grad(self):
         """Zero the parameter gradients (before micro-step 0: the backward accumulates)."""
         self.grads_memory.zero_()
+        self._update_grads = self.grads_memory
         self._norm_fresh = False
 
     def _seed(self, slot: int) -> torch.Tensor:
@@ -689,10 +747,19 @@ class GPT2Model:
         # a fresh stochastic-rounding stream every micro-step, on the device (a replayed graph advances it)
         self._seeds.mul_(_LCG_A).add_(_LCG_C).remainder_(_LCG_M)
 
-    def backward(self):
+    def _seeds_after(self, k: int):
+        """_seeds = the step's base seeds advanced k times (one LCG jump: x -> A_k x + C_k mod M): global
+        micro-step j of a step rounds with k = j + 1 on whichever rank runs it."""
+        a, c = 1, 0
+        for _ in range(k):
+            a, c = a * _LCG_A % _LCG_M, (c * _LCG_A + _LCG_C) % _LCG_M
+        self._seeds.copy_(self._seeds_base).mul_(a).add_(c).remainder_(_LCG_M)
+
+    def backward(self, advance_seeds: bool = True):
         """llm.c's gpt2_backward: from the logit gradient the last forward(..., dloss) left in place (with
         classifier chunks: from the dlnf it left), every parameter gradient ACCUMULATED into the gradient
-        buffer (zero_grad() before micro-step 0)."""
+        buffer (zero_grad() before micro-step 0). advance_seeds=False: the caller set the rounding seeds
+        (train_step does, by global micro-step)."""
         if not self._have_dlogits:
             raise RuntimeError("backward() needs a forward(inputs, targets, dloss=...) just before it")
         self._have_dlogits = False
@@ -700,7 +767,8 @@ class GPT2Model:
         cfg, p, g, a = self.config, self.params, self.grads, self.acts
         B, T, C, NH, L = self.B, self.T, cfg.channels, cfg.num_heads, cfg.num_layers
         gf = self.gelu_fusion
-        self._advance_seeds()
+        if advance_seeds:
+            self._advance_seeds()
         bias_scratch, ln_scratch = a["bias_scratch"], a["ln_scratch"]
         dresidual = a["dresidual"]
         dl_btc = a["scratch_btc"]      # the forward's projection scratch is free now
@@ -766,8 +834,22 @@ class GPT2Model:
     # ------------------------------------------------------------------------------------------------
     # update
 
-    def _compute_norm(self):
-        knorm.global_norm_squared(self._norm_sq, self.grads_memory, self.acts["norm_partials"])
+    def _compute_norm(self, grads: torch.Tensor | None = None):
+        """The squared global norm of grads (default: the gradient buffer) into _norm_sq, on the device.
+        With ZeRO-1 and grads = this rank's reduced shard: the shard's chunk partials, gathered from every
+        rank in chunk order, then summed - the bits one GPU gets over the whole buffer."""
+        grads = self.grads_memory if grads is None else grads
+        partials = self.acts["norm_partials"]
+        count = knorm.num_norm_partials(self.config.num_parameters)
+        if grads.numel() == self.config.num_parameters:
+            knorm.global_norm_squared(self._norm_sq, grads, partials)
+        else:
+            c0 = self._lo // knorm.NORM_CHUNK
+            mine = knorm.num_norm_partials(grads.numel())
+            knorm.norm_partials(partials[c0:c0 + mine], grads)
+            self.dp.all_gather_uneven(partials[:count], partials[c0:c0 + mine].clone(),
+                                      shard_bounds(count, self.world_size, 1))
+            knorm.norm_aggregate(self._norm_sq, partials, count)
         self._norm_fresh = True
 
     def _clip(self, grad_clip: float):
@@ -779,9 +861,19 @@ class GPT2Model:
         kadamw.set_hyper(self._hyper, lr, step, beta1, beta2, eps, weight_decay)
 
     def _adamw(self):
-        kadamw.adamw_update(self.params_memory, self.grads_memory, self.m_memory, self.v_memory, self._hyper,
-                            self._seed(2), self._decay, master=self.master_memory,
+        """AdamW from _update_grads: over the whole buffer, or (ZeRO-1) over this rank's shard - decay
+        ranges and rounding streams by global index, so the shard's elements change exactly as in the
+        unsharded update - followed by the all-gather of every rank's updated parameters."""
+        if self.zero_stage != 1:
+            kadamw.adamw_update(self.params_memory, self._update_grads, self.m_memory, self.v_memory, self._hyper,
+                                self._seed(2), self._decay, master=self.master_memory,
+                                stochastic=self.stochastic_rounding)
+            return
+        lo, hi = self._lo, self._hi
+        kadamw.adamw_update(self.params_memory[lo:hi], self._update_grads, self.m_memory, self.v_memory,
+                            self._hyper, self._seed(2), self._decay, master=self.master_memory, offset=lo,
                             stochastic=self.stochastic_rounding)
+        self.dp.all_gather_uneven(self.params_memory, self.params_memory[lo:hi], self._shards)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient buffer (computed on the device if not yet; one host sync)."""
@@ -797,8 +889,11 @@ class GPT2Model:
 
         To skip an update on an outlier (-sl/-sg): read loss() and grad_norm(), decide, and call update()
         or not. train_step(..., skip=fn) does that inside the graphed step."""
+        if self.world_size > 1:
+            raise LlmpyError("update(): with several ranks the gradients must be reduced first; use train_step")
         if not self._norm_fresh:
             self._compute_norm()
+        self._update_grads = self.grads_memory
         self._clip(grad_clip)
         self._set_hyper(lr, step, beta1, beta2, eps, weight_decay)
         self._adamw()
@@ -831,24 +926,86 @@ class GPT2Model:
         dev_tg.copy_(host[1], non_blocking=True)
         return dev_in, dev_tg
 
-    def _fwdbwd(self, dev_in, dev_tg, accum: int, grad_clip: float):
-        """Every micro-step's forward and backward, the loss sum, the norm and the clip scale (device only)."""
-        self.zero_grad()
-        self._loss_sum.zero_()
-        dloss = 1.0 / (self.B * self.T * accum)
+    def _prepare(self, accum: int):
+        """Buffers a step with `accum` micro-steps needs, allocated before any graph capture: the fp32
+        accumulator (accum > 1), the per-micro-step loss sums, the reduction's receive buffers (N > 1)."""
+        if accum not in self._micro_losses:
+            self._micro_losses[accum] = torch.zeros(accum, dtype=torch.float32, device=self.device)
+        if accum > 1 and self._acc32 is None:
+            self._acc32 = torch.zeros(self.config.num_parameters, dtype=torch.float32, device=self.device)
+        if self.world_size > 1:
+            send_dtype = torch.float32 if accum > 1 else self.dtype
+            mine = self._hi - self._lo
+            if send_dtype not in self._reduce_bufs:
+                self._reduce_bufs[send_dtype] = torch.empty(self.world_size * mine, dtype=send_dtype,
+                                                            device=self.device)
+            if "reduced" not in self._reduce_bufs:
+                self._reduce_bufs["reduced"] = torch.empty(mine, dtype=torch.float32, device=self.device)
+                if self.zero_stage == 0:
+                    self._reduce_bufs["whole"] = torch.empty(self.config.num_parameters, dtype=torch.float32,
+                                                             device=self.device)
+
+    def _local_fwdbwd(self, dev_in, dev_tg, accum: int):
+        """This rank's micro-steps: forward, backward, each micro-step's loss sum (device only).
+
+        One micro-step: its gradient lands in the (zeroed) gradient buffer. Several: each one's gradient
+        is added to an fp32 accumulator in micro-step order - the additions the cross-rank reduction
+        makes in rank order, so that one GPU with N*A micro-steps and N GPUs with A give the same bits
+        (A = 1). Rank r's micro-step m is the step's global micro-step j = m*N + r (the DataLoader's
+        order): it rounds stochastically with the seeds advanced j + 1 times from the step's base."""
+        N, r = self.world_size, self.rank
+        self._seeds_base.copy_(self._seeds)
+        losses = self._micro_losses[accum]
+        dloss = 1.0 / (self.B * self.T * accum * N)
         for k in range(accum):
+            self.zero_grad()
+            self._seeds_after(k * N + r + 1)
             self.forward(dev_in[k], dev_tg[k], dloss=dloss)
-            self._loss_sum.add_(self.acts["losses"].sum())
-            self.backward()
-        self._compute_norm()
+            losses[k:k + 1].copy_(self.acts["losses"].sum().view(1))
+            self.backward(advance_seeds=False)
+            if accum > 1:
+                if k == 0:
+                    self._acc32.copy_(self.grads_memory)
+                else:
+                    self._acc32.add_(self.grads_memory)
+        self._seeds_after(accum * N)  # every global micro-step of the step drew from the stream
+
+    def _reduce_norm_clip(self, accum: int, grad_clip: float):
+        """The step's gradient (reduced over ranks in rank order), its global norm and the clip scale.
+        Sets _update_grads: the gradient buffer, the fp32 accumulator, the whole reduced fp32 gradient
+        (-z 0) or this rank's reduced shard (-z 1)."""
+        local = self._acc32 if accum > 1 else self.grads_memory
+        if self.world_size == 1:
+            self._update_grads = local
+        else:
+            N, mine = self.world_size, self._hi - self._lo
+            recv, reduced = self._reduce_bufs[local.dtype], self._reduce_bufs["reduced"]
+            self.dp.all_to_all(recv, local, [mine] * N, [hi - lo for lo, hi in self._shards])
+            reduced.copy_(recv[:mine])
+            for k in range(1, N):
+                reduced.add_(recv[k * mine:(k + 1) * mine])
+            if self.zero_stage == 0:
+                self._update_grads = self.dp.all_gather_uneven(self._reduce_bufs["whole"], reduced, self._shards)
+            else:
+                self._update_grads = reduced
+        self._compute_norm(self._update_grads)
         self._clip(grad_clip)
 
     def _read(self, accum: int) -> tuple[float, float]:
-        loss = float(self._loss_sum) / (self.B * self.T * accum)
+        """(mean loss, norm) of the step: the micro-steps' loss sums added in global micro-step order
+        (m-major over ranks) in fp32, as one GPU adds its own, then one division (host, one sync)."""
+        sums = self._micro_losses[accum]
+        if self.world_size > 1:
+            sums = self.dp.all_gather_scalars(sums).t()  # (accum, N): global micro-step j = m*N + r
+        total = np.float32(0.0)
+        for x in sums.reshape(-1).cpu().numpy():
+            total = np.float32(total + x)
+        loss = float(total) / (self.B * self.T * accum * self.world_size)
         return loss, math.sqrt(float(self._norm_sq))
 
     def _eager_step(self, dev_in, dev_tg, accum, lr, step, hp, grad_clip, skip):
-        self._fwdbwd(dev_in, dev_tg, accum, grad_clip)
+        self._local_fwdbwd(dev_in, dev_tg, accum)
+        self._reduce_norm_clip(accum, grad_clip)
         loss, norm = self._read(accum)
         self.last_step_skipped = bool(skip(loss, norm)) if skip is not None else False
         if not self.last_step_skipped:
@@ -869,10 +1026,14 @@ class GPT2Model:
             raise LlmpyError("train_step needs at least one micro-batch")
         accum = len(batches)
         hp = (beta1, beta2, eps, weight_decay)
+        self._prepare(accum)
         if not self.cuda_graph:
             dev_in, dev_tg = self._stage(batches)
             return self._eager_step(dev_in, dev_tg, accum, lr, step, hp, grad_clip, skip)
 
+        # one GPU: the whole step in a graph (or two, around the skip decision); several: the local
+        # micro-steps in a graph, then the reduction (collectives), the norm and AdamW eagerly
+        local_only = self.world_size > 1
         key = (accum, float(grad_clip), skip is not None)
         if key not in self._graphs:
             if key not in self._warmed:
@@ -889,18 +1050,28 @@ class GPT2Model:
             dev_in, dev_tg, _ = self._staging[accum]
             main = torch.cuda.CUDAGraph()
             with torch.cuda.graph(main):
-                self._fwdbwd(dev_in, dev_tg, accum, grad_clip)
-                if skip is None:
-                    self._adamw()
+                self._local_fwdbwd(dev_in, dev_tg, accum)
+                if not local_only:
+                    self._reduce_norm_clip(accum, grad_clip)
+                    if skip is None:
+                        self._adamw()
             upd = None
-            if skip is not None:
+            if skip is not None and not local_only:
                 upd = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(upd, pool=main.pool()):
                     self._adamw()
             self._graphs[key] = (main, upd)
         main, upd = self._graphs[key]
         self._stage(batches)
-        if upd is None:
+        if local_only:
+            main.replay()
+            self._reduce_norm_clip(accum, grad_clip)
+            loss, norm = self._read(accum)
+            self.last_step_skipped = bool(skip(loss, norm)) if skip is not None else False
+            if not self.last_step_skipped:
+                self._set_hyper(lr, step, *hp)
+                self._adamw()
+        elif upd is None:
             self._set_hyper(lr, step, *hp)
             main.replay()
             loss, norm = self._read(accum)

@@ -70,6 +70,7 @@ class TrainOptions:
     device: str = "auto"
     dtype: str = ""                        # "" = bfloat16 on the GPU, float32 on the CPU
     attention: str = "auto"
+    engine: str = "auto"                   # auto: the kernel model on GPUs, the reference on one CPU process
     cuda_graph: int = 1
     shuffle: int = 0
     temperature: float = 1.0
@@ -92,6 +93,8 @@ class TrainOptions:
             raise LlmpyError(f"--device {self.device}: must be auto, cpu or cuda")
         if self.dtype not in ("", "bfloat16", "float32"):
             raise LlmpyError(f"--dtype {self.dtype}: must be bfloat16 or float32")
+        if self.engine not in ("auto", "kernels", "reference"):
+            raise LlmpyError(f"--engine {self.engine}: must be auto, kernels or reference")
         if self.attention not in ("auto", "classic", "flash", "cudnn", "torch-flash"):
             raise LlmpyError(f"--attention {self.attention}: must be auto, classic, flash, cudnn or torch-flash")
         if self.grad_clip < 0:
@@ -153,6 +156,8 @@ EXTRA_FLAGS = [  # long-only flags
     ("--dtype", "dtype", str, "bfloat16 or float32 (default: bfloat16 on the GPU; the CPU is float32)"),
     ("--attention", "attention", str, "GPU attention: auto, classic, flash, cudnn or torch-flash"),
     ("--cuda-graph", "cuda_graph", int, "1: capture the whole step in a CUDA graph (GPU)"),
+    ("--engine", "engine", str, "auto, kernels (the Triton model; on the CPU under TRITON_INTERPRET=1, slow) "
+                                "or reference (the CPU oracle)"),
     ("--shuffle", "shuffle", int, "1: shuffle shards and batches each epoch"),
     ("--temperature", "temperature", float, "sampling temperature (0: greedy)"),
     ("--top-k", "top_k", int, "sample from the k most likely tokens (0: all)"),
@@ -186,7 +191,11 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = train(options_from_args(args))
+    from .distributed import shutdown
+    try:
+        result = train(options_from_args(args))
+    finally:
+        shutdown()  # leave the torchrun group (a no-op in a single process)
     if result.stopped_by is not None:  # the shell's convention for "ended by signal N", after a clean save
         return 128 + int(getattr(signal, result.stopped_by))
     return 0
@@ -266,14 +275,16 @@ class CPUBackend:
 class GPUBackend:
     """GPT2Model (Triton kernels, cuBLAS, whole-step CUDA graph) behind the loop's interface."""
 
-    def __init__(self, config: GPT2Config, params: torch.Tensor, opts: "TrainOptions"):
+    def __init__(self, config: GPT2Config, params: torch.Tensor, opts: "TrainOptions", device: str = "cuda",
+                 data_parallel=None):
         from .model import GPT2Model
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
         torch.backends.cuda.matmul.allow_tf32 = bool(opts.tf32)
-        self.model = GPT2Model(config, params, opts.batch_size, opts.seq_len, device="cuda", dtype=dtype,
+        # device "cpu": the same kernels in Triton's interpreter (several CPU processes under torchrun)
+        self.model = GPT2Model(config, params, opts.batch_size, opts.seq_len, device=device, dtype=dtype,
                                master_weights=bool(opts.master_weights), recompute=opts.recompute,
                                gelu_fusion=opts.gelu_fusion, attention=opts.attention, seed=opts.seed,
-                               cuda_graph=bool(opts.cuda_graph))
+                               cuda_graph=bool(opts.cuda_graph), data_parallel=data_parallel)
         self.config = config
 
     @property
@@ -304,10 +315,11 @@ class GPUBackend:
         """The device's parameter storage in its own dtype (bf16 weights are not the round-to-nearest of
         the master weights: stochastic rounding made them), the fp32 master weights, AdamW's m and v."""
         md = self.model
-        m, v = md.optimizer_state()
+        m, v = md.optimizer_state()  # whole, also under ZeRO-1 (gathered: every rank calls this)
         out = {"params": md.params_memory.detach().cpu().clone(), "m": m, "v": v}
-        if md.master_memory is not None:
-            out["master"] = md.master_memory.detach().cpu().clone()
+        master = md.master_fp32()
+        if master is not None:
+            out["master"] = master
         return out
 
     def seed_state(self):
@@ -316,12 +328,12 @@ class GPUBackend:
     def load_state(self, tensors: dict, seeds=None):
         md = self.model
         if "master" in tensors and md.master_memory is not None:
-            md.master_memory.copy_(tensors["master"].float())
+            md.load_master(tensors["master"].float())
         params = tensors["params"]
         if params.dtype == md.params_memory.dtype or md.master_memory is None:
             md.params_memory.copy_(params.to(md.params_memory.dtype))
         else:  # saved in another dtype: the working copy follows the master weights
-            md.params_memory.copy_(md.master_memory)
+            md.params_memory.copy_(tensors.get("master", params).float())
         md.load_optimizer_state(tensors["m"].float(), tensors["v"].float())
         if seeds is not None:
             md.load_seed_state(seeds)
@@ -421,14 +433,27 @@ class RunLog:
                 f.close()
 
 
+def _quiet(*_args, **_kw):
+    pass
+
+
+def _agree_on_signal(dp, stop_signal: list[int], device) -> list[int]:
+    """The first signal any rank has seen, on every rank (0: none), so that all stop after the same step."""
+    seen = dp.all_gather_scalars(torch.tensor([stop_signal[0] if stop_signal else 0], dtype=torch.int64,
+                                              device=device)).reshape(-1).tolist()
+    return [next(s for s in seen if s)] if any(seen) else []
+
+
 def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts: TrainOptions, meta: dict,
-                     final: bool = False):
+                     final: bool = False, write: bool = True):
     """llm.c's model file model_%08d.bin in the run's precision (version 3 fp32 or 5 bf16, as llm.c) and
     the training state state_%08d.safetensors that -y 1 resumes from; a DONE_%08d marker after the final
     pair; then -nk/-nm pruning."""
     from .training_state import prune_checkpoints, save_checkpoint
-    save_checkpoint(out_dir, step, config, backend.parameters_fp32(), backend.state_tensors(), meta,
-                    model_dtype=opts.dtype)
+    params, tensors = backend.parameters_fp32(), backend.state_tensors()  # collectives under ZeRO-1
+    if not write:
+        return
+    save_checkpoint(out_dir, step, config, params, tensors, meta, model_dtype=opts.dtype)
     if final:
         (out_dir / f"DONE_{step:08d}").write_text("")
     prune_checkpoints(out_dir, opts.checkpoints_keep, opts.major_checkpoint_every)
@@ -448,8 +473,10 @@ def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str
     keep = ("model", "train_data", "batch_size", "seq_len", "total_batch_size", "learning_rate", "lr_schedule",
             "warmup_steps", "final_lr_frac", "weight_decay", "grad_clip", "max_steps", "seed", "dtype",
             "master_weights", "shuffle", "overfit_single_batch", "skip_loss_z", "skip_grad_z")
+    from .distributed import torchrun_env
+    env = torchrun_env()
     return {**{k: getattr(opts, k) for k in keep}, "config": config_dict(config), "grad_accumulation": accum,
-            "device": device}
+            "device": device, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
 
 
 def _model_config(desc: str) -> GPT2Config:
@@ -533,10 +560,28 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                     setattr(opts, name, value)
     opts.validate()
     device = _resolve_device(opts)
+    # under torchrun with several processes: data parallel over NCCL (GPUs) or gloo (CPU)
+    from .distributed import init_data_parallel, torchrun_env
+    env = torchrun_env()
+    several = env is not None and env[1] > 1
+    kernels = device == "cuda" or several or opts.engine == "kernels"
+    if opts.engine == "reference" and kernels:
+        raise LlmpyError("--engine reference is the single-process CPU oracle: use --device cpu, one process")
+    if kernels and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise LlmpyError(("several processes on the CPU run" if several else "--engine kernels on the CPU runs")
+                         + " the kernel model in Triton's interpreter: set TRITON_INTERPRET=1 (slow; meant "
+                         "for tests), or train on GPUs")
+    dp = init_data_parallel(device, opts.zero_stage)
+    world, rank = (dp.world_size, dp.rank) if dp else (1, 0)
+    if dp is None and opts.zero_stage:
+        raise LlmpyError("-z 1 shards the optimizer over several processes: launch with torchrun "
+                         "--nproc_per_node=N (N > 1)")
     if not opts.dtype:
         opts.dtype = "bfloat16" if device == "cuda" else "float32"
-    if device == "cpu" and opts.dtype != "float32":
+    if not kernels and opts.dtype != "float32":
         raise LlmpyError(f"--dtype {opts.dtype}: the CPU reference trains in float32")
+    if rank != 0:  # one voice: rank 0 logs, prints, samples and writes
+        log = _quiet
 
     state = None
     if opts.resume:
@@ -562,20 +607,20 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     B, T = opts.batch_size, opts.seq_len
     if T > config.max_seq_len:
         raise LlmpyError(f"-t {T}: longer than the model's context of {config.max_seq_len} tokens")
-    tokens_per_micro = B * T
+    tokens_per_micro = B * T * world  # one micro-step of every rank
     if opts.total_batch_size == -1:
         accum = 1
     elif opts.total_batch_size <= 0 or opts.total_batch_size % tokens_per_micro:
-        raise LlmpyError(f"-d {opts.total_batch_size}: the total batch must be a positive multiple of B*T = "
-                         f"{tokens_per_micro}")
+        raise LlmpyError(f"-d {opts.total_batch_size}: the total batch must be a positive multiple of B*T"
+                         + (f"*processes = {B}*{T}*{world}" if world > 1 else "") + f" = {tokens_per_micro}")
     else:
         accum = opts.total_batch_size // tokens_per_micro
 
-    train_loader = DataLoader(opts.train_data, B, T, shuffle=bool(opts.shuffle), seed=opts.seed,
-                              vocab_size=config.vocab_size)
+    train_loader = DataLoader(opts.train_data, B, T, rank=rank, world_size=world, shuffle=bool(opts.shuffle),
+                              seed=opts.seed, vocab_size=config.vocab_size)
     val_loader = None
     if opts.val_data and opts.val_every > 0:
-        val_loader = EvalLoader(opts.val_data, B, T, vocab_size=config.vocab_size)
+        val_loader = EvalLoader(opts.val_data, B, T, rank=rank, world_size=world, vocab_size=config.vocab_size)
         val_batches = min(opts.val_max_steps, len(val_loader))
     hs_examples = None
     if opts.hellaswag and opts.val_every > 0:
@@ -609,8 +654,12 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     schedule = LRSchedule(opts.lr_schedule, opts.learning_rate, opts.warmup_steps, steps, opts.final_lr_frac)
     tokenizer = _tokenizer_for(config.vocab_size, byte_data=embedded)
     out_dir = _check_output_dir(opts.output_dir) if opts.output_dir else None  # after every check of the input
+    writer = rank == 0  # the one rank that writes checkpoints and logs
 
-    backend = GPUBackend(config, params, opts) if device == "cuda" else CPUBackend(config, params)
+    if kernels:
+        backend = GPUBackend(config, params, opts, device=device, data_parallel=dp)
+    else:
+        backend = CPUBackend(config, params)
     if state is not None:
         backend.load_state(state.tensors, state.meta.get("rng", {}).get("sr_seeds"))
     model = backend.model
@@ -620,6 +669,10 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     log(f"data {opts.train_data}: {train_loader.num_tokens:,} tokens, {len(train_loader)} batches of B={B} T={T}"
         + (f" | val {opts.val_data}" if val_loader else "")
         + (f" | hellaswag {opts.hellaswag_file} ({len(hs_examples)} examples)" if hs_examples else ""))
+    if dp is not None:
+        log(f"data parallel: {world} processes ({'nccl' if device == 'cuda' else 'gloo'}), -z {opts.zero_stage}"
+            + (" (ZeRO-1: each keeps 1/N of AdamW's m, v and the master weights)" if opts.zero_stage else
+               " (every process updates the whole model)"))
     log(f"steps {steps} | grad accumulation {accum} ({tokens_per_micro * accum} tokens/step) | lr {opts.learning_rate} "
         f"{opts.lr_schedule} warmup {opts.warmup_steps} final x{opts.final_lr_frac} | weight decay {opts.weight_decay} "
         f"| clip {opts.grad_clip}")
@@ -631,16 +684,16 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     if device == "cuda":
         from .mfu import estimate_mfu
         gpu_name = torch.cuda.get_device_name()
-        mfu_of = lambda tok_s: estimate_mfu(config, T, tok_s, gpu_name)  # noqa: E731
+        mfu_of = lambda tok_s: estimate_mfu(config, T, tok_s / world, gpu_name)  # noqa: E731  (per GPU)
 
     result = TrainResult(config=config, model=model, start_step=start_step, last_step=start_step)
     if start_step >= steps:
         log(f"the checkpoint is at step {start_step} and the run has {steps} steps: nothing to do "
             "(raise -x to train further)")
         return result
-    run_log = RunLog(out_dir)
+    run_log = RunLog(out_dir if writer else None)
     progress = None
-    if opts.progress == 1 or (opts.progress == -1 and sys.stderr.isatty()):
+    if writer and (opts.progress == 1 or (opts.progress == -1 and sys.stderr.isatty())):
         from tqdm import tqdm
         progress = tqdm(total=steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False,
                         file=sys.stderr)
@@ -649,11 +702,14 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     def validate(step):
         if val_loader is not None:
             losses = [backend.validate(x, y) for x, y in val_loader.batches(val_batches)]
+            if dp is not None:  # every rank's slices, averaged in rank order
+                losses = dp.all_gather_scalars(torch.tensor(losses, dtype=torch.float64,
+                                                            device=backend.model.device)).reshape(-1).tolist()
             val = sum(losses) / len(losses)
             result.val_losses.append((step, val))
             run_log.write(step, "val", loss=val)
             log(f"val loss {val:.6f}")
-        if hs_examples:
+        if hs_examples and writer:  # rank 0 scores the whole eval file (the forward is local)
             from .hellaswag import score
             hs = score(hs_examples, backend.position_losses, B, T)
             result.eval_accuracies.append((step, hs.accuracy))
@@ -661,7 +717,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             log(f"HellaSwag: {hs.correct}/{hs.total} = {hs.accuracy:.4f}")
 
     def sample(step):
-        if opts.gen_tokens == 0:
+        if opts.gen_tokens == 0 or not writer:
             return None
         start = [tokenizer.eot] if tokenizer is not None else [config.vocab_size - 1]
         ids = generate(backend.next_logits, start, opts.gen_tokens, config.vocab_size, config.max_seq_len,
@@ -690,7 +746,10 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 "data": train_loader.state_dict(),
                 "outliers": {"loss": loss_outliers.state_dict(), "grad": grad_outliers.state_dict()},
                 "rng": {"sr_seeds": backend.seed_state()}}
-        _save_checkpoint(out_dir, step_done, config, backend, opts, meta, final=final)
+        # every rank takes part (ZeRO-1 gathers the optimizer shards), rank 0 writes, the others wait
+        _save_checkpoint(out_dir, step_done, config, backend, opts, meta, final=final, write=writer)
+        if dp is not None:
+            dp.barrier()
 
     # SIGINT/SIGTERM only raise a flag, read between steps: the step in flight finishes, its checkpoint
     # is saved, and the run ends; a second signal interrupts at once
@@ -743,6 +802,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             if out_dir and opts.checkpoint_every > 0 and (step + 1) % opts.checkpoint_every == 0 and step + 1 < steps:
                 checkpoint(step + 1)
                 saved = True
+            if dp is not None:  # a signal reaches the ranks at different moments: stop together
+                stop_signal[:] = _agree_on_signal(dp, stop_signal, backend.model.device)
             if stop_signal and step + 1 < steps:
                 result.stopped_by = signal.Signals(stop_signal[0]).name
                 if out_dir and not saved:
@@ -762,7 +823,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         if progress is not None:
             progress.close()
         run_log.close()
-    if len(result.step_ms) > 1:
+    if len(result.step_ms) > 1 and writer:
         timed = sorted(result.step_ms[1:])
         print(f"done: {result.last_step - start_step} steps, median {timed[len(timed) // 2]:.1f} ms/step, "
               f"final train loss {result.train_losses[-1]:.4f}"

@@ -118,7 +118,8 @@ def set_hyper(hyper: torch.Tensor, lr: float, step: int, beta1: float, beta2: fl
 
 def adamw_update(params, grads, m, v, hyper, seed, decay_ranges, master=None, offset: int = 0,
                  stochastic: bool = True):
-    """One AdamW step over flat buffers: params (bf16 or fp32), grads (same dtype as params), m, v and
+    """One AdamW step over flat buffers: params (bf16 or fp32), grads (params' dtype, or fp32: the
+    accumulated / reduced gradient of llmpy.distributed), m, v and
     master (fp32, optional). hyper: set_hyper's tensor; seed: a 1-element int tensor on the device (a
     fresh value each step); decay_ranges: decay_ranges_tensor(...); offset: the index of params[0] in
     the whole model (non-zero for a ZeRO-1 shard). stochastic: round bf16 parameters stochastically

@@ -1,0 +1,150 @@
+"""Data-parallel scaling on one node: GPT-2 124M (d12) from llm.c's init, B=64, T=1024 a GPU, the same
+number of steps on 1 GPU and on N GPUs under torchrun (-z 0 and -z 1), in one call; the scaling is the
+N-GPU throughput over the 1-GPU throughput measured in the same run.
+
+Every step draws a global batch of N*B fresh random rows; rank r trains on rows [r*B, (r+1)*B). A last
+run on 1 GPU takes the same global batches as N accumulation steps of B rows: its losses must equal
+the N-GPU runs' bit for bit (llmpy.distributed's fixed reduction order), and -z 0 must equal -z 1.
+
+    python -m bench.bench_dist --nproc 2 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="GPUs of the parallel runs")
+    ap.add_argument("--model", default="d12")
+    ap.add_argument("--B", type=int, default=64, help="micro-batch a GPU")
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--median-from", type=int, default=11, help="median over steps median-from..steps")
+    ap.add_argument("--exact-steps", type=int, default=10, help="steps of the 1-GPU accumulation check run")
+    ap.add_argument("--recompute", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
+    # worker side (one process of one run)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def worker(args) -> None:
+    import torch
+    from llmpy.config import parse_descriptor
+    from llmpy.distributed import init_data_parallel, shutdown
+    from llmpy.init import init_parameters
+    from llmpy.model import GPT2Model
+    dp = init_data_parallel("cuda", args.zero)
+    world, rank = (dp.world_size, dp.rank) if dp else (1, 0)
+    rows = max(world, args.accum)  # micro-batches of B rows in a step's global batch
+    config = parse_descriptor(args.model)
+    model = GPT2Model(config, init_parameters(config, 42), args.B, args.T, device="cuda", dtype=torch.bfloat16,
+                      recompute=args.recompute, data_parallel=dp)
+    g = torch.Generator().manual_seed(1337)
+    res = {"world": world, "zero": args.zero, "accum": args.accum, "step_ms": [], "losses": [], "norms": [],
+           "describe": model.describe()}
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(1, args.steps + 1):
+        # the step's global batch (every rank draws all of it, so all agree), this rank's micro-batches
+        buf = torch.randint(0, config.vocab_size, (rows, args.B * args.T + 1), generator=g)
+        mine = [rank] if world > 1 else list(range(args.accum))
+        batches = [(buf[k, :-1].view(args.B, args.T), buf[k, 1:].view(args.B, args.T)) for k in mine]
+        if dp:
+            dp.barrier()
+        t0 = time.perf_counter()
+        loss, norm = model.train_step(batches, args.lr, step, 0.1, 1.0)
+        torch.cuda.synchronize()
+        res["step_ms"].append((time.perf_counter() - t0) * 1e3)
+        res["losses"].append(loss)
+        res["norms"].append(norm)
+        if rank == 0 and (step <= 3 or step % 10 == 0):
+            print(f"[{world} GPU z{args.zero} a{args.accum}] step {step:3d} | loss {loss:.6f} | norm {norm:.4f} | "
+                  f"{res['step_ms'][-1]:.1f} ms", flush=True)
+    res["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+    if rank == 0 and args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(res, f)
+    shutdown()
+
+
+def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str) -> dict:
+    out = f"/tmp/bench_dist_{tag}_{os.getpid()}.json"
+    common = ["-m", "bench.bench_dist", "--worker", "--model", args.model, "--B", str(args.B), "--T", str(args.T),
+              "--steps", str(steps), "--recompute", str(args.recompute), "--lr", str(args.lr), "--zero", str(zero),
+              "--accum", str(accum), "--result-file", out]
+    if nproc == 1:
+        cmd = [sys.executable, *common]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *common]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    t = time.time()
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=args.timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    res = {"tag": tag, "rc": rc, "wall_s": time.time() - t}
+    if os.path.exists(out):
+        with open(out) as f:
+            res.update(json.load(f))
+    return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    N = args.nproc
+    runs = [launch(args, 1, 0, 1, args.steps, "1gpu"),
+            launch(args, N, 0, 1, args.steps, f"{N}gpu_z0"),
+            launch(args, N, 1, 1, args.steps, f"{N}gpu_z1"),
+            launch(args, 1, 0, N, args.exact_steps, f"1gpu_accum{N}")]
+    lo = args.median_from - 1
+    tokens = args.B * args.T
+    base = None
+    print(f"\n=== data-parallel scaling: {args.model}, B={args.B} T={args.T} a GPU, median of steps "
+          f"{args.median_from}..{args.steps}")
+    print(f"{'run':16} {'GPUs':>4} {'ms/step':>8} {'tok/s':>11} {'scaling':>8} {'alloc GB':>9}  status")
+    for r in runs:
+        ms = statistics.median(r["step_ms"][lo:]) if len(r.get("step_ms", [])) > lo else None
+        if ms is not None:
+            gpus = r.get("world", 1)
+            tok_s = tokens * max(gpus, r.get("accum", 1)) / (ms / 1e3)
+            r["median_ms"], r["tokens_per_s"] = ms, tok_s
+            if r["tag"] == "1gpu":
+                base = tok_s
+            r["scaling"] = tok_s / base if base else None
+        print(f"{r['tag']:16} {r.get('world', '?'):>4} {r.get('median_ms') or float('nan'):8.1f} "
+              f"{r.get('tokens_per_s') or 0:11,.0f} {r.get('scaling') or float('nan'):8.3f} "
+              f"{r.get('peak_allocated_bytes', 0) / 1e9:9.2f}  rc={r['rc']}")
+    z0, z1, acc = runs[1], runs[2], runs[3]
+    k = args.exact_steps
+    checks = {
+        "z0 == z1 (losses, norms, all steps)": z0.get("losses") and z0.get("losses") == z1.get("losses")
+        and z0.get("norms") == z1.get("norms"),
+        f"{N} GPUs == 1 GPU x {N} accumulation (first {k} steps)": bool(acc.get("losses"))
+        and z0.get("losses", [])[:k] == acc["losses"][:k] and z0.get("norms", [])[:k] == acc["norms"][:k],
+    }
+    for name, ok in checks.items():
+        print(f"bitwise {name}: {'yes' if ok else 'NO'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "runs": runs, "bitwise": checks}, f, indent=1)
+    return 0 if all(r["rc"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

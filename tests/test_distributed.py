@@ -1,0 +1,132 @@
+"""Data parallelism (llmpy.distributed) on the CPU: two processes under torchrun on the gloo backend, the
+kernel model in Triton's interpreter. The same global batch gives bitwise the same run on 2 processes
+(one micro-step each) as on 1 process with 2 accumulation steps, for -z 0 and -z 1; ZeRO-1 keeps half
+of the optimizer state a rank and gathers it whole into the checkpoint."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmpy.data import write_shard
+from llmpy.distributed import shard_bounds
+from llmpy.trainer import TrainOptions, train
+from llmpy.training_state import load_checkpoint, model_path
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+# the kernel model on the CPU needs Triton's interpreter for the whole process (conftest sets it where
+# there is no GPU); on a GPU machine bench/bench_dist.py checks the same equalities over NCCL
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo + interpreter) test")
+TINY = "layers=2,channels=32,heads=2,seq=16,vocab=257"
+B, T, STEPS = 2, 16, 6
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dp_data")
+    rng = np.random.default_rng(5)
+    write_shard(d / "t_train_000000.bin", rng.integers(0, 257, 4000))
+    write_shard(d / "t_val_000000.bin", rng.integers(0, 257, 1000))
+    return d / "t_train_000000.bin", d / "t_val_000000.bin"
+
+
+def common_args(shards, dtype):
+    train_f, val_f = shards
+    return dict(train_data=str(train_f), val_data=str(val_f), model=TINY, batch_size=B, seq_len=T,
+                total_batch_size=2 * B * T, max_steps=STEPS, val_every=3, val_max_steps=1, sample_every=0,
+                gen_tokens=0, learning_rate=1e-2, warmup_steps=1, weight_decay=0.1, dtype=dtype, progress=0)
+
+
+def torchrun(nproc, shards, out, dtype, *extra):
+    """`torchrun --standalone --nproc_per_node=N -m llmpy train ...` on the CPU (gloo)."""
+    a = common_args(shards, dtype)
+    args = ["-i", a["train_data"], "-j", a["val_data"], "-e", TINY, "-b", B, "-t", T, "-d", a["total_batch_size"],
+            "-x", STEPS, "-v", 3, "-m", 1, "-s", 0, "-g", 0, "-l", a["learning_rate"], "-u", 1, "-c", 0.1,
+            "--dtype", dtype, "--device", "cpu", "--progress", 0, "-o", out, *extra]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "TRITON_INTERPRET": "1",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           "-m", "llmpy", "train", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=900)
+
+
+def train_records(out):
+    recs = [json.loads(line) for line in (Path(out) / "main.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(shards, tmp_path_factory):
+    """The reference: one process, the kernel model (interpreter), 2 accumulation steps a step."""
+    runs = {}
+    for dtype in ("bfloat16",):
+        out = tmp_path_factory.mktemp(f"one_{dtype}")
+        res = train(TrainOptions(**common_args(shards, dtype), engine="kernels", device="cpu", output_dir=str(out)),
+                    log=lambda *_: None)
+        assert len(res.train_losses) == STEPS
+        runs[dtype] = out
+    return runs
+
+
+@interpreter_only
+@pytest.mark.parametrize("zero", [0, 1])
+def test_two_processes_are_bitwise_one_process_with_accumulation(shards, one_process_runs, tmp_path, zero):
+    dtype = "bfloat16"
+    out = tmp_path / "two"
+    res = torchrun(2, shards, out, dtype, "-z", zero)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # one voice: the step lines once (rank 0), and the start report names the parallel setup
+    assert res.stdout.count(f"step {STEPS:5d}/{STEPS}") == 1
+    assert "data parallel: 2 processes (gloo)" in res.stdout
+    ref, two = train_records(one_process_runs[dtype]), train_records(out)
+    assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+    for a, b in zip(ref, two):  # JSON floats are Python's repr: exact round trips
+        assert (a["loss"], a["norm"]) == (b["loss"], b["norm"]), (a, b)
+    # the final weights and the whole optimizer state, bit for bit (ZeRO-1: gathered from both shards)
+    assert model_path(out, STEPS).read_bytes() == model_path(one_process_runs[dtype], STEPS).read_bytes()
+    s_ref, s_two = load_checkpoint(one_process_runs[dtype], STEPS), load_checkpoint(out, STEPS)
+    for name in ("params", "master", "m", "v"):
+        assert torch.equal(s_ref.tensors[name], s_two.tensors[name]), name
+    if zero == 1:
+        n = s_ref.tensors["m"].numel()
+        (lo0, hi0), (lo1, hi1) = shard_bounds(n, 2, _norm_chunk())
+        assert f"AdamW state and master weights of {hi0 - lo0:,} of {n:,} parameters" in res.stdout
+        assert hi0 - lo0 < n and lo1 == hi0 and hi1 == n
+
+
+def _norm_chunk() -> int:
+    from llmpy.kernels.global_norm import NORM_CHUNK
+    return NORM_CHUNK
+
+
+@interpreter_only
+def test_two_processes_resume_bitwise(shards, one_process_runs, tmp_path):
+    """-z 1 on 2 processes, stopped at a checkpoint after step 3 (a shorter -x) and resumed with -y 1 to
+    step 6: the same run as the uninterrupted one-process run."""
+    out = tmp_path / "resumed"
+    first = torchrun(2, shards, out, "bfloat16", "-z", 1, "-n", 3)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # drop the final checkpoint of step 6, keep step 3's, then resume from it
+    for f in out.glob("*00000006*"):
+        f.unlink()
+    second = torchrun(2, shards, out, "bfloat16", "-z", 1, "-y", 1)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from model_00000003.bin" in second.stdout
+    assert model_path(out, STEPS).read_bytes() == model_path(one_process_runs["bfloat16"], STEPS).read_bytes()
+
+
+def test_parallel_options_without_torchrun_are_one_line_errors(shards, tmp_path):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    train_f, _ = shards
+    base = [sys.executable, "-m", "llmpy", "train", "-i", str(train_f), "-e", TINY, "-b", "2", "-t", "16", "-x", "1",
+            "--device", "cpu"]
+    for extra, needle in ((["-z", "1"], "launch with torchrun"), (["--engine", "kernels"], "TRITON_INTERPRET=1"),
+                          (["--engine", "nope"], "--engine nope")):
+        res = subprocess.run(base + extra, capture_output=True, text=True, env=env, timeout=120)
+        lines = [l for l in res.stderr.splitlines() if l.strip()]
+        assert res.returncode != 0 and len(lines) == 1 and needle in lines[0], res.stderr
