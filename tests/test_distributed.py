@@ -14,6 +14,7 @@ import torch
 
 from llmpy.data import write_shard
 from llmpy.distributed import shard_bounds
+from llmpy.errors import LlmpyError
 from llmpy.trainer import TrainOptions, train
 from llmpy.training_state import load_checkpoint, model_path
 
@@ -117,6 +118,18 @@ def test_two_processes_resume_bitwise(shards, one_process_runs, tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from model_00000003.bin" in second.stdout
     assert model_path(out, STEPS).read_bytes() == model_path(one_process_runs["bfloat16"], STEPS).read_bytes()
+
+
+@interpreter_only
+def test_resume_on_another_process_count_is_refused(shards, tmp_path):
+    """The checkpoint of a 2-process run holds the whole optimizer state, but its data position counts
+    2-process windows: resuming it on 1 process stops with one line naming both counts."""
+    out = tmp_path / "two"
+    res = torchrun(2, shards, out, "bfloat16", "-x", 2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with pytest.raises(LlmpyError, match="run of 2 process.*this run has 1.*--nproc_per_node=2"):
+        train(TrainOptions(**{**common_args(shards, "bfloat16"), "max_steps": 4}, engine="kernels", device="cpu",
+                           output_dir=str(out), resume=1), log=lambda *_: None)
 
 
 def test_parallel_options_without_torchrun_are_one_line_errors(shards, tmp_path):

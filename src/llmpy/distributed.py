@@ -70,16 +70,21 @@ class DataParallel:
         dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                group=self.group)
 
-    def all_gather_uneven(self, out: torch.Tensor, mine: torch.Tensor, bounds: list[tuple[int, int]]):
+    def all_gather_uneven(self, out: torch.Tensor, mine: torch.Tensor, bounds: list[tuple[int, int]],
+                          keep: bool = True):
         """out[lo_r:hi_r] = rank r's `mine` for every r (the pieces may differ in length by a chunk: they
-        travel padded to the longest in a reusable buffer, then are copied into place)."""
+        travel padded to the longest, then are copied into place). keep: hold the padded buffers for the
+        next call (every step); False for one-off gathers (checkpoints)."""
         import torch.distributed as dist
         longest = max(hi - lo for lo, hi in bounds)
         key = (out.dtype, out.device, longest)
-        if key not in self._gather_buffers:
-            self._gather_buffers[key] = (torch.empty(longest, dtype=out.dtype, device=out.device),
-                                         torch.empty(self.world_size * longest, dtype=out.dtype, device=out.device))
-        send, recv = self._gather_buffers[key]
+        bufs = self._gather_buffers.get(key)
+        if bufs is None:
+            bufs = (torch.empty(longest, dtype=out.dtype, device=out.device),
+                    torch.empty(self.world_size * longest, dtype=out.dtype, device=out.device))
+            if keep:
+                self._gather_buffers[key] = bufs
+        send, recv = bufs
         send[:mine.numel()].copy_(mine)
         dist.all_gather_into_tensor(recv, send, group=self.group)
         for r, (lo, hi) in enumerate(bounds):

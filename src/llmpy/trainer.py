@@ -487,7 +487,7 @@ def _model_config(desc: str) -> GPT2Config:
     return parse_descriptor(desc)
 
 
-def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log):
+def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1):
     """One line naming the field and both values when the run differs from its checkpoint where it must
     not; a note where it may (the schedule then differs from the original run's)."""
     from .training_state import CONFIG_FIELDS, config_dict
@@ -499,6 +499,10 @@ def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log
         if mine[k] != theirs[k]:
             raise LlmpyError(f"-y 1: the checkpoint {name} has {k}={theirs[k]} but this run's model (-e "
                              f"{opts.model}) has {k}={mine[k]}")
+    saved_world = saved.get("world_size", 1)
+    if saved_world != world:  # the data position counts windows of B*T*processes tokens
+        raise LlmpyError(f"-y 1: the checkpoint {name} was written by a run of {saved_world} process(es), this run "
+                         f"has {world}: resume with torchrun --nproc_per_node={saved_world}")
     for fld, flag, key in _RESUME_MUST_MATCH:
         if key in saved and saved[key] != getattr(opts, fld):
             raise LlmpyError(f"-y 1: the checkpoint {name} was saved with {flag} {saved[key]} but this run has "
@@ -638,7 +642,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     loss_outliers, grad_outliers = OutlierDetector(), OutlierDetector()
     first_batch = None
     if state is not None:
-        _check_resume(state, opts, config, accum, log)
+        _check_resume(state, opts, config, accum, log, world)
         if opts.overfit_single_batch:  # -a 1 trains on the loader's first batch, whatever its position
             first_batch = train_loader.next_batch()
         try:
