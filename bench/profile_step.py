@@ -49,7 +49,7 @@ CLASSES: list[tuple[str, str]] = [
     ("matrix", r"nvjet|cutlass|gemm|xmma|cublas|splitkreduce|s16816|s1688|wgmma|_matmul_kernel|_mm_kernel"),
     # memory-bound: layernorm, GELU, encoder, residual, classifier, bias reduction, copies / fills
     ("memory-bound", r"layernorm|layer_norm|gelu|encoder|_wte_|_wpe_|residual|_fc_|classifier|cross_entropy"
-                     r"|bias|memcpy|memset|copy|fill|zero|elementwise|reduce_kernel|round|cat_|index"),
+                     r"|bias|memcpy|memset|copy|fill|zero|elementwise|reduce_kernel|round|cat_|index|radix_?sort"),
 ]
 _COMPILED = [(g, re.compile(p, re.IGNORECASE)) for g, p in CLASSES]
 

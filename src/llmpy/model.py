@@ -122,11 +122,11 @@ def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
     return [(i * rows // chunks, (i + 1) * rows // chunks) for i in range(chunks)]
 
 
-def _resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
+def _resolve_attention(attention: str, device: torch.device, dtype: torch.dtype, head_size: int = 64) -> str:
     if attention not in ATTENTION_CHOICES:
         raise LlmpyError(f"attention {attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
     if attention == "auto":
-        impl = kattn.default_attention_impl(device)
+        impl = kattn.default_attention_impl(device, head_size)
         # PyTorch's fused kernels are 16-bit; the fp32 model takes the Triton flash kernel instead
         if dtype == torch.float32 and impl in ("cudnn", "torch-flash"):
             impl = "flash"
@@ -358,7 +358,7 @@ class GPT2Model:
         self.recompute = recompute
         self.gelu_fusion = gelu_fusion
         self.master_weights = bool(master_weights) and dtype == torch.bfloat16
-        self.attention = _resolve_attention(attention, self.device, dtype)
+        self.attention = _resolve_attention(attention, self.device, dtype, config.channels // config.num_heads)
         self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda" and not interpreting()
         # False only to show what round-to-nearest does to bf16 weights updated without master weights
         self.stochastic_rounding = bool(stochastic_rounding)

@@ -553,16 +553,26 @@ def _probe(impl: str, device: torch.device) -> bool:
         return False
 
 
-def default_attention_impl(device) -> str:
-    """cudnn where it runs and agrees with the math on this CUDA device, else the Triton flash
-    kernel, else classic; classic on the CPU (the interpreter). Probes once per device; call it
-    before capturing CUDA graphs (the probe allocates and synchronises)."""
+# Preference on a CUDA device, the first that runs and agrees with the math. The Triton flash kernel comes
+# first: alone cuDNN's is faster (1.32 against 1.50 ms a layer, forward + backward, GPT-2 124M shapes), but
+# in the model the cuDNN path copies q, k, v out of the qkv layout and dq, dk, dv back into it (36 strided
+# copies, 4.5 ms a step), and the whole step is faster with flash (112.3 against 115.2 ms, H200,
+# bench/RESULTS.md run E). Flash takes head sizes up to 128.
+DEFAULT_PREFERENCE = ("flash", "cudnn")
+
+
+def default_attention_impl(device, head_size: int = 64) -> str:
+    """The first of DEFAULT_PREFERENCE that runs and agrees with the math on this CUDA device (flash
+    only for head sizes up to 128), else classic; classic on the CPU (the interpreter). Probes once per
+    device; call it before capturing CUDA graphs (the probe allocates and synchronises)."""
     device = torch.device(device)
     if device.type != "cuda" or interpreting():
         return "classic"
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    for impl in ("cudnn", "flash"):
+    for impl in DEFAULT_PREFERENCE:
+        if impl == "flash" and head_size > 128:
+            continue
         if _probe(impl, device):
             return impl
     return "classic"
