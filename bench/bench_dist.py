@@ -1,6 +1,7 @@
 """Data-parallel scaling on one node: GPT-2 124M (d12) from llm.c's init, B=64, T=1024 a GPU, the same
-number of steps on 1 GPU and on N GPUs under torchrun (-z 0 and -z 1), in one call; the scaling is the
-N-GPU throughput over the 1-GPU throughput measured in the same run.
+number of steps on 1 GPU and on N GPUs under torchrun (-z 0 and -z 1, the reduction overlapped with the
+backward; -z 1 also with it after the backward, in the CUDA graph), in one call; the scaling is the N-GPU
+throughput over the 1-GPU throughput measured in the same run.
 
 Every step draws a global batch of N*B fresh random rows; rank r trains on rows [r*B, (r+1)*B). A last
 run on 1 GPU takes the same global batches as N accumulation steps of B rows: its losses must equal
@@ -36,6 +37,7 @@ def parse_args(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--overlap", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -51,9 +53,10 @@ def worker(args) -> None:
     rows = max(world, args.accum)  # micro-batches of B rows in a step's global batch
     config = parse_descriptor(args.model)
     model = GPT2Model(config, init_parameters(config, 42), args.B, args.T, device="cuda", dtype=torch.bfloat16,
-                      recompute=args.recompute, data_parallel=dp)
+                      recompute=args.recompute, data_parallel=dp, overlap_reduction=bool(args.overlap))
     g = torch.Generator().manual_seed(1337)
-    res = {"world": world, "zero": args.zero, "accum": args.accum, "step_ms": [], "losses": [], "norms": [],
+    res = {"world": world, "zero": args.zero, "accum": args.accum, "overlap": args.overlap, "step_ms": [],
+           "losses": [], "norms": [],
            "describe": model.describe()}
     torch.cuda.reset_peak_memory_stats()
     for step in range(1, args.steps + 1):
@@ -79,11 +82,11 @@ def worker(args) -> None:
     shutdown()
 
 
-def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str) -> dict:
+def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overlap: int = 1) -> dict:
     out = f"/tmp/bench_dist_{tag}_{os.getpid()}.json"
     common = ["-m", "bench.bench_dist", "--worker", "--model", args.model, "--B", str(args.B), "--T", str(args.T),
               "--steps", str(steps), "--recompute", str(args.recompute), "--lr", str(args.lr), "--zero", str(zero),
-              "--accum", str(accum), "--result-file", out]
+              "--accum", str(accum), "--overlap", str(overlap), "--result-file", out]
     if nproc == 1:
         cmd = [sys.executable, *common]
     else:
@@ -111,7 +114,8 @@ def main(argv=None) -> int:
     runs = [launch(args, 1, 0, 1, args.steps, "1gpu"),
             launch(args, N, 0, 1, args.steps, f"{N}gpu_z0"),
             launch(args, N, 1, 1, args.steps, f"{N}gpu_z1"),
-            launch(args, 1, 0, N, args.exact_steps, f"1gpu_accum{N}")]
+            launch(args, 1, 0, N, args.exact_steps, f"1gpu_accum{N}"),
+            launch(args, N, 1, 1, args.steps, f"{N}gpu_z1_after", overlap=0)]
     lo = args.median_from - 1
     tokens = args.B * args.T
     base = None
@@ -130,11 +134,12 @@ def main(argv=None) -> int:
         print(f"{r['tag']:16} {r.get('world', '?'):>4} {r.get('median_ms') or float('nan'):8.1f} "
               f"{r.get('tokens_per_s') or 0:11,.0f} {r.get('scaling') or float('nan'):8.3f} "
               f"{r.get('peak_allocated_bytes', 0) / 1e9:9.2f}  rc={r['rc']}")
-    z0, z1, acc = runs[1], runs[2], runs[3]
+    z0, z1, acc, after = runs[1], runs[2], runs[3], runs[4]
     k = args.exact_steps
     checks = {
         "z0 == z1 (losses, norms, all steps)": z0.get("losses") and z0.get("losses") == z1.get("losses")
         and z0.get("norms") == z1.get("norms"),
+        "z1 overlapped == z1 after the backward": z1.get("losses") and z1.get("losses") == after.get("losses"),
         f"{N} GPUs == 1 GPU x {N} accumulation (first {k} steps)": bool(acc.get("losses"))
         and z0.get("losses", [])[:k] == acc["losses"][:k] and z0.get("norms", [])[:k] == acc["norms"][:k],
     }

@@ -74,11 +74,13 @@ def one_process_runs(shards, tmp_path_factory):
 
 
 @interpreter_only
-@pytest.mark.parametrize("zero", [0, 1])
-def test_two_processes_are_bitwise_one_process_with_accumulation(shards, one_process_runs, tmp_path, zero):
+@pytest.mark.parametrize("zero,overlap", [(0, 1), (1, 1), (1, 0)], ids=["z0", "z1", "z1-after-backward"])
+def test_two_processes_are_bitwise_one_process_with_accumulation(shards, one_process_runs, tmp_path, zero, overlap):
+    """overlap 1 (the default): buckets of finished layers are reduced during the backward; 0: the whole
+    buffer after it. Either way every element is summed in rank order: the same bits."""
     dtype = "bfloat16"
     out = tmp_path / "two"
-    res = torchrun(2, shards, out, dtype, "-z", zero)
+    res = torchrun(2, shards, out, dtype, "-z", zero, "--overlap-reduction", overlap)
     assert res.returncode == 0, res.stderr[-3000:]
     # one voice: the step lines once (rank 0), and the start report names the parallel setup
     assert res.stdout.count(f"step {STEPS:5d}/{STEPS}") == 1
@@ -143,3 +145,25 @@ def test_parallel_options_without_torchrun_are_one_line_errors(shards, tmp_path)
         res = subprocess.run(base + extra, capture_output=True, text=True, env=env, timeout=120)
         lines = [l for l in res.stderr.splitlines() if l.strip()]
         assert res.returncode != 0 and len(lines) == 1 and needle in lines[0], res.stderr
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 1 << 40], ids=["a-layer-a-bucket", "one-bucket"])
+def test_bucket_plan_covers_the_buffer_once(monkeypatch, bucket_bytes):
+    """The overlapped reduction's buckets: layers from the top down, then wte/wpe/lnf after the encoder;
+    their ranges cover every parameter exactly once."""
+    from llmpy.config import parse_descriptor
+    from llmpy.distributed import DataParallel
+    from llmpy.init import init_parameters
+    from llmpy.model import GPT2Model
+    monkeypatch.setattr(GPT2Model, "BUCKET_BYTES", bucket_bytes)
+    cfg = parse_descriptor("layers=5,channels=32,heads=2,seq=16,vocab=257")
+    model = GPT2Model(cfg, init_parameters(cfg, 1), 1, 8, device="cpu", dtype=torch.float32, cuda_graph=False,
+                      data_parallel=DataParallel(rank=0, world_size=2))
+    model._prepare(1)
+    triggers = [t for t, _ in model._buckets]
+    assert triggers == ([4, 3, 2, 1, 0, -1] if bucket_bytes == 1 else [0, -1])
+    covered = torch.zeros(cfg.num_parameters, dtype=torch.int32)
+    for _, ranges in model._buckets:
+        for a, b in ranges:
+            covered[a:b] += 1
+    assert bool((covered == 1).all())

@@ -65,10 +65,13 @@ class DataParallel:
             raise LlmpyError(f"-z {self.zero_stage}: must be 0 (all-reduce) or 1 (ZeRO-1 optimizer shards)")
 
     # -- collectives (every rank calls them in the same order)
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   async_op: bool = False):
+        """inp's consecutive pieces of in_splits[r] elements to rank r; out gets out_splits[r] from rank r
+        (async_op: returns the work to wait on; the wait orders the current stream after it)."""
         import torch.distributed as dist
-        dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=self.group)
+        return dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                      group=self.group, async_op=async_op)
 
     def all_gather_uneven(self, out: torch.Tensor, mine: torch.Tensor, bounds: list[tuple[int, int]],
                           keep: bool = True):

@@ -333,7 +333,7 @@ class GPT2Model:
                  dtype: torch.dtype = torch.bfloat16, master_weights: bool = True, recompute: int = 1,
                  gelu_fusion: int = 0, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
                  stochastic_rounding: bool = True, classifier_chunks: int | None = None,
-                 data_parallel: "DataParallel | None" = None):
+                 data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -395,6 +395,12 @@ class GPT2Model:
         self._acc32 = None
         self._reduce_bufs: dict = {}
         self._update_grads = self.grads_memory  # what the next AdamW reads (set by _reduce_norm_clip)
+        # several ranks: reduce buckets of finished layers during the last micro-step's backward (the step
+        # then runs eagerly: the collectives are issued between the layers' kernels), or all at once after
+        # it (the micro-steps in a CUDA graph)
+        self.overlap_reduction = bool(overlap_reduction) and self.world_size > 1
+        self._buckets: list = []  # _bucket_plan(), made by _prepare (it needs the gradient views)
+        self._pending: list = []  # (work, my part [x, y), its receive buffer) of the buckets in flight
         self.params = parameter_views(self.params_memory, config)
         self.grads = parameter_views(self.grads_memory, config)
         self.load_parameters(params)
@@ -756,11 +762,13 @@ class GPT2Model:
             a, c = a * _LCG_A % _LCG_M, (c * _LCG_A + _LCG_C) % _LCG_M
         self._seeds.copy_(self._seeds_base).mul_(a).add_(c).remainder_(_LCG_M)
 
-    def backward(self, advance_seeds: bool = True):
+    def backward(self, advance_seeds: bool = True, on_layer_done=None):
         """llm.c's gpt2_backward: from the logit gradient the last forward(..., dloss) left in place (with
         classifier chunks: from the dlnf it left), every parameter gradient ACCUMULATED into the gradient
         buffer (zero_grad() before micro-step 0). advance_seeds=False: the caller set the rounding seeds
-        (train_step does, by global micro-step)."""
+        (train_step does, by global micro-step). on_layer_done(l), if given, is called (host side, in
+        launch order) once layer l's gradients are all launched, and with l = -1 after the encoder's:
+        the data-parallel reduction starts on the finished layers while the rest of the backward runs."""
         if not self._have_dlogits:
             raise RuntimeError("backward() needs a forward(inputs, targets, dloss=...) just before it")
         self._have_dlogits = False
@@ -830,7 +838,11 @@ class GPT2Model:
             # ln1: dresidual becomes the gradient of this layer's input residual
             kln.layernorm_backward(dresidual, g["ln1w"][l], g["ln1b"][l], ln_scratch, dl_btc, b["residual"],
                                    p["ln1w"][l], b["ln1_mean"], b["ln1_rstd"], seed=seed(0))
+            if on_layer_done is not None:
+                on_layer_done(l)
         kenc.encoder_backward(g["wte"], g["wpe"], dresidual, self._cur_inputs, self._seed(0), scratch=self._enc_scratch)
+        if on_layer_done is not None:
+            on_layer_done(-1)
 
     # ------------------------------------------------------------------------------------------------
     # update
@@ -927,6 +939,63 @@ class GPT2Model:
         dev_tg.copy_(host[1], non_blocking=True)
         return dev_in, dev_tg
 
+    # layers a reduction bucket holds: about this many bytes of gradients (one per layer at GPT-2 124M)
+    BUCKET_BYTES = 16 << 20
+
+    def _bucket_plan(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        """[(layer, ranges)]: after the backward of `layer` (-1: after the encoder's) the flat-buffer
+        ranges [a, b) are final. A bucket is a few consecutive layers: one range per per-layer tensor
+        (llm.c's layout keeps a tensor's layers together, not a layer's tensors); the last bucket holds
+        wte, wpe and lnf. The ranges of all buckets cover the buffer once."""
+        cfg, g = self.config, self.grads
+        L = cfg.num_layers
+        base = self.grads_memory.storage_offset()
+        spans = {name: (t.storage_offset() - base, t.numel()) for name, t in g.items()}
+        per_layer = [name for name, t in g.items() if t.dim() >= 2 and t.shape[0] == L and name not in ("wte", "wpe")]
+        layer_bytes = sum(spans[n][1] for n in per_layer) // L * self.grads_memory.element_size()
+        group = max(1, -(-self.BUCKET_BYTES // max(1, layer_bytes)))
+        plan = []
+        for top in range(L - 1, -1, -group):
+            lo = max(0, top - group + 1)
+            ranges = []
+            for n in per_layer:
+                off, numel = spans[n]
+                per = numel // L
+                ranges.append((off + lo * per, off + (top + 1) * per))
+            plan.append((lo, ranges))
+        rest = sorted(spans[n] for n in g if n not in per_layer)
+        merged: list[list[int]] = []
+        for off, numel in rest:  # wte + wpe and lnfw + lnfb sit side by side
+            if merged and merged[-1][1] == off:
+                merged[-1][1] = off + numel
+            else:
+                merged.append([off, off + numel])
+        plan.append((-1, [tuple(r) for r in merged]))
+        assert sum(b - a for _, rs in plan for a, b in rs) == cfg.num_parameters
+        return plan
+
+    def _send_bucket(self, layer: int, accum: int):
+        """on_layer_done of the last micro-step: start the all-to-all of every bucket that `layer`
+        finishes (with accumulation, after adding this micro-step's share of those ranges)."""
+        N, lo, hi = self.world_size, self._lo, self._hi
+        local = self._acc32 if accum > 1 else self.grads_memory
+        recv_all = self._reduce_bufs[local.dtype]
+        for trigger, ranges in self._buckets:
+            if trigger != layer:
+                continue
+            for a, b in ranges:
+                if accum > 1:
+                    self._acc32[a:b].add_(self.grads_memory[a:b])
+                x, y = max(a, lo), min(b, hi)
+                mine = max(0, y - x)
+                # this range's receive slot: N pieces of my part, after the slots of the ranges before it
+                start = N * self._recv_used
+                self._recv_used += mine
+                recv = recv_all[start:start + N * mine]
+                splits = [max(0, min(b, h) - max(a, l)) for l, h in self._shards]
+                work = self.dp.all_to_all(recv, local[a:b], [mine] * N, splits, async_op=True)
+                self._pending.append((work, x, mine, recv))
+
     def _prepare(self, accum: int):
         """Buffers a step with `accum` micro-steps needs, allocated before any graph capture: the fp32
         accumulator (accum > 1), the per-micro-step loss sums, the reduction's receive buffers (N > 1)."""
@@ -935,6 +1004,8 @@ class GPT2Model:
         if accum > 1 and self._acc32 is None:
             self._acc32 = torch.zeros(self.config.num_parameters, dtype=torch.float32, device=self.device)
         if self.world_size > 1:
+            if not self._buckets:
+                self._buckets = self._bucket_plan()
             send_dtype = torch.float32 if accum > 1 else self.dtype
             mine = self._hi - self._lo
             if send_dtype not in self._reduce_bufs:
@@ -963,8 +1034,12 @@ class GPT2Model:
             self._seeds_after(k * N + r + 1)
             self.forward(dev_in[k], dev_tg[k], dloss=dloss)
             losses[k:k + 1].copy_(self.acts["losses"].sum().view(1))
-            self.backward(advance_seeds=False)
-            if accum > 1:
+            overlap = self.overlap_reduction and k == accum - 1
+            if overlap:
+                self._recv_used = 0
+            hook = (lambda l: self._send_bucket(l, accum)) if overlap else None
+            self.backward(advance_seeds=False, on_layer_done=hook)
+            if accum > 1 and not overlap:  # (overlapping, _send_bucket adds the last micro-step's share)
                 if k == 0:
                     self._acc32.copy_(self.grads_memory)
                 else:
@@ -979,12 +1054,19 @@ class GPT2Model:
         if self.world_size == 1:
             self._update_grads = local
         else:
-            N, mine = self.world_size, self._hi - self._lo
-            recv, reduced = self._reduce_bufs[local.dtype], self._reduce_bufs["reduced"]
-            self.dp.all_to_all(recv, local, [mine] * N, [hi - lo for lo, hi in self._shards])
-            reduced.copy_(recv[:mine])
-            for k in range(1, N):
-                reduced.add_(recv[k * mine:(k + 1) * mine])
+            N, lo = self.world_size, self._lo
+            reduced = self._reduce_bufs["reduced"]
+            if not self._pending:  # all at once: rank r's piece of my shard is recv[r]
+                mine, recv = self._hi - lo, self._reduce_bufs[local.dtype]
+                self._pending = [(self.dp.all_to_all(recv, local, [mine] * N, [h - l for l, h in self._shards],
+                                                     async_op=True), lo, mine, recv)]
+            for work, x, mine, recv in self._pending:  # each element added in rank order, as one GPU adds
+                work.wait()
+                part = reduced[x - lo:x - lo + mine]
+                part.copy_(recv[:mine])
+                for k in range(1, N):
+                    part.add_(recv[k * mine:(k + 1) * mine])
+            self._pending = []
             if self.zero_stage == 0:
                 self._update_grads = self.dp.all_gather_uneven(self._reduce_bufs["whole"], reduced, self._shards)
             else:
@@ -1032,7 +1114,7 @@ class GPT2Model:
         accum = len(batches)
         hp = (beta1, beta2, eps, weight_decay)
         self._prepare(accum)
-        if not self.cuda_graph:
+        if not self.cuda_graph or self.overlap_reduction:
             dev_in, dev_tg = self._stage(batches)
             return self._eager_step(dev_in, dev_tg, accum, lr, step, hp, grad_clip, skip)
 

@@ -71,6 +71,7 @@ class TrainOptions:
     dtype: str = ""                        # "" = bfloat16 on the GPU, float32 on the CPU
     attention: str = "auto"
     engine: str = "auto"                   # auto: the kernel model on GPUs, the reference on one CPU process
+    overlap_reduction: int = 1             # several processes: reduce finished layers during the backward
     cuda_graph: int = 1
     shuffle: int = 0
     temperature: float = 1.0
@@ -84,7 +85,8 @@ class TrainOptions:
         for name, flag, allowed in (("master_weights", "-w", (0, 1)), ("recompute", "-r", (0, 1, 2)),
                                     ("gelu_fusion", "-ge", (-1, 0, 1, 2)), ("zero_stage", "-z", (0, 1)),
                                     ("resume", "-y", (0, 1)), ("overfit_single_batch", "-a", (0, 1)),
-                                    ("tf32", "-f", (0, 1)), ("hellaswag", "-h", (0, 1))):
+                                    ("tf32", "-f", (0, 1)), ("hellaswag", "-h", (0, 1)),
+                                    ("overlap_reduction", "--overlap-reduction", (0, 1))):
             if getattr(self, name) not in allowed:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be one of {', '.join(map(str, allowed))}")
         if self.lr_schedule not in SCHEDULES:
@@ -156,6 +158,8 @@ EXTRA_FLAGS = [  # long-only flags
     ("--dtype", "dtype", str, "bfloat16 or float32 (default: bfloat16 on the GPU; the CPU is float32)"),
     ("--attention", "attention", str, "GPU attention: auto, classic, flash, cudnn or torch-flash"),
     ("--cuda-graph", "cuda_graph", int, "1: capture the whole step in a CUDA graph (GPU)"),
+    ("--overlap-reduction", "overlap_reduction", int, "several processes: 1 reduces finished layers during the "
+                                                      "backward (eager step), 0 after it (CUDA graph)"),
     ("--engine", "engine", str, "auto, kernels (the Triton model; on the CPU under TRITON_INTERPRET=1, slow) "
                                 "or reference (the CPU oracle)"),
     ("--shuffle", "shuffle", int, "1: shuffle shards and batches each epoch"),
@@ -284,7 +288,8 @@ class GPUBackend:
         self.model = GPT2Model(config, params, opts.batch_size, opts.seq_len, device=device, dtype=dtype,
                                master_weights=bool(opts.master_weights), recompute=opts.recompute,
                                gelu_fusion=opts.gelu_fusion, attention=opts.attention, seed=opts.seed,
-                               cuda_graph=bool(opts.cuda_graph), data_parallel=data_parallel)
+                               cuda_graph=bool(opts.cuda_graph), data_parallel=data_parallel,
+                               overlap_reduction=bool(opts.overlap_reduction))
         self.config = config
 
     @property
