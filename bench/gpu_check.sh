@@ -51,7 +51,10 @@ for stage in $stages; do
       # data-parallel scaling and bit-exactness over NCCL (needs the nvidia-h200-x2 kind)
       timeout ${DIST_TIMEOUT:-420} python3 -m bench.bench_dist --nproc ${DIST_NPROC:-2} ${DIST_ARGS:-} \
         --json "$OUT/dist.json" 2>&1 | tee "$OUT/dist.log"
-      rc=$? ;;
+      rc=$?
+      timeout ${DIST_TESTS_TIMEOUT:-200} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_distributed.py \
+        2>&1 | tee "$OUT/dist_tests.log"
+      rc=$(( rc || $? )) ;;
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any
       # out-of-bounds or misaligned access

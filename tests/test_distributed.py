@@ -42,14 +42,16 @@ def common_args(shards, dtype):
                 gen_tokens=0, learning_rate=1e-2, warmup_steps=1, weight_decay=0.1, dtype=dtype, progress=0)
 
 
-def torchrun(nproc, shards, out, dtype, *extra):
-    """`torchrun --standalone --nproc_per_node=N -m llmpy train ...` on the CPU (gloo)."""
+def torchrun(nproc, shards, out, dtype, *extra, device="cpu"):
+    """`torchrun --standalone --nproc_per_node=N -m llmpy train ...` on the CPU (gloo) or GPUs (NCCL)."""
     a = common_args(shards, dtype)
     args = ["-i", a["train_data"], "-j", a["val_data"], "-e", TINY, "-b", B, "-t", T, "-d", a["total_batch_size"],
             "-x", STEPS, "-v", 3, "-m", 1, "-s", 0, "-g", 0, "-l", a["learning_rate"], "-u", 1, "-c", 0.1,
-            "--dtype", dtype, "--device", "cpu", "--progress", 0, "-o", out, *extra]
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "TRITON_INTERPRET": "1",
-           "OMP_NUM_THREADS": "1"}
+            "--dtype", dtype, "--device", device, "--progress", 0, "-o", out, *extra]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "NCCL_NVLS_ENABLE": "0"}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            "-m", "llmpy", "train", *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=900)
@@ -167,3 +169,21 @@ def test_bucket_plan_covers_the_buffer_once(monkeypatch, bucket_bytes):
         for a, b in ranges:
             covered[a:b] += 1
     assert bool((covered == 1).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the nvidia-h200-x2 kind)")
+@pytest.mark.parametrize("zero,overlap", [(0, 1), (1, 1), (1, 0)], ids=["z0", "z1", "z1-after-backward"])
+def test_two_gpus_are_bitwise_one_gpu_with_accumulation(shards, tmp_path, zero, overlap):
+    """The same equality over NCCL: 2 GPUs, one micro-step each, against 1 GPU with 2 accumulation steps."""
+    one = tmp_path / "one"
+    res = train(TrainOptions(**common_args(shards, "bfloat16"), device="cuda", output_dir=str(one)),
+                log=lambda *_: None)
+    assert len(res.train_losses) == STEPS
+    two = tmp_path / "two"
+    run = torchrun(2, shards, two, "bfloat16", "-z", zero, "--overlap-reduction", overlap, device="cuda")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "data parallel: 2 processes (nccl)" in run.stdout
+    for a, b in zip(train_records(one), train_records(two)):
+        assert (a["loss"], a["norm"]) == (b["loss"], b["norm"]), (a, b)
+    assert model_path(two, STEPS).read_bytes() == model_path(one, STEPS).read_bytes()
