@@ -35,6 +35,12 @@ def _torch_oom():
     return getattr(torch, "OutOfMemoryError", MemoryError)
 
 
+def _dist_error():
+    """torch.distributed's error base class (a peer that died, a timeout), or a class nothing raises."""
+    import torch.distributed as dist
+    return getattr(dist, "DistError", LlmpyError) if dist.is_available() else LlmpyError
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -50,6 +56,11 @@ def main(argv=None) -> int:
         detail = str(e).splitlines()[0] if str(e) else "host memory exhausted"
         print(f"llmpy {args.command}: error: out of memory ({detail[:200]}); lower the batch size -b, "
               "raise recompute -r, or use a smaller model", file=sys.stderr)
+        return 1
+    except _dist_error() as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"llmpy {args.command}: error: data-parallel communication failed ({detail[:200]}); another "
+              "process may have stopped first: see its output", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"llmpy {args.command}: interrupted", file=sys.stderr)

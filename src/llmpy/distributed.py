@@ -126,7 +126,12 @@ def init_data_parallel(device: str, zero_stage: int, timeout_s: float = 1800.0) 
     backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():
         kw = {"device_id": torch.device("cuda", local)} if device == "cuda" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        except (RuntimeError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise LlmpyError(f"joining the torchrun group ({backend}, rank {rank} of {world}) failed: "
+                             f"{first[:200]}") from None
     return DataParallel(rank=rank, world_size=world, zero_stage=zero_stage)
 
 
