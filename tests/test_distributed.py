@@ -66,35 +66,39 @@ def train_records(out):
 def one_process_runs(shards, tmp_path_factory):
     """The reference: one process, the kernel model (interpreter), 2 accumulation steps a step."""
     runs = {}
-    for dtype in ("bfloat16",):
-        out = tmp_path_factory.mktemp(f"one_{dtype}")
-        res = train(TrainOptions(**common_args(shards, dtype), engine="kernels", device="cpu", output_dir=str(out)),
-                    log=lambda *_: None)
+    for master in (1, 0):
+        out = tmp_path_factory.mktemp(f"one_w{master}")
+        res = train(TrainOptions(**common_args(shards, "bfloat16"), engine="kernels", device="cpu",
+                                 master_weights=master, output_dir=str(out)), log=lambda *_: None)
         assert len(res.train_losses) == STEPS
-        runs[dtype] = out
+        runs[master] = out
     return runs
 
 
 @interpreter_only
-@pytest.mark.parametrize("zero,overlap", [(0, 1), (1, 1), (1, 0)], ids=["z0", "z1", "z1-after-backward"])
-def test_two_processes_are_bitwise_one_process_with_accumulation(shards, one_process_runs, tmp_path, zero, overlap):
+@pytest.mark.parametrize("zero,overlap,master", [(0, 1, 1), (1, 1, 1), (1, 0, 1), (1, 1, 0)],
+                         ids=["z0", "z1", "z1-after-backward", "z1-w0"])
+def test_two_processes_are_bitwise_one_process_with_accumulation(shards, one_process_runs, tmp_path, zero, overlap,
+                                                                 master):
     """overlap 1 (the default): buckets of finished layers are reduced during the backward; 0: the whole
-    buffer after it. Either way every element is summed in rank order: the same bits."""
+    buffer after it. Either way every element is summed in rank order: the same bits. -w 0: the bf16
+    weights themselves are rounded stochastically, each shard's elements from their global index."""
     dtype = "bfloat16"
     out = tmp_path / "two"
-    res = torchrun(2, shards, out, dtype, "-z", zero, "--overlap-reduction", overlap)
+    res = torchrun(2, shards, out, dtype, "-z", zero, "--overlap-reduction", overlap, "-w", master)
     assert res.returncode == 0, res.stderr[-3000:]
     # one voice: the step lines once (rank 0), and the start report names the parallel setup
     assert res.stdout.count(f"step {STEPS:5d}/{STEPS}") == 1
     assert "data parallel: 2 processes (gloo)" in res.stdout
-    ref, two = train_records(one_process_runs[dtype]), train_records(out)
+    ref, two = train_records(one_process_runs[master]), train_records(out)
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     for a, b in zip(ref, two):  # JSON floats are Python's repr: exact round trips
         assert (a["loss"], a["norm"]) == (b["loss"], b["norm"]), (a, b)
     # the final weights and the whole optimizer state, bit for bit (ZeRO-1: gathered from both shards)
-    assert model_path(out, STEPS).read_bytes() == model_path(one_process_runs[dtype], STEPS).read_bytes()
-    s_ref, s_two = load_checkpoint(one_process_runs[dtype], STEPS), load_checkpoint(out, STEPS)
-    for name in ("params", "master", "m", "v"):
+    assert model_path(out, STEPS).read_bytes() == model_path(one_process_runs[master], STEPS).read_bytes()
+    s_ref, s_two = load_checkpoint(one_process_runs[master], STEPS), load_checkpoint(out, STEPS)
+    assert ("master" in s_two.tensors) == bool(master)
+    for name in ("params", "master", "m", "v") if master else ("params", "m", "v"):
         assert torch.equal(s_ref.tensors[name], s_two.tensors[name]), name
     if zero == 1:
         n = s_ref.tensors["m"].numel()
@@ -121,7 +125,7 @@ def test_two_processes_resume_bitwise(shards, one_process_runs, tmp_path):
     second = torchrun(2, shards, out, "bfloat16", "-z", 1, "-y", 1)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from model_00000003.bin" in second.stdout
-    assert model_path(out, STEPS).read_bytes() == model_path(one_process_runs["bfloat16"], STEPS).read_bytes()
+    assert model_path(out, STEPS).read_bytes() == model_path(one_process_runs[1], STEPS).read_bytes()
 
 
 @interpreter_only
