@@ -295,40 +295,6 @@ def test_layernorm_backward_sweep_candidates(name, dtype, device):
 def test_layernorm_backward_scratch_shape():
     assert layernorm_backward_scratch_shape(15, 40) == (15, 2, 40)
     assert layernorm_backward_scratch_shape(64 * 1024, 768) == (LN_BACKWARD_CHUNKS, 2, 768)
-    assert layernorm_backward_scratch_shape(15, 40, slots=3) == (15, 3, 40)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape,num_chunks", [((2, 3, 64), None), ((3, 5, 40), 4), ((37, 40), 40)])
-def test_layernorm_backward_dinp_colsum(shape, num_chunks, dtype, device):
-    """dinp_colsum += the column sums of the updated dinp as stored (the bias gradient of the projection
-    below a layernorm in GPT-2's backward); dinp, dweight and dbias are exactly what they are without it
-    (a 3-slot scratch, NaN-guarded); the same bits run to run."""
-    args = backward_inputs(shape, dtype, device, seed=31)
-    inp, weight, dout, mean, rstd, dinp0, dweight0, dbias0 = args
-    C, N = shape[-1], inp.numel() // shape[-1]
-    plain = run_backward(*args, num_chunks=num_chunks, seed=5)
-    dsum0 = randn((C,), make_gen(32), device, dtype)
-
-    def fused():
-        chunks = num_chunks or layernorm_backward_scratch_shape(N, C)[0]
-        scratch = Guarded((chunks, 3, C), F32, inp.device)
-        dinp = Guarded(inp.shape, dtype, inp.device, values=dinp0)
-        dweight = Guarded((C,), dtype, inp.device, values=dweight0)
-        dbias = Guarded((C,), dtype, inp.device, values=dbias0)
-        dsum = Guarded((C,), dtype, inp.device, values=dsum0)
-        layernorm_backward(dinp.t, dweight.t, dbias.t, scratch.t, dout, inp, weight, mean, rstd, seed=5,
-                           dinp_colsum=dsum.t)
-        for g in (scratch, dinp, dweight, dbias, dsum):
-            g.check_guard()
-        return dinp.t, dweight.t, dbias.t, dsum.t
-    got = fused()
-    assert all(bitwise_equal(x, y) for x, y in zip(plain, got[:3]))
-    expected = dsum0.float() + got[0].float().reshape(-1, C).sum(0)  # the stored dinp, summed in fp32
-    assert rel_err(got[3], expected) < TOL[dtype]
-    if dtype == F32:
-        assert rel_err(got[3] - dsum0, got[0].reshape(-1, C).sum(0)) < 10 * TOL[dtype]
-    assert all(bitwise_equal(x, y) for x, y in zip(got, fused()))
 
 
 def test_layernorm_backward_stochastic_rounding(device):

@@ -216,7 +216,7 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         BufferSpec("scratch_bt4c", (B, T, 4 * C), dtype, "scratch"),
         # backward: the gradient of the residual stream, accumulated by every layernorm backward
         BufferSpec("dresidual", (B, T, C), dtype, "scratch"),
-        BufferSpec("ln_scratch", kln.layernorm_backward_scratch_shape(B * T, C, *ln_chunks, slots=3), f32, "scratch"),
+        BufferSpec("ln_scratch", kln.layernorm_backward_scratch_shape(B * T, C, *ln_chunks), f32, "scratch"),
     ]
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
@@ -789,11 +789,8 @@ class GPT2Model:
         dlnf = self._dlnf()
         if self.classifier_chunks == 1:
             kmm.matmul_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"])
-        # every layernorm backward also sums its output over the rows: the residual stream's gradient is the
-        # output gradient of the projection below it, so those sums are the projections' bias gradients
-        # (lnf -> the top fcproj, ln2 -> attproj, ln1 -> the fcproj of the layer below)
         kln.layernorm_backward(dresidual, g["lnfw"], g["lnfb"], ln_scratch, dlnf, a["residual3"][L - 1], p["lnfw"],
-                               a["lnf_mean"], a["lnf_rstd"], seed=self._seed(1), dinp_colsum=g["fcprojb"][L - 1])
+                               a["lnf_mean"], a["lnf_rstd"], seed=self._seed(1))
         dqkv = bt4c_flat[:B * T * 3 * C].view(B, T, 3 * C)
 
         for l in reversed(range(L)):
@@ -804,12 +801,12 @@ class GPT2Model:
             # fcproj, then the GELU: dl_bt4c becomes the gradient of fch
             if gf == 2:
                 # dgelu fused with fc's bias gradient: one pass over the (B, T, 4C) gradient
-                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], None, dresidual, b["fch_gelu"],
+                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
                                     p["fcprojw"][l], scratch=bias_scratch, seed=seed(5))
                 kmm.bias_gelu_backward(g["fcb"][l], bias_scratch, dl_bt4c, b["fch"], seed=seed(4))
                 fc_dbias = None
             else:
-                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], None, dresidual, b["fch_gelu"],
+                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
                                     p["fcprojw"][l], scratch=bias_scratch, pre_gelu=b["fch"], gelu_fusion=gf,
                                     seed=seed(5))
                 fc_dbias = g["fcb"][l]
@@ -820,9 +817,8 @@ class GPT2Model:
                                 seed=seed(4))
             # ln2: dresidual becomes the gradient of residual2 (the MLP branch added to the skip path)
             kln.layernorm_backward(dresidual, g["ln2w"][l], g["ln2b"][l], ln_scratch, dl_btc, b["residual2"],
-                                   p["ln2w"][l], b["ln2_mean"], b["ln2_rstd"], seed=seed(1),
-                                   dinp_colsum=g["attprojb"][l])
-            kmm.matmul_backward(dl_btc, g["attprojw"][l], None, dresidual, b["atty"], p["attprojw"][l],
+                                   p["ln2w"][l], b["ln2_mean"], b["ln2_rstd"], seed=seed(1))
+            kmm.matmul_backward(dl_btc, g["attprojw"][l], g["attprojb"][l], dresidual, b["atty"], p["attprojw"][l],
                                 scratch=bias_scratch, seed=seed(3))
             if self.attention == "classic":
                 # dead by now: fch (4C >= 3C) holds dq, dk, dv head-major; atty holds dout head-major;
@@ -841,8 +837,7 @@ class GPT2Model:
                                 seed=seed(2))
             # ln1: dresidual becomes the gradient of this layer's input residual
             kln.layernorm_backward(dresidual, g["ln1w"][l], g["ln1b"][l], ln_scratch, dl_btc, b["residual"],
-                                   p["ln1w"][l], b["ln1_mean"], b["ln1_rstd"], seed=seed(0),
-                                   dinp_colsum=g["fcprojb"][l - 1] if l > 0 else None)
+                                   p["ln1w"][l], b["ln1_mean"], b["ln1_rstd"], seed=seed(0))
             if on_layer_done is not None:
                 on_layer_done(l)
         kenc.encoder_backward(g["wte"], g["wpe"], dresidual, self._cur_inputs, self._seed(0), scratch=self._enc_scratch)

@@ -170,10 +170,9 @@ def _residual_forward_kernel(out_ptr, inp1_ptr, inp2_ptr, numel, BLOCK: tl.const
 @triton.jit
 def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_ptr, mean_ptr, rstd_ptr,
                                N, C, rows_per_chunk, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
-                               STAGES: tl.constexpr, DINP_SUM: tl.constexpr):
+                               STAGES: tl.constexpr):
     """One program per chunk of consecutive rows: dinp += for each row, the chunk's sums of dout * norm
-    and of dout into scratch[chunk, 0, :] and scratch[chunk, 1, :], and with DINP_SUM the sums of the
-    updated dinp (as stored) into scratch[chunk, 2, :]. An empty chunk writes zeros."""
+    and of dout into scratch[chunk, 0, :] and scratch[chunk, 1, :]. An empty chunk writes zeros."""
     chunk = tl.program_id(0)
     start = chunk * rows_per_chunk
     end = tl.minimum(start + rows_per_chunk, N)
@@ -183,7 +182,6 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
     # per-lane partial sums, reduced over the ROWS axis once at the end (not every iteration)
     dw_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
     db_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
-    ds_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
     for r0 in tl.range(start, end, ROWS, num_stages=STAGES):
         rows = r0 + tl.arange(0, ROWS)
         row_ok = rows < end
@@ -200,42 +198,30 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
         dnorm_norm_mean = tl.sum(dnorm * norm, axis=1) / C
         dval = (dnorm - dnorm_mean[:, None] - norm * dnorm_norm_mean[:, None]) * rstd[:, None]
         old = tl.load(dinp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        new = round_to(old + dval, dinp_ptr)
-        tl.store(dinp_ptr + offs, new, mask=mask)
+        tl.store(dinp_ptr + offs, round_to(old + dval, dinp_ptr), mask=mask)
         dw_acc += dout * norm
         db_acc += dout
-        if DINP_SUM:  # masked lanes loaded 0 and computed 0: they add nothing
-            ds_acc += new.to(tl.float32)
-    SLOTS: tl.constexpr = 3 if DINP_SUM else 2
-    base = scratch_ptr + chunk.to(tl.int64) * SLOTS * C
+    base = scratch_ptr + chunk.to(tl.int64) * 2 * C
     tl.store(base + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     tl.store(base + C + cols, tl.sum(db_acc, axis=0), mask=col_ok)
-    if DINP_SUM:
-        tl.store(base + 2 * C + cols, tl.sum(ds_acc, axis=0), mask=col_ok)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a new seed every step must not mean a new compilation
-def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, dsum_ptr, scratch_ptr, num_chunks, C, seed,
+def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, scratch_ptr, num_chunks, C, seed,
                                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                      SEED_IN_MEMORY: tl.constexpr, STOCHASTIC: tl.constexpr,
-                                      DINP_SUM: tl.constexpr):
-    """Sum scratch[:, 0|1(|2), cols] over the chunks in a fixed order; dweight/dbias(/dsum)[cols] += the
-    sums."""
-    SLOTS: tl.constexpr = 3 if DINP_SUM else 2
+                                      SEED_IN_MEMORY: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Sum scratch[:, 0|1, cols] over the chunks in a fixed order; dweight/dbias[cols] += the sums."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     ks = tl.arange(0, BLOCK_K)
     dw_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
-    ds_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
     for k0 in range(0, num_chunks, BLOCK_K):
         k = k0 + ks
         mask = (k < num_chunks)[:, None] & col_ok[None, :]
-        offs = k.to(tl.int64)[:, None] * SLOTS * C + cols[None, :]
+        offs = k.to(tl.int64)[:, None] * 2 * C + cols[None, :]
         dw_acc += tl.load(scratch_ptr + offs, mask=mask, other=0.0)
         db_acc += tl.load(scratch_ptr + offs + C, mask=mask, other=0.0)
-        if DINP_SUM:
-            ds_acc += tl.load(scratch_ptr + offs + 2 * C, mask=mask, other=0.0)
     dw = tl.load(dweight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(dw_acc, axis=0)
     db = tl.load(dbias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(db_acc, axis=0)
     # a seed read from device memory lets a captured CUDA graph get a fresh seed every replay
@@ -250,12 +236,6 @@ def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, dsum_ptr, scratch_
     else:
         tl.store(dweight_ptr + cols, round_to(dw, dweight_ptr), mask=col_ok)
         tl.store(dbias_ptr + cols, round_to(db, dbias_ptr), mask=col_ok)
-    if DINP_SUM:
-        ds = tl.load(dsum_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(ds_acc, axis=0)
-        if STOCHASTIC:
-            store_rounded(dsum_ptr + cols, ds, col_ok, s, cols + 2 * C, True)
-        else:
-            tl.store(dsum_ptr + cols, round_to(ds, dsum_ptr), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -370,27 +350,20 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     return residual, normed, mean, rstd
 
 
-def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int = LN_BACKWARD_CHUNKS,
-                                     slots: int = 2):
-    """Shape of the fp32 scratch layernorm_backward needs for num_rows = B*T rows: (chunks, slots, C),
-    slots = 3 to also sum dinp (dinp_colsum), else 2.
+def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int = LN_BACKWARD_CHUNKS):
+    """Shape of the fp32 scratch layernorm_backward needs for num_rows = B*T rows: (chunks, 2, C).
 
     One buffer serves every layer (each call overwrites it). Its first dim is the number of row chunks
     of the first reduction level; the gradients' bits depend on it, so keep it fixed for reproducibility.
     """
-    assert slots in (2, 3)
-    return (max(1, min(num_chunks, num_rows)), slots, C)
+    return (max(1, min(num_chunks, num_rows)), 2, C)
 
 
 def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd,
                        seed: int | torch.Tensor = 0, stochastic: bool | None = None, rows: int | None = None,
-                       num_warps: int | None = None, stages: int = BWD_STAGES, dinp_colsum=None):
+                       num_warps: int | None = None, stages: int = BWD_STAGES):
     """Accumulate the LayerNorm gradients: dinp += dL/dinp, dweight += sum(dout * norm), dbias += sum(dout).
 
-    dinp_colsum (C,), optional: += the column sums of the updated dinp (as stored), i.e. the bias gradient
-    of the matrix product whose output gradient dinp is (in GPT-2 the residual stream's gradient is the
-    attention / MLP projections' output gradient): one pass fewer over a (B*T, C) tensor than
-    matmul_backward's own bias reduction. Rounded like dweight; the scratch then needs 3 slots.
     scratch: fp32 (num_chunks, 2, C), contiguous, any num_chunks >= 1 (see layernorm_backward_scratch_shape);
     its contents are overwritten. seed: an int, or a one-element int64/int32 device tensor read by the
     kernel (so a captured CUDA graph can be replayed with a fresh seed). stochastic: round dweight/dbias
@@ -411,13 +384,7 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     _check_param(dbias, "dbias", C)
     assert dweight.dtype == dbias.dtype, "dweight and dbias must share a dtype"
     assert scratch.dtype == torch.float32 and scratch.is_contiguous(), "scratch must be contiguous fp32"
-    slots = 3 if dinp_colsum is not None else 2
-    assert scratch.dim() == 3 and scratch.shape[2] == C and scratch.shape[1] >= slots, \
-        f"scratch {tuple(scratch.shape)}: want (chunks, {slots}, {C})"
-    if dinp_colsum is not None:
-        _check_param(dinp_colsum, "dinp_colsum", C)
-        assert dinp_colsum.dtype == dweight.dtype, "dinp_colsum and dweight must share a dtype"
-    # the kernels lay the chunks out at a stride of `slots` rows of C: a 3-slot scratch serves both kinds
+    assert scratch.dim() == 3 and scratch.shape[1:] == (2, C), f"scratch {tuple(scratch.shape)}: want (chunks, 2, {C})"
     if stochastic is None:
         stochastic = dweight.dtype == torch.bfloat16
     assert not stochastic or dweight.dtype == torch.bfloat16, "stochastic rounding is for bf16 gradients"
@@ -429,14 +396,11 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     num_chunks = scratch.shape[0]
     rows_per_chunk = cdiv(N, num_chunks)
     block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD, rows, num_warps)
-    dsum = dinp_colsum is not None
     args = (dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows_per_chunk)
-    launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
-                     num_warps=num_warps, DINP_SUM=dsum)
-    _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](dweight, dbias, dinp_colsum if dsum else dbias,
-                                                                  scratch, num_chunks, C, seed,
+    launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows, num_warps=num_warps)
+    _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](dweight, dbias, scratch, num_chunks, C, seed,
                                                                   BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C,
                                                                   SEED_IN_MEMORY=seed_in_memory,
-                                                                  STOCHASTIC=stochastic, DINP_SUM=dsum,
+                                                                  STOCHASTIC=stochastic,
                                                                   num_warps=REDUCE_WARPS)
     return dinp, dweight, dbias
