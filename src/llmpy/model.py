@@ -41,7 +41,6 @@ memory, and replays.
 """
 from __future__ import annotations
 
-import gc
 import math
 import random
 from dataclasses import dataclass
@@ -1148,12 +1147,6 @@ class GPT2Model:
                 with torch.cuda.graph(upd, pool=main.pool()):
                     self._adamw()
             self._graphs[key] = (main, upd)
-            # Python's cyclic collector, when it runs a full pass, walks every object alive (torch's,
-            # Triton's, ours: ~200k, 20-80 ms) - at the start of a step, where the GPU waits for the
-            # host. Once the graphs exist nothing long-lived is made any more: freeze what is alive, so
-            # later passes skip it (gc.freeze; the collector still runs on new objects)
-            gc.collect()
-            gc.freeze()
         main, upd = self._graphs[key]
         self._stage(batches)
         if local_only:
