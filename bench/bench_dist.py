@@ -105,6 +105,36 @@ def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overla
     return res
 
 
+def report(runs: list[dict], args) -> tuple[list[str], dict]:
+    """The table lines and the bitwise checks of the five runs of main() (adds median_ms, tokens_per_s
+    and scaling to each run that has enough steps)."""
+    N, lo, tokens = args.nproc, args.median_from - 1, args.B * args.T
+    lines = [f"=== data-parallel scaling: {args.model}, B={args.B} T={args.T} a GPU, median of steps "
+             f"{args.median_from}..{args.steps}",
+             f"{'run':16} {'GPUs':>4} {'ms/step':>8} {'tok/s':>11} {'scaling':>8} {'alloc GB':>9}  status"]
+    base = None
+    for r in runs:
+        ms = statistics.median(r["step_ms"][lo:]) if len(r.get("step_ms", [])) > lo else None
+        if ms is not None:
+            tok_s = tokens * max(r.get("world", 1), r.get("accum", 1)) / (ms / 1e3)
+            r["median_ms"], r["tokens_per_s"] = ms, tok_s
+            if r["tag"] == "1gpu":
+                base = tok_s
+            r["scaling"] = tok_s / base if base else None
+        lines.append(f"{r['tag']:16} {r.get('world', '?'):>4} {r.get('median_ms') or float('nan'):8.1f} "
+                     f"{r.get('tokens_per_s') or 0:11,.0f} {r.get('scaling') or float('nan'):8.3f} "
+                     f"{r.get('peak_allocated_bytes', 0) / 1e9:9.2f}  rc={r['rc']}")
+    z0, z1, acc, after = runs[1], runs[2], runs[3], runs[4]
+    k = args.exact_steps
+    same = lambda a, b, n=None: bool(a.get("losses")) and a.get("losses", [])[:n] == b.get("losses", [])[:n] \
+        and a.get("norms", [])[:n] == b.get("norms", [])[:n]  # noqa: E731
+    checks = {"z0 == z1 (losses, norms, all steps)": same(z0, z1),
+              "z1 overlapped == z1 after the backward": same(z1, after),
+              f"{N} GPUs == 1 GPU x {N} accumulation (first {k} steps)": bool(acc.get("losses")) and same(z0, acc, k)}
+    lines += [f"bitwise {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
+    return lines, checks
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -116,35 +146,8 @@ def main(argv=None) -> int:
             launch(args, N, 1, 1, args.steps, f"{N}gpu_z1"),
             launch(args, 1, 0, N, args.exact_steps, f"1gpu_accum{N}"),
             launch(args, N, 1, 1, args.steps, f"{N}gpu_z1_after", overlap=0)]
-    lo = args.median_from - 1
-    tokens = args.B * args.T
-    base = None
-    print(f"\n=== data-parallel scaling: {args.model}, B={args.B} T={args.T} a GPU, median of steps "
-          f"{args.median_from}..{args.steps}")
-    print(f"{'run':16} {'GPUs':>4} {'ms/step':>8} {'tok/s':>11} {'scaling':>8} {'alloc GB':>9}  status")
-    for r in runs:
-        ms = statistics.median(r["step_ms"][lo:]) if len(r.get("step_ms", [])) > lo else None
-        if ms is not None:
-            gpus = r.get("world", 1)
-            tok_s = tokens * max(gpus, r.get("accum", 1)) / (ms / 1e3)
-            r["median_ms"], r["tokens_per_s"] = ms, tok_s
-            if r["tag"] == "1gpu":
-                base = tok_s
-            r["scaling"] = tok_s / base if base else None
-        print(f"{r['tag']:16} {r.get('world', '?'):>4} {r.get('median_ms') or float('nan'):8.1f} "
-              f"{r.get('tokens_per_s') or 0:11,.0f} {r.get('scaling') or float('nan'):8.3f} "
-              f"{r.get('peak_allocated_bytes', 0) / 1e9:9.2f}  rc={r['rc']}")
-    z0, z1, acc, after = runs[1], runs[2], runs[3], runs[4]
-    k = args.exact_steps
-    checks = {
-        "z0 == z1 (losses, norms, all steps)": z0.get("losses") and z0.get("losses") == z1.get("losses")
-        and z0.get("norms") == z1.get("norms"),
-        "z1 overlapped == z1 after the backward": z1.get("losses") and z1.get("losses") == after.get("losses"),
-        f"{N} GPUs == 1 GPU x {N} accumulation (first {k} steps)": bool(acc.get("losses"))
-        and z0.get("losses", [])[:k] == acc["losses"][:k] and z0.get("norms", [])[:k] == acc["norms"][:k],
-    }
-    for name, ok in checks.items():
-        print(f"bitwise {name}: {'yes' if ok else 'NO'}")
+    lines, checks = report(runs, args)
+    print("\n" + "\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": vars(args), "runs": runs, "bitwise": checks}, f, indent=1)

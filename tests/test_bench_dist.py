@@ -1,0 +1,28 @@
+"""bench/bench_dist.py's report on made-up runs (the GPU runs themselves need the 2-GPU machine)."""
+from bench.bench_dist import parse_args, report
+
+
+def run(tag, world, ms, losses, accum=1, rc=0):
+    return {"tag": tag, "world": world, "accum": accum, "rc": rc, "step_ms": [ms] * 40, "losses": losses,
+            "norms": [1.0] * len(losses), "peak_allocated_bytes": 24e9}
+
+
+def test_scaling_and_bitwise_checks():
+    args = parse_args(["--nproc", "2"])
+    same = [10.0 + i for i in range(40)]
+    runs = [run("1gpu", 1, 100.0, [9.0] * 40), run("2gpu_z0", 2, 102.0, same), run("2gpu_z1", 2, 101.0, same),
+            run("1gpu_accum2", 1, 200.0, same[:10], accum=2), run("2gpu_z1_after", 2, 101.5, same)]
+    lines, checks = report(runs, args)
+    assert abs(runs[1]["scaling"] - 2 * 100 / 102) < 1e-9 and abs(runs[2]["scaling"] - 2 * 100 / 101) < 1e-9
+    assert abs(runs[3]["scaling"] - 1.0) < 1e-9  # 2 micro-steps of B on one GPU: the 1-GPU throughput
+    assert all(checks.values()) and sum("yes" in l for l in lines) == 3
+
+
+def test_a_failed_run_reads_no_and_nan():
+    args = parse_args(["--nproc", "2"])
+    runs = [run("1gpu", 1, 100.0, [9.0] * 40), {"tag": "2gpu_z0", "rc": 1},
+            run("2gpu_z1", 2, 101.0, [1.0] * 40), {"tag": "1gpu_accum2", "rc": "timeout"},
+            run("2gpu_z1_after", 2, 101.0, [2.0] * 40)]
+    lines, checks = report(runs, args)
+    assert not any(checks.values())
+    assert any("2gpu_z0" in l and "nan" in l and "rc=1" in l for l in lines)
