@@ -1,10 +1,5 @@
 """The command line: bad input gets one line naming the file or flag, a non-zero exit and no traceback;
 nothing already saved is touched. And a tiny end-to-end run with a checkpoint and a sample."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -12,23 +7,11 @@ import torch
 from llmpy.checkpoint import load_llmc
 from llmpy.data import write_shard
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from cli_helpers import assert_one_line_error, llmpy
+
 TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
 
 
-def llmpy(*args, cwd=None):
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "llmpy", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
-
-
-def assert_one_line_error(res, *needles):
-    assert res.returncode != 0, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr, res.stderr
-    lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, res.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 @pytest.fixture

@@ -3,11 +3,7 @@ scoring checked against a row-by-row oracle, `llmpy train -h 1` logging accuracy
 hellaswag` offline."""
 import io
 import json
-import os
-import subprocess
-import sys
 import urllib.error
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +18,8 @@ from llmpy.hellaswag import Example, read_eval_file, score, write_eval_file
 from llmpy.init import init_parameters
 from llmpy.reference import GPT2Reference
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from cli_helpers import assert_one_line_error, llmpy
+
 TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
 
 
@@ -156,18 +153,6 @@ def test_batch_not_a_multiple_of_four():
 # ----------------------------------------------------------------------------------------------
 # the command line
 
-def llmpy(*args, cwd=None):
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "llmpy", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
-
-
-def one_line_error(res, *needles):
-    assert res.returncode != 0, res.stdout + res.stderr
-    lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 def test_train_with_hellaswag_logs_accuracy(tmp_path, eval_file):
@@ -190,8 +175,8 @@ def test_train_with_hellaswag_logs_accuracy(tmp_path, eval_file):
         assert r["total"] == len(exs) and r["accuracy"] == r["correct"] / len(exs)
         assert l == f"s:{r['step']} eval:{r['accuracy']:.4f}"
     # -h 1 needs B a multiple of 4, and an eval file that exists
-    one_line_error(llmpy("train", *common, "-b", 2, "-h", 1, "--hellaswag-file", path), "-b 2", "multiple of 4")
-    one_line_error(llmpy("train", *common, "-b", 4, "-h", 1, "--hellaswag-file", tmp_path / "none.bin"),
+    assert_one_line_error(llmpy("train", *common, "-b", 2, "-h", 1, "--hellaswag-file", path), "-b 2", "multiple of 4")
+    assert_one_line_error(llmpy("train", *common, "-b", 4, "-h", 1, "--hellaswag-file", tmp_path / "none.bin"),
                    "none.bin", "llmpy prepare hellaswag")
 
 
