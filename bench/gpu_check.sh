@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -47,6 +47,14 @@ for stage in $stages; do
       timeout ${PROFILE_TIMEOUT:-300} python3 -m bench.profile_step ${PROFILE_ARGS:-} --json "$OUT/profile.json" \
         --md "$OUT/profile.md" 2>&1 | tee "$OUT/profile.log"
       rc=$? ;;
+    gemm)
+      # the Triton GEMM (pointer and TMA kernels) with the GELU epilogues against cuBLAS + a GELU pass
+      timeout ${GEMM_TIMEOUT:-300} python3 -m bench.kernels.sweep_gemm --budget-s ${GEMM_BUDGET:-220} \
+        --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log"
+      rc=$? ;;
+    bias)
+      timeout ${BIAS_TIMEOUT:-240} python3 -m bench.kernels.sweep_bias --json "$OUT/bias.json" 2>&1 | tee "$OUT/bias.log"
+      rc=$? ;;
     dist)
       # data-parallel scaling and bit-exactness over NCCL (needs the nvidia-h200-x2 kind)
       timeout ${DIST_TIMEOUT:-420} python3 -m bench.bench_dist --nproc ${DIST_NPROC:-2} ${DIST_ARGS:-} \
@@ -57,10 +65,22 @@ for stage in $stages; do
       rc=$(( rc || $? )) ;;
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any
-      # out-of-bounds or misaligned access
-      timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-        python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" $KERNEL_TESTS 2>&1 | tee "$OUT/sanitize.log"
-      rc=$? ;;
+      # out-of-bounds or misaligned access. One sanitizer process per test file, all at once (memcheck
+      # is slow and mostly host-bound); each file's log is $OUT/sanitize_<name>.log.
+      pids=()
+      for f in $KERNEL_TESTS; do
+        n=$(basename "$f" .py)
+        timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+          python3 -m pytest -q -p no:cacheprovider -m "not gpu" ${SANITIZE_K:+-k "$SANITIZE_K"} "$f" \
+          > "$OUT/sanitize_$n.log" 2>&1 &
+        pids+=($!)
+      done
+      rc=0
+      for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+      for f in $KERNEL_TESTS; do
+        n=$(basename "$f" .py)
+        echo "$n: $(grep -E "ERROR SUMMARY" "$OUT/sanitize_$n.log" | tail -1) | $(grep -E "passed|failed|error" "$OUT/sanitize_$n.log" | tail -1)"
+      done | tee "$OUT/sanitize.log" ;;
   esac
   summary+=("$stage rc=$rc $(( $(date +%s) - t0 ))s")
 done

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DOT_UPCAST, cdiv, interpreting, round_to, store_rounded
+from .common import DOT_UPCAST, EXPLICIT_RNE, cdiv, interpreting, round_nearest_bf16, round_to, store_rounded
 from .gelu import gelu_backward_inplace, gelu_forward, gelu_fp32, gelu_grad_fp32
 
 # 2 * sqrt(2 / pi) and 2 * sqrt(2 / pi) * 0.044715: sigmoid(2u) with u = sqrt(2/pi) * (x + 0.044715 x^3)
@@ -140,6 +140,89 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, M, N, K,
 
 
 @triton.jit
+def _tma_epilogue(x, off_m, off_n, c_desc, aux_desc, bias_ptr, N, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+                  BN: tl.constexpr, OUT_BF16: tl.constexpr):
+    """The epilogue of one [BLOCK_M, BN] (sub)tile at (off_m, off_n): the same arithmetic as
+    _matmul_kernel's, stored through the descriptors (TMA clips rows/columns past the edges)."""
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, BN)
+        x += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if EPILOGUE == 1:
+        x = _round_out(x, OUT_BF16)
+        aux_desc.store([off_m, off_n], _cast_out(x, OUT_BF16))
+        x = _gelu(x)
+    if EPILOGUE == 2:
+        x = x * _gelu_grad(aux_desc.load([off_m, off_n]).to(tl.float32))
+    c_desc.store([off_m, off_n], _cast_out(_round_out(x, OUT_BF16), OUT_BF16))
+
+
+@triton.jit
+def _cast_out(x, OUT_BF16: tl.constexpr):
+    # x already holds a value of the output dtype (see _round_out): the cast is exact
+    if OUT_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def _round_out(x, OUT_BF16: tl.constexpr):
+    """fp32 x rounded to the output dtype (nearest even, also in the interpreter), as fp32."""
+    if OUT_BF16:
+        if EXPLICIT_RNE:
+            return round_nearest_bf16(x).to(tl.float32)
+        else:
+            return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, aux_desc, bias_ptr, M, N, K,
+                       HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, B_KN: tl.constexpr, OUT_BF16: tl.constexpr,
+                       DOT_UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
+                       FLATTEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    """_matmul_kernel for sm_90: a persistent grid of NUM_PROGRAMS programs walking the output tiles (in
+    the same grouped order), operands brought in by TMA (tensor descriptors) and multiplied with wgmma.
+    a (M, K) row-major; b (K, N) row-major when B_KN (weight in the backward), else stored as (N, K)
+    (weight in the forward: the tile is transposed in shared memory, not in memory). SUBTILE: the
+    epilogue runs on two [BLOCK_M, BLOCK_N/2] halves (fewer live registers, smaller store buffers)."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_M * grid_n
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_PROGRAMS, flatten=FLATTEN):
+        first_m = (tile // per_group) * GROUP_M
+        rows_in_group = min(grid_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % per_group) % rows_in_group) * BLOCK_M
+        off_n = ((tile % per_group) // rows_in_group) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            # TMA zero-fills reads past K, M and N: edge tiles need no masks
+            a = a_desc.load([off_m, ks * BLOCK_K])
+            if B_KN:
+                b = b_desc.load([ks * BLOCK_K, off_n])
+            else:
+                b = b_desc.load([off_n, ks * BLOCK_K]).T
+            if DOT_UPCAST:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            elif OUT_BF16:
+                acc = tl.dot(a, b, acc)
+            else:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+        if SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            x0, x1 = tl.split(halves)
+            _tma_epilogue(x0, off_m, off_n, c_desc, aux_desc, bias_ptr, N, HAS_BIAS, EPILOGUE, BLOCK_N // 2,
+                          OUT_BF16)
+            _tma_epilogue(x1, off_m, off_n + BLOCK_N // 2, c_desc, aux_desc, bias_ptr, N, HAS_BIAS, EPILOGUE,
+                          BLOCK_N // 2, OUT_BF16)
+        else:
+            _tma_epilogue(acc, off_m, off_n, c_desc, aux_desc, bias_ptr, N, HAS_BIAS, EPILOGUE, BLOCK_N, OUT_BF16)
+
+
+@triton.jit
 def _seed(seed_ptr, STOCHASTIC: tl.constexpr):
     # the seed tensor is only there (and only read) when rounding stochastically
     if STOCHASTIC:
@@ -226,11 +309,39 @@ def gemm_config(dtype: torch.dtype) -> dict:
     return GEMM_CONFIGS["bf16" if dtype == torch.bfloat16 else "fp32"]
 
 
+def _tma_descriptor_class():
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # an older Triton
+        return None
+    return TensorDescriptor
+
+
+def _tma_usable(*tensors) -> bool:
+    """TMA (tensor descriptors) needs sm_90+ (or the interpreter), and every 2-D operand 16-byte aligned
+    in its base and its row stride, with unit column stride (or unit row stride: a transposed view)."""
+    if _tma_descriptor_class() is None:
+        return False
+    t0 = tensors[0]
+    if t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    if not t0.is_cuda and not interpreting():
+        return False
+    for t in tensors:
+        e = t.element_size()
+        lead = t.stride(0) if t.stride(1) == 1 else t.stride(1) if t.stride(0) == 1 else None
+        if lead is None or (lead * e) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
 def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, config: dict | None = None):
     """c (M, N) = epilogue(a (M, K) @ b (K, N) + bias) with the Triton GEMM; b may be strided (weight.t()).
 
     EPILOGUE_GELU_AUX: aux (M, N) gets a @ b + bias, c gets its gelu. EPILOGUE_DGELU: c = (a @ b) * gelu'(aux).
-    config: GEMM_CONFIGS-style tiles (default gemm_config(dtype)); the benchmark sweeps it.
+    config: GEMM_CONFIGS-style tiles (default gemm_config(dtype)); the benchmark sweeps it. With
+    TMA=True in it (and operands TMA can address, see _tma_usable) the persistent TMA kernel runs, with
+    PROGRAMS_PER_SM, SUBTILE and FLATTEN from the config; else the pointer kernel.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -245,6 +356,25 @@ def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, c
         assert aux is not None and aux.shape == (M, N) and aux.dtype == c.dtype and aux.is_contiguous()
     cfg = dict(config or gemm_config(a.dtype))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    tma = cfg.pop("TMA", False)
+    per_sm, subtile, flatten = cfg.pop("PROGRAMS_PER_SM", 1), cfg.pop("SUBTILE", False), cfg.pop("FLATTEN", False)
+    operands = [a, b, c] + ([aux] if aux is not None else [])
+    if tma and _tma_usable(*operands):
+        TD = _tma_descriptor_class()
+        b_kn = b.stride(1) == 1
+        en = bn // 2 if subtile else bn
+        a_d = TD.from_tensor(a, [bm, bk])
+        b_d = TD.from_tensor(b, [bk, bn]) if b_kn else TD.from_tensor(b.t(), [bn, bk])
+        c_d = TD.from_tensor(c, [bm, en])
+        aux_d = TD.from_tensor(aux, [bm, en]) if aux is not None else c_d
+        tiles = cdiv(M, bm) * cdiv(N, bn)
+        programs = min(tiles, 3 if interpreting() else _num_sms(a.device) * per_sm)
+        _matmul_tma_kernel[(programs,)](
+            a_d, b_d, c_d, aux_d, bias if bias is not None else c, M, N, K,
+            HAS_BIAS=bias is not None, EPILOGUE=epilogue, B_KN=b_kn, OUT_BF16=c.dtype == torch.bfloat16,
+            DOT_UPCAST=DOT_UPCAST, NUM_PROGRAMS=programs, SUBTILE=subtile, FLATTEN=flatten,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+        return c
     grid = (cdiv(M, bm) * cdiv(N, bn),)
     _matmul_kernel[grid](
         a, b, c, bias if bias is not None else c, aux if aux is not None else c, M, N, K,

@@ -1,0 +1,78 @@
+"""Sweep: tiles of the deterministic bias-gradient reduction (matmul_backward_bias) at the GPT-2 124M widths.
+
+The reduction is two levels (kernels/matmul.py): (column block, row chunk) programs summing rows in fp32,
+then a fixed-order sum of the chunk rows. Its knobs are module constants (BIAS_BLOCK_M, BIAS_BLOCK_N,
+BIAS_WARPS, BIAS_PROGRAMS_PER_SM); each configuration is checked against dout.float().sum(0) and timed
+(median), with the copy bandwidth measured in the same run. OC = 768 is the one under 80 % of copy.
+
+    PYTHONPATH=src:. python -m bench.kernels.sweep_bias [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from bench.timing import copy_bandwidth_gbs, median_ms
+from llmpy.kernels import matmul as mm
+
+M = 64 * 1024
+WIDTHS = (768, 2304, 3072)
+# (BLOCK_M, BLOCK_N, warps, programs per SM)
+CANDIDATES = [(64, 128, 8, 4)] + [c for c in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (4, 8, 16))
+                                  if c != (64, 128, 8, 4) and c[0] * c[1] <= 16384]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    copy = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    saved = (mm.BIAS_BLOCK_M, mm.BIAS_BLOCK_N, mm.BIAS_WARPS, mm.BIAS_PROGRAMS_PER_SM)
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    candidates = CANDIDATES
+    for N in WIDTHS:
+        dout = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+        want = dout.float().sum(0)
+        dbias = torch.empty(N, device="cuda", dtype=torch.float32)
+        best = None
+        for bm, bn, w, p in candidates:
+            mm.BIAS_BLOCK_M, mm.BIAS_BLOCK_N, mm.BIAS_WARPS, mm.BIAS_PROGRAMS_PER_SM = bm, bn, w, p
+            chunks, _ = mm.bias_backward_chunks(M, N, dout.device)
+            scratch = torch.empty(max(1, chunks * N), device="cuda", dtype=torch.float32)
+
+            def run():  # accumulates: timed without a zeroing launch
+                mm.matmul_backward_bias(dbias, dout, scratch)
+
+            try:
+                dbias.zero_()
+                run()
+                err = ((dbias - want).abs().max() / want.abs().max()).item()
+                ms = median_ms(run)
+            except Exception as e:  # noqa: BLE001
+                print(f"N={N} {bm}x{bn} w{w} p{p}: FAILED {type(e).__name__}", flush=True)
+                continue
+            pct = 100 * M * N * 2 / (ms * 1e-3) / 1e9 / copy
+            r = dict(N=N, block_m=bm, block_n=bn, warps=w, per_sm=p, chunks=chunks, ms=ms, pct=pct, err=err)
+            rows.append(r)
+            if best is None or ms < best["ms"]:
+                best = r
+            print(f"N={N:5d} {bm:3d}x{bn:3d} w{w} p{p:2d} chunks {chunks:4d} {ms:.4f} ms {pct:5.1f} % err {err:.1e}",
+                  flush=True)
+        print(f"BEST N={N}: {best}", flush=True)
+        if N == WIDTHS[0]:  # the wider gradients: the default and the five best at the first width
+            top = sorted((r for r in rows if r["N"] == N), key=lambda r: r["ms"])[:5]
+            candidates = [CANDIDATES[0]] + [(r["block_m"], r["block_n"], r["warps"], r["per_sm"]) for r in top
+                                            if (r["block_m"], r["block_n"], r["warps"], r["per_sm"]) != CANDIDATES[0]]
+    mm.BIAS_BLOCK_M, mm.BIAS_BLOCK_N, mm.BIAS_WARPS, mm.BIAS_PROGRAMS_PER_SM = saved
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_gbs=copy, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
