@@ -79,7 +79,7 @@ for stage in $stages; do
       for p in "${pids[@]}"; do wait "$p" || rc=$?; done
       for f in $KERNEL_TESTS; do
         n=$(basename "$f" .py)
-        echo "$n: $(grep -E "ERROR SUMMARY" "$OUT/sanitize_$n.log" | tail -1) | $(grep -E "passed|failed|error" "$OUT/sanitize_$n.log" | tail -1)"
+        echo "$n: $(grep -E "ERROR SUMMARY" "$OUT/sanitize_$n.log" | tail -1) | $(grep -E "[0-9]+ (passed|failed)" "$OUT/sanitize_$n.log" | tail -1)"
       done | tee "$OUT/sanitize.log" ;;
   esac
   summary+=("$stage rc=$rc $(( $(date +%s) - t0 ))s")

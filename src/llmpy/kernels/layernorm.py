@@ -83,6 +83,11 @@ LN_FWD_SWEEP = {
     "r2 w8 p4 s3": dict(rows=2, num_warps=8, programs_per_sm=4, stages=3),
     "r1 w4 p8 s3": dict(rows=1, num_warps=4, programs_per_sm=8, stages=3),
     "r4 w16 p2 s2": dict(rows=4, num_warps=16, programs_per_sm=2, stages=2),
+    # more bytes in flight an SM (the plain forward has one load a row where the fused one has two)
+    "r1 w4 p8 s5": dict(rows=1, num_warps=4, programs_per_sm=8, stages=5),
+    "r1 w4 p16 s3": dict(rows=1, num_warps=4, programs_per_sm=16, stages=3),
+    "r2 w8 p8 s3": dict(rows=2, num_warps=8, programs_per_sm=8, stages=3),
+    "r1 w4 p12 s4": dict(rows=1, num_warps=4, programs_per_sm=12, stages=4),
 }
 # Backward names: r=rows per iteration w=num_warps k=chunks (the scratch's first dim) s=stages.
 LN_BWD_SWEEP = {

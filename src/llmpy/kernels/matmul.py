@@ -178,11 +178,19 @@ def _round_out(x, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(tile, per_group, grid_m, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row, column) offsets of output tile number `tile` in the grouped order of _matmul_kernel."""
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = min(grid_m - first_m, GROUP_M)
+    return (first_m + (tile % per_group) % rows_in_group) * BLOCK_M, ((tile % per_group) // rows_in_group) * BLOCK_N
+
+
+@triton.jit
 def _matmul_tma_kernel(a_desc, b_desc, c_desc, aux_desc, bias_ptr, M, N, K,
                        HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, B_KN: tl.constexpr, OUT_BF16: tl.constexpr,
                        DOT_UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
-                       FLATTEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr):
+                       FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """_matmul_kernel for sm_90: a persistent grid of NUM_PROGRAMS programs walking the output tiles (in
     the same grouped order), operands brought in by TMA (tensor descriptors) and multiplied with wgmma.
     a (M, K) row-major; b (K, N) row-major when B_KN (weight in the backward), else stored as (N, K)
@@ -192,11 +200,12 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, aux_desc, bias_ptr, M, N, K,
     grid_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     per_group = GROUP_M * grid_n
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_PROGRAMS, flatten=FLATTEN):
-        first_m = (tile // per_group) * GROUP_M
-        rows_in_group = min(grid_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % per_group) % rows_in_group) * BLOCK_M
-        off_n = ((tile % per_group) // rows_in_group) * BLOCK_N
+    # the epilogue walks the same tiles with its own counter: no dependency between one tile's epilogue
+    # and the next tile's loads, so a flattened (or warp-specialised) loop can overlap them
+    tile_out = tl.program_id(0) - NUM_PROGRAMS
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        off_m, off_n = _tile_offsets(tile, per_group, grid_m, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(k_steps):
             # TMA zero-fills reads past K, M and N: edge tiles need no masks
@@ -211,6 +220,8 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, aux_desc, bias_ptr, M, N, K,
                 acc = tl.dot(a, b, acc)
             else:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
+        tile_out += NUM_PROGRAMS
+        off_m, off_n = _tile_offsets(tile_out, per_group, grid_m, GROUP_M, BLOCK_M, BLOCK_N)
         if SUBTILE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             x0, x1 = tl.split(halves)
@@ -358,6 +369,7 @@ def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, c
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     tma = cfg.pop("TMA", False)
     per_sm, subtile, flatten = cfg.pop("PROGRAMS_PER_SM", 1), cfg.pop("SUBTILE", False), cfg.pop("FLATTEN", False)
+    warp_spec = cfg.pop("WARP_SPECIALIZE", False) and not interpreting()
     operands = [a, b, c] + ([aux] if aux is not None else [])
     if tma and _tma_usable(*operands):
         TD = _tma_descriptor_class()
@@ -373,6 +385,7 @@ def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, c
             a_d, b_d, c_d, aux_d, bias if bias is not None else c, M, N, K,
             HAS_BIAS=bias is not None, EPILOGUE=epilogue, B_KN=b_kn, OUT_BF16=c.dtype == torch.bfloat16,
             DOT_UPCAST=DOT_UPCAST, NUM_PROGRAMS=programs, SUBTILE=subtile, FLATTEN=flatten,
+            WARP_SPECIALIZE=warp_spec,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
         return c
     grid = (cdiv(M, bm) * cdiv(N, bn),)
