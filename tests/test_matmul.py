@@ -158,6 +158,61 @@ def test_triton_matmul_plain_and_edges(device, dtype, shape):
         assert_guard_intact(buf)
 
 
+def _tma_config(device, subtile):
+    """The persistent TMA kernel's knobs around the pointer kernel's tiles (interpreter-sized on the CPU)."""
+    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1) if device == "cpu" \
+        else dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=3)
+    return dict(base, TMA=True, PROGRAMS_PER_SM=1, SUBTILE=subtile, FLATTEN=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(40, 24, 48), (33, 16, 72), (130, 40, 96)])
+@pytest.mark.parametrize("epilogue", [mm.EPILOGUE_NONE, mm.EPILOGUE_GELU_AUX, mm.EPILOGUE_DGELU],
+                         ids=["none", "gelu_aux", "dgelu"])
+@pytest.mark.parametrize("subtile", [False, True], ids=["whole", "subtile"])
+def test_triton_matmul_tma_equals_pointer_kernel(device, dtype, shape, epilogue, subtile):
+    """The persistent TMA kernel (tensor descriptors, edge tiles clipped by TMA rather than masked) gives
+    the pointer kernel's bits: same tiles, same K order, same epilogue arithmetic; for both weight layouts,
+    partial tiles in M and N and a K tail; pre_gelu (aux) too; nothing written past the outputs."""
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90")
+    M, K, N = shape
+    rand = Rand(device, dtype, 9)
+    a, w_nk, w_kn, bias = rand(M, K), rand(N, K, scale=K ** -0.5), rand(K, N, scale=K ** -0.5), rand(N, scale=0.5)
+    tma = _tma_config(device, subtile)
+    plain = {k: v for k, v in tma.items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
+    aux_in = rand(M, N)
+    for b in (w_nk.t(), w_kn):
+        assert mm._tma_usable(a, b), "the test shapes are meant for the TMA path"
+        outs = []
+        for cfg in (plain, tma):
+            c, buf = guarded((M, N), dtype, device)
+            aux = aux_in.clone() if epilogue == mm.EPILOGUE_DGELU else (
+                poisoned((M, N), dtype, device) if epilogue == mm.EPILOGUE_GELU_AUX else None)
+            mm.triton_matmul(c, a, b, None if epilogue == mm.EPILOGUE_DGELU else bias, aux=aux, epilogue=epilogue,
+                             config=cfg)
+            assert_guard_intact(buf)
+            outs.append((c, aux))
+        assert torch.isfinite(outs[1][0]).all()
+        assert torch.equal(outs[0][0], outs[1][0]), "TMA kernel output differs from the pointer kernel's"
+        if epilogue == mm.EPILOGUE_GELU_AUX:
+            assert torch.equal(outs[0][1], outs[1][1]), "TMA kernel pre_gelu differs"
+        if epilogue == mm.EPILOGUE_NONE:
+            check(outs[1][0], up(a, dtype) @ up(b, dtype) + up(bias, dtype), dtype, "c")
+
+
+def test_triton_matmul_tma_falls_back_on_unaligned_rows(device):
+    """Rows whose byte stride is not a multiple of 16 cannot be TMA-addressed: the pointer kernel runs."""
+    dtype = torch.bfloat16
+    M, K, N = 20, 24, 36  # 36 bf16 = 72 bytes a row
+    rand = Rand(device, dtype, 10)
+    a, w = rand(M, K), rand(N, K)
+    c = poisoned((M, N), dtype, device)
+    assert not mm._tma_usable(a, w.t(), c)
+    mm.triton_matmul(c, a, w.t(), config=_tma_config(device, True))
+    check(c, up(a, dtype) @ up(w.t(), dtype), dtype, "c")
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp -> inf, by design
 def test_gelu_extremes(device):
     """Large |x|: gelu -> x and 0, gelu' -> 1 and 0, no inf/nan from the exp; matches the tanh reference."""

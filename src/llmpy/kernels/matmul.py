@@ -48,8 +48,10 @@ GEMM_CONFIGS = {
     "interpret": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
 }
 
-# bias-gradient reduction tiles: rows x columns per step of a program's loop (16 KiB of bf16 per step)
-BIAS_BLOCK_M, BIAS_BLOCK_N, BIAS_WARPS = (16, 64, 4) if interpreting() else (64, 128, 8)
+# bias-gradient reduction tiles: rows x columns per step of a program's loop. From the H200 sweep of
+# 2026-12-01 (bench/kernels/sweep_bias.py, bench/RESULTS.md): 32 x 64 with 8 warps is the best at OC = 768
+# (0.037 ms, 64 % of copy; 0.041 ms with the former 64 x 128) and as good as any at 2304 and 3072 (81 %, 85 %).
+BIAS_BLOCK_M, BIAS_BLOCK_N, BIAS_WARPS = (16, 64, 4) if interpreting() else (32, 64, 8)
 BIAS_PROGRAMS_PER_SM = 4
 FINISH_BLOCK_CHUNKS, FINISH_BLOCK_N = 64, 64
 ELEMENTWISE_BLOCK = 1024 if interpreting() else 4096
@@ -496,6 +498,20 @@ def matmul_backward_bias(dbias, dout, scratch=None, seed=None, num_chunks: int |
     """
     OC = dbias.shape[0]
     _bias_reduce(dbias, scratch, _rows(dout, OC), None, seed, num_chunks)
+    return dbias
+
+
+def bias_finish(dbias, partials, seed=None):
+    """dbias (N) += the column sums of partials (rows, N) fp32, rows added in a fixed order: the second level
+    of the bias-gradient reduction, for partial sums another kernel produced on its way (the flash attention
+    backward's, for the QKV bias). seed as in matmul_backward_bias."""
+    rows, N = partials.shape
+    assert dbias.shape == (N,) and dbias.is_contiguous() and dbias.dtype in _FLOAT_DTYPES
+    assert partials.dtype == torch.float32 and partials.is_contiguous() and partials.device == dbias.device
+    stochastic = seed is not None and dbias.dtype == torch.bfloat16
+    _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
+        partials, dbias, seed if seed is not None else dbias, N, rows, STOCHASTIC=stochastic,
+        BLOCK_CHUNKS=FINISH_BLOCK_CHUNKS, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
     return dbias
 
 
