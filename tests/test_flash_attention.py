@@ -175,55 +175,6 @@ def test_delta_buffer(device):
     assert torch.allclose(delta, expect, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_bwd", "split_bwd"])
-@pytest.mark.parametrize("shape", [(2, 33, 2, 8), (1, 40, 2, 24), (2, 1, 2, 16)], ids=lambda s: "B%dT%dNH%dhs%d" % s)
-def test_bias_partials(device, monkeypatch, shape, fused, dtype):
-    """bias_partials holds, per row block, the column sums of dqkv as stored (every element written: the
-    buffer starts as NaN), the gradient itself is unchanged by asking for them, and bias_finish adds them
-    up to the QKV bias gradient: the column sums of dqkv (and of the reference gradient, within rounding)."""
-    from llmpy.kernels import matmul as mm
-
-    B, T, NH, hs = shape
-    C = NH * hs
-    if fused is False:  # two launches with equal key/query row blocks also fill the partials
-        monkeypatch.setitem(FLASH_CONFIGS, hs, dict(fused_bwd=False))
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=7)
-    out, lse = run_forward(qkv, NH)
-    rows = fa.bias_partial_rows(B, T, C, NH, dtype)
-    block = fa.flash_config(hs, dtype)["BLOCK_N1"]
-    assert rows == B * math.ceil(T / block)
-    partials = torch.full((rows, 3 * C), float("nan"), device=device)
-    dqkv = torch.full_like(qkv, float("nan"))
-    flash_attention_backward(dqkv, dout, qkv, out, lse, NH, bias_partials=partials)
-    assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH)), "bias partials changed the gradient"
-    assert torch.isfinite(partials).all(), "a partial-sum element was not written"
-    nb = rows // B
-    padded = torch.zeros(B, nb * block, 3 * C, dtype=torch.float64, device=device)
-    padded[:, :T] = dqkv.double()
-    expect = padded.view(B, nb, block, 3 * C).sum(2).view(rows, 3 * C)
-    assert torch.allclose(partials.double(), expect, rtol=1e-5, atol=1e-5), (partials.double() - expect).abs().max()
-    dbias = torch.randn(3 * C, device=device).to(dtype)
-    before = dbias.double().clone()
-    mm.bias_finish(dbias, partials)
-    want = before + dqkv.double().sum((0, 1))
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(dbias.double(), want, rtol=tol, atol=tol), (dbias.double() - want).abs().max()
-    _, _, dqkv_ref = reference(qkv, dout, NH)
-    assert torch.allclose(partials.double().sum(0), dqkv_ref.double().sum((0, 1)), rtol=5e-2, atol=5e-2)
-
-
-def test_bias_partials_need_equal_row_blocks(device, monkeypatch):
-    B, T, NH, hs = 1, 40, 2, 16
-    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=16, BLOCK_N2=16, fused_bwd=False))
-    assert fa.bias_partial_rows(B, T, NH * hs, NH, torch.float32) == 0
-    qkv, dout = make_inputs(B, T, NH, hs, torch.float32, device, seed=8)
-    out, lse = run_forward(qkv, NH)
-    with pytest.raises(AssertionError, match="BLOCK_N1 == BLOCK_M2"):
-        flash_attention_backward(torch.empty_like(qkv), dout, qkv, out, lse, NH,
-                                 bias_partials=torch.empty(2, 3 * NH * hs, device=device))
-
-
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_bwd", "split_bwd"])
 def test_rectangular_tiles(device, monkeypatch, fused):
     """Tiles as on the GPU (query tile a multiple of the key tile and vice versa for dk/dv), so the

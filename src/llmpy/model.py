@@ -221,11 +221,6 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
     if attention == "flash":
         specs.append(BufferSpec("delta", (B, NH, T), f32, "scratch"))
-        # the flash backward's column sums of dqkv by row block: the QKV bias gradient without another
-        # read of dqkv (9.4 MB at B=64, T=1024)
-        rows = kattn._triton_flash().bias_partial_rows(B, T, C, NH, dtype)
-        if rows:
-            specs.append(BufferSpec("qkv_bias_partials", (rows, 3 * C), f32, "scratch"))
     bias_numel = max(kmm.bias_scratch_numel(B * T, n, device) for n in (3 * C, C, 4 * C))
     specs.append(BufferSpec("bias_scratch", (max(1, bias_numel),), f32, "scratch"))
     # the encoder backward's fp32 piece sums (its int scratch is allocated apart, counted below)
@@ -824,7 +819,6 @@ class GPT2Model:
                                    p["ln2w"][l], b["ln2_mean"], b["ln2_rstd"], seed=seed(1))
             kmm.matmul_backward(dl_btc, g["attprojw"][l], g["attprojb"][l], dresidual, b["atty"], p["attprojw"][l],
                                 scratch=bias_scratch, seed=seed(3))
-            qkv_partials = a["qkv_bias_partials"] if "qkv_bias_partials" in a else None
             if self.attention == "classic":
                 # dead by now: fch (4C >= 3C) holds dq, dk, dv head-major; atty holds dout head-major;
                 # the logits buffer (spent) holds datt when it is large enough
@@ -835,13 +829,11 @@ class GPT2Model:
                                              dqkvr=dqkvr, datt=datt, scratch=b["atty"])
             else:
                 kattn.attention_backward_any(self.attention, dqkv, dl_btc, b["qkv"], b["atty"], NH, lse=b["lse"],
-                                             delta=a["delta"] if "delta" in a else None, bias_partials=qkv_partials)
+                                             delta=a["delta"] if "delta" in a else None)
             if self.recompute >= 2:
                 kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"], p["ln1w"][l], p["ln1b"][l])
-            kmm.matmul_backward(dl_btc, g["qkvw"][l], None if qkv_partials is not None else g["qkvb"][l], dqkv,
-                                b["ln1"], p["qkvw"][l], scratch=bias_scratch, seed=seed(2))
-            if qkv_partials is not None:  # the attention backward summed dqkv's columns on its way
-                kmm.bias_finish(g["qkvb"][l], qkv_partials, seed=seed(2))
+            kmm.matmul_backward(dl_btc, g["qkvw"][l], g["qkvb"][l], dqkv, b["ln1"], p["qkvw"][l], scratch=bias_scratch,
+                                seed=seed(2))
             # ln1: dresidual becomes the gradient of this layer's input residual
             kln.layernorm_backward(dresidual, g["ln1w"][l], g["ln1b"][l], ln_scratch, dl_btc, b["residual"],
                                    p["ln1w"][l], b["ln1_mean"], b["ln1_rstd"], seed=seed(0))

@@ -497,24 +497,20 @@ def attention_backward_any(impl: str, dqkv: torch.Tensor, dout: torch.Tensor, qk
                            out: torch.Tensor, num_heads: int, *, lse: torch.Tensor | None = None,
                            qkvr: torch.Tensor | None = None, att: torch.Tensor | None = None,
                            dqkvr: torch.Tensor | None = None, datt: torch.Tensor | None = None,
-                           scratch: torch.Tensor | None = None, delta: torch.Tensor | None = None,
-                           bias_partials: torch.Tensor | None = None):
+                           scratch: torch.Tensor | None = None, delta: torch.Tensor | None = None):
     """Causal attention backward through impl: dqkv (B, T, 3C) OVERWRITTEN from dout (B, T, C).
 
     classic: qkvr, att (from the forward), dqkvr, datt, scratch (scratch); qkv and out are not read.
     flash, cudnn, torch-flash: qkv, out, lse from the forward; flash also takes delta (B, NH, T) fp32
-    scratch (else it allocates one: not inside a CUDA graph capture), and bias_partials (flash only: the
-    column sums of dqkv by row block, see flash_attention_backward).
+    scratch (else it allocates one: not inside a CUDA graph capture).
     """
-    assert bias_partials is None or impl == "flash", f"bias_partials: flash attention only, not {impl}"
     if impl == "classic":
         assert None not in (qkvr, att, dqkvr, datt, scratch), "classic attention needs qkvr, att, dqkvr, datt, scratch"
         attention_backward(dqkv, dqkvr, datt, scratch, dout, qkvr, att, num_heads)
         return
     assert lse is not None, f"{impl} attention needs lse"
     if impl == "flash":
-        _triton_flash().flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads, delta=delta,
-                                                 bias_partials=bias_partials)
+        _triton_flash().flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads, delta=delta)
     elif impl == "cudnn":
         cudnn_attention_backward(dqkv, dout, qkv, out, lse, num_heads)
     elif impl == "torch-flash":

@@ -84,14 +84,6 @@ def _store_tile(ptr, x, rows, cols, row_stride, T, HS: tl.constexpr, EVEN_HS: tl
         tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(rows < T)[:, None] & (cols < HS)[None, :])
 
 
-@triton.jit
-def _store_col_sums(ptr, x, rows, cols, T, HS: tl.constexpr, like_ptr):
-    """ptr[cols] = the column sums (fp32) over rows < T of x AS STORED (rounded as _store_tile rounds into
-    like_ptr's dtype): the qkv bias gradient's share of this tile, equal to summing the stored gradient."""
-    stored = x.to(like_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(ptr + cols, tl.sum(tl.where((rows < T)[:, None], stored, 0.0), axis=0), mask=cols < HS)
-
-
 # ----------------------------------------------------------------------------------------------------
 # forward
 
@@ -228,8 +220,8 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_st
 
 
 @triton.jit
-def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, part_ptr, T, NH, C, sm_scale, scale_log2,
-                      HS: tl.constexpr, HS_PAD: tl.constexpr, BIAS_PARTIALS: tl.constexpr,
+def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C, sm_scale, scale_log2,
+                      HS: tl.constexpr, HS_PAD: tl.constexpr,
                       BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                       BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                       DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr,
@@ -246,9 +238,6 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, part_ptr,
     lse_base = lse_ptr + bh.to(tl.int64) * T
     delta_base = delta_ptr + bh.to(tl.int64) * T
     offs_d = tl.arange(0, HS_PAD)
-    # BIAS_PARTIALS: this program's row block of batch row b is partial-sum row b * cdiv(T, BLOCK) + pid of
-    # part (rows, 3C) fp32; each (row, column) is written by exactly one program (BLOCK_N1 == BLOCK_M2)
-    part_row = part_ptr + (b * tl.cdiv(T, BLOCK_N1) + pid).to(tl.int64) * (3 * C) + h * HS
 
     if DO_DKDV:
         # this program's key block; the query blocks that see it start at its first row
@@ -269,9 +258,6 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, part_ptr,
         # dS is the gradient of the scaled scores; the scale moves onto dk (and dq below)
         _store_tile(dq_base + C, dk * sm_scale, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
         _store_tile(dq_base + 2 * C, dv, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
-        if BIAS_PARTIALS:
-            _store_col_sums(part_row + C, dk * sm_scale, offs_n, offs_d, T, HS, dqkv_ptr)
-            _store_col_sums(part_row + 2 * C, dv, offs_n, offs_d, T, HS, dqkv_ptr)
 
     if DO_DQ:
         m0 = pid * BLOCK_M2
@@ -288,8 +274,6 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, part_ptr,
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
                            scale_log2, HS, BLOCK_N2, True, EVEN_HS, DOT_UPCAST, PREC)
         _store_tile(dq_base, dq * sm_scale, offs_m, offs_d, row_stride, T, HS, EVEN_HS)
-        if BIAS_PARTIALS:
-            _store_col_sums(part_row, dq * sm_scale, offs_m, offs_d, T, HS, dqkv_ptr)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -379,26 +363,11 @@ def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Ten
     return out, lse
 
 
-def bias_partial_rows(B: int, T: int, C: int, num_heads: int, dtype: torch.dtype) -> int:
-    """Rows of the (rows, 3C) fp32 buffer flash_attention_backward fills with bias_partials: one per row
-    block of the backward (B * cdiv(T, BLOCK_N1)). 0 when the configuration cannot fuse the bias sums
-    (a two-launch backward with different key and query blocks)."""
-    cfg = flash_config(_head_dims(C, num_heads)[0], dtype)
-    if cfg["BLOCK_N1"] != cfg["BLOCK_M2"]:
-        return 0
-    return B * triton.cdiv(T, cfg["BLOCK_N1"])
-
-
 def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
-                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None,
-                             bias_partials: torch.Tensor | None = None):
+                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None):
     """Gradient of qkv (B, T, 3C) from dout (B, T, C), written over dqkv (B, T, 3C), given the forward's
     out and lse. delta (B, NH, T) fp32 is scratch; pass it preallocated to keep the launcher allocation-free
-    (CUDA-graph capture). Deterministic: no atomics. Returns dqkv.
-
-    bias_partials: an fp32 (bias_partial_rows(...), 3C) buffer that also gets, per row block, the column
-    sums of dqkv as stored: the QKV layer's bias gradient in partial sums, so the matmul backward need not
-    read dqkv again (kernels/matmul.py bias_finish adds them up, in a fixed order)."""
+    (CUDA-graph capture). Deterministic: no atomics. Returns dqkv."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     assert dqkv.shape == qkv.shape and dout.shape == (B, T, C) and out.shape == (B, T, C)
@@ -418,16 +387,10 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
 
-    common = dict(HS=hs, HS_PAD=hs_pad, BIAS_PARTIALS=bias_partials is not None, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
+    common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,
                   num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
-    if bias_partials is not None:
-        rows = bias_partial_rows(B, T, C, num_heads, qkv.dtype)
-        assert rows > 0, "bias_partials needs a backward configuration with BLOCK_N1 == BLOCK_M2"
-        assert bias_partials.shape == (rows, 3 * C) and bias_partials.dtype == torch.float32, bias_partials.shape
-        assert bias_partials.is_contiguous() and bias_partials.device == qkv.device
-    args = (qkv, dout, lse, delta, dqkv, bias_partials if bias_partials is not None else lse, T, num_heads, C,
-            scale, scale * LOG2E)
+    args = (qkv, dout, lse, delta, dqkv, T, num_heads, C, scale, scale * LOG2E)
     if cfg["fused_bwd"]:
         # program i: key block i's dk, dv and query block i's dq (BLOCK_N1 == BLOCK_M2)
         _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, DO_DKDV=True, DO_DQ=True, **common)

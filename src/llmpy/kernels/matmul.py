@@ -501,20 +501,6 @@ def matmul_backward_bias(dbias, dout, scratch=None, seed=None, num_chunks: int |
     return dbias
 
 
-def bias_finish(dbias, partials, seed=None):
-    """dbias (N) += the column sums of partials (rows, N) fp32, rows added in a fixed order: the second level
-    of the bias-gradient reduction, for partial sums another kernel produced on its way (the flash attention
-    backward's, for the QKV bias). seed as in matmul_backward_bias."""
-    rows, N = partials.shape
-    assert dbias.shape == (N,) and dbias.is_contiguous() and dbias.dtype in _FLOAT_DTYPES
-    assert partials.dtype == torch.float32 and partials.is_contiguous() and partials.device == dbias.device
-    stochastic = seed is not None and dbias.dtype == torch.bfloat16
-    _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
-        partials, dbias, seed if seed is not None else dbias, N, rows, STOCHASTIC=stochastic,
-        BLOCK_CHUNKS=FINISH_BLOCK_CHUNKS, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
-    return dbias
-
-
 def bias_gelu_backward(dbias, scratch, d_in_out, pre_gelu, seed=None, num_chunks: int | None = None):
     """One pass over the fc layer's (..., 4C) gradient: d_in_out *= gelu'(pre_gelu) in place (the gradient
     w.r.t. the GELU output becomes the gradient w.r.t. pre_gelu) and dbias += its column sums.
