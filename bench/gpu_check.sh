@@ -53,7 +53,7 @@ for stage in $stages; do
         --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log"
       rc=$? ;;
     bias)
-      timeout ${BIAS_TIMEOUT:-240} python3 -m bench.kernels.sweep_bias --json "$OUT/bias.json" 2>&1 | tee "$OUT/bias.log"
+      timeout ${BIAS_TIMEOUT:-240} python3 -m bench.kernels.sweep_bias ${BIAS_ARGS:-} --json "$OUT/bias.json" 2>&1 | tee "$OUT/bias.log"
       rc=$? ;;
     dist)
       # data-parallel scaling and bit-exactness over NCCL (needs the nvidia-h200-x2 kind)
