@@ -1,6 +1,6 @@
 """Linear layers (kernels/matmul.py) against reference.matmul_forward / matmul_backward / gelu_forward /
-gelu_backward: the cuBLAS paths, the Triton GEMM with its GELU_AUX and DGELU epilogues, every gelu_fusion
-level, the deterministic bias-gradient reduction (with and without the fused dgelu), accumulate semantics,
+gelu_backward: the cuBLAS paths, the Triton GEMM with its GELU_AUX and DGELU epilogues (pointer and TMA
+kernels), with and without the epilogues, the deterministic bias-gradient reduction (with and without the fused dgelu), accumulate semantics,
 poisoned outputs, out-of-bounds writes, determinism and stochastic rounding.
 
 CPU: small and odd shapes through Triton's interpreter (also run on the GPU with device=cuda).
@@ -110,15 +110,15 @@ def test_matmul_forward_keeps_leading_dims(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("gelu_fusion", [0, 1])
+@pytest.mark.parametrize("gelu_epilogue", [False, True], ids=["gelu_pass", "gelu_epilogue"])
 @pytest.mark.parametrize("has_bias", [True, False])
-def test_matmul_forward_gelu(device, dtype, shape, gelu_fusion, has_bias):
-    """pre_gelu = inp @ W.T + b and out = gelu(pre_gelu), both written, at every fusion level."""
+def test_matmul_forward_gelu(device, dtype, shape, gelu_epilogue, has_bias):
+    """pre_gelu = inp @ W.T + b and out = gelu(pre_gelu), both written, with and without the epilogue."""
     M, C, OC = shape
     inp, weight, bias = linear_inputs(Rand(device, dtype, 2), M, C, OC, has_bias)
     out, out_buf = guarded((M, OC), dtype, device)
     pre, pre_buf = guarded((M, OC), dtype, device)
-    mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_fusion=gelu_fusion)
+    mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_epilogue=gelu_epilogue)
     expected_pre = ref.matmul_forward(up(inp, dtype), up(weight, dtype), up(bias, dtype))
     check(pre, expected_pre, dtype, "pre_gelu")
     check(out, ref.gelu_forward(expected_pre), dtype, "out")
@@ -129,17 +129,17 @@ def test_matmul_forward_gelu(device, dtype, shape, gelu_fusion, has_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_fusion_levels_agree(device, dtype):
-    """Level 0 (cuBLAS + gelu kernel) and level 1 (Triton GEMM with the epilogue) agree to rounding."""
+def test_gelu_epilogue_agrees_with_gelu_pass(device, dtype):
+    """cuBLAS + the gelu kernel and the Triton GEMM with the GELU epilogue agree to rounding."""
     M, C, OC = 35, 24, 40
     inp, weight, bias = linear_inputs(Rand(device, dtype, 3), M, C, OC)
     outs = []
-    for level in (0, 1):
+    for epilogue in (False, True):
         out, pre = poisoned((M, OC), dtype, device), poisoned((M, OC), dtype, device)
-        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_fusion=level)
+        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_epilogue=epilogue)
         outs.append((out, pre))
-    check(outs[1][0], outs[0][0], dtype, "out level 1 vs 0")
-    check(outs[1][1], outs[0][1], dtype, "pre_gelu level 1 vs 0")
+    check(outs[1][0], outs[0][0], dtype, "out, epilogue vs pass")
+    check(outs[1][1], outs[0][1], dtype, "pre_gelu, epilogue vs pass")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -280,15 +280,16 @@ def test_matmul_backward_leading_dims_and_repeat(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("gelu_fusion", [0, 1, 2, 3])
-def test_matmul_backward_gelu(device, dtype, shape, gelu_fusion):
-    """fcproj: the input was gelu(pre_gelu), dinp becomes the gradient w.r.t. pre_gelu at every level."""
+@pytest.mark.parametrize("dgelu_epilogue", [False, True], ids=["dgelu_pass", "dgelu_epilogue"])
+def test_matmul_backward_gelu(device, dtype, shape, dgelu_epilogue):
+    """fcproj: the input was gelu(pre_gelu), dinp becomes the gradient w.r.t. pre_gelu, by the gelu pass
+    after cuBLAS or in the Triton GEMM's epilogue."""
     M, C, OC = shape
     inp, weight, dout, dweight0, dbias0 = backward_case(device, dtype, M, C, OC, 7)
     pre = Rand(device, dtype, 8)(M, C, scale=2.0)
     dinp, dinp_buf = guarded((M, C), dtype, device)
     dweight, dbias = dweight0.clone(), dbias0.clone()
-    mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu=pre, gelu_fusion=gelu_fusion)
+    mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu=pre, dgelu_epilogue=dgelu_epilogue)
     e_dinp, e_dweight, e_dbias = ref.matmul_backward(up(dout, dtype), up(inp, dtype), up(weight, dtype))
     check(dinp, ref.gelu_backward(up(pre, dtype), e_dinp), dtype, "dinp")
     check(dweight, up(dweight0, dtype) + e_dweight, dtype, "dweight")
@@ -323,7 +324,7 @@ def test_bias_scratch_too_small_uses_fewer_chunks(device):
     M, OC = 200, 40
     rand = Rand(device, dtype, 10)
     dout, dbias0 = rand(M, OC), rand(OC)
-    plan_chunks, _ = mm._chunking(M, 6)
+    plan_chunks, _ = mm._chunking(M, 6, mm.BIAS_BLOCK_M)
     assert plan_chunks > 2
     scratch = torch.full((2 * OC,), float("nan"), device=device)  # room for two chunks only
     dbias = dbias0.clone()
@@ -332,10 +333,13 @@ def test_bias_scratch_too_small_uses_fewer_chunks(device):
     assert torch.isfinite(scratch).all(), "two chunks should fill the scratch exactly"
 
 
-def test_bias_scratch_numel_is_enough(device):
+@pytest.mark.parametrize("gelu", [False, True], ids=["plain", "gelu"])
+def test_bias_scratch_numel_is_enough(device, gelu):
+    """The plan covers every row once, and the scratch it asks for holds its chunks (plain reduction and
+    bias_gelu_backward's, which have tiles of their own)."""
     M, OC = 200, 72
-    n = mm.bias_scratch_numel(M, OC, device)
-    chunks, rows = mm.bias_backward_chunks(M, OC, device)
+    n = mm.bias_scratch_numel(M, OC, device, gelu=gelu)
+    chunks, rows = mm.bias_backward_chunks(M, OC, device, gelu=gelu)
     assert chunks * rows >= M > (chunks - 1) * rows
     assert n == (chunks * OC if chunks > 1 else 0)
 
@@ -438,7 +442,7 @@ def test_dbias_stochastic_rounding(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_deterministic(device, dtype):
-    """Same inputs, bitwise the same outputs: fused forward, backward at every gelu level."""
+    """Same inputs, bitwise the same outputs: GELU epilogue forward, backward with the dGELU pass and epilogue."""
     M, C, OC = 35, 24, 40
     inp, weight, dout, dweight0, dbias0 = backward_case(device, dtype, M, C, OC, 14)
     _, _, bias = linear_inputs(Rand(device, dtype, 15), M, C, OC)
@@ -446,11 +450,11 @@ def test_deterministic(device, dtype):
 
     def run():
         out, pre = poisoned((M, OC), dtype, device), poisoned((M, OC), dtype, device)
-        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_fusion=1)
+        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_epilogue=True)
         grads = [out, pre]
-        for level in (2, 3):
+        for epilogue in (False, True):
             dinp, dweight, dbias = poisoned((M, C), dtype, device), dweight0.clone(), dbias0.clone()
-            mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu=pre_in, gelu_fusion=level)
+            mm.matmul_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu=pre_in, dgelu_epilogue=epilogue)
             grads += [dinp, dweight, dbias]
         return grads
 
@@ -503,20 +507,20 @@ def test_gpu_linear_124m(M, C, OC):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [4096, 16384])
 def test_gpu_fc_gelu_124m(M):
-    """fc forward with GELU (levels 0, 1), fcproj backward with dgelu (levels 0, 2, 3) and the fused
-    bias_gelu_backward, at 768 -> 3072 -> 768."""
+    """fc forward with GELU (pass and epilogue), fcproj backward with dgelu (pass and epilogue) and the
+    fused bias_gelu_backward, at 768 -> 3072 -> 768."""
     C, OC = 768, 3072
     rand = Rand("cuda", BF16, 21)
     inp, weight, bias = linear_inputs(rand, M, C, OC)
     e_pre = ref.matmul_forward(inp.to(F32), weight.to(F32), bias.to(F32))
-    for level in (0, 1):
+    for epilogue in (False, True):
         out, pre = poisoned((M, OC), BF16, "cuda"), poisoned((M, OC), BF16, "cuda")
-        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_fusion=level)
-        check(pre, e_pre, BF16, f"pre_gelu level {level}")
-        check(out, ref.gelu_forward(e_pre), BF16, f"out level {level}")
-        if level == 1:
+        mm.matmul_forward(out, inp, weight, bias, pre_gelu=pre, gelu_epilogue=epilogue)
+        check(pre, e_pre, BF16, f"pre_gelu epilogue={epilogue}")
+        check(out, ref.gelu_forward(e_pre), BF16, f"out epilogue={epilogue}")
+        if epilogue:
             out2, pre2 = poisoned((M, OC), BF16, "cuda"), poisoned((M, OC), BF16, "cuda")
-            mm.matmul_forward(out2, inp, weight, bias, pre_gelu=pre2, gelu_fusion=level)
+            mm.matmul_forward(out2, inp, weight, bias, pre_gelu=pre2, gelu_epilogue=epilogue)
             assert torch.equal(out, out2) and torch.equal(pre, pre2)
 
     # fcproj (3072 -> 768): its input is gelu(pre)
@@ -524,11 +528,11 @@ def test_gpu_fc_gelu_124m(M):
     act = rand(M, OC)
     dout = rand(M, C)
     e_dact = ref.gelu_backward(pre.to(F32), dout.to(F32) @ w_proj.to(F32))
-    for level in (0, 2, 3):
+    for epilogue in (False, True):
         dinp, dweight, dbias = poisoned((M, OC), BF16, "cuda"), torch.zeros_like(w_proj), torch.zeros(C, device="cuda",
                                                                                                       dtype=BF16)
-        mm.matmul_backward(dinp, dweight, dbias, dout, act, w_proj, pre_gelu=pre, gelu_fusion=level)
-        check(dinp, e_dact, BF16, f"dinp level {level}")
+        mm.matmul_backward(dinp, dweight, dbias, dout, act, w_proj, pre_gelu=pre, dgelu_epilogue=epilogue)
+        check(dinp, e_dact, BF16, f"dinp epilogue={epilogue}")
     d = poisoned((M, OC), BF16, "cuda")
     mm.matmul_backward(d, torch.zeros_like(w_proj), None, dout, act, w_proj)
     db_fc0 = rand(OC)

@@ -4,9 +4,9 @@
   with TFLOP/s against cuBLAS anchors, and F.linear / the eager backward (and torch.compile) as baseline;
   the backward's two GEMMs also on their own (dweight accumulates with beta = 1: kernels counted);
 - the deterministic bias-gradient reduction's bandwidth against dout.sum(0);
-- the GELU fusion choices: fc forward (gelu_fusion 0: addmm + gelu kernel, 1: Triton GEMM with the
+- the GELU fusion choices: fc forward (-ge 0: addmm + gelu kernel, 1: Triton GEMM with the
   GELU_AUX epilogue over a sweep of tile configs, torch's _addmm_activation that writes only the
-  activation), fcproj's dinp with dGELU (separate pass, fused elementwise pass, Triton DGELU epilogue),
+  activation), fcproj's dinp with dGELU (separate pass, Triton DGELU epilogue),
   and bias_gelu_backward (dGELU + fc's bias gradient in one pass).
 
 Run: PYTHONPATH=src:. python -m bench.kernels.bench_matmul [--no-compile]
@@ -191,10 +191,10 @@ def _gelu_rows(compile_: bool) -> list[dict]:
     comp = _compiled_ms(eager_fc, inp, w, b, enabled=compile_)
     nbytes = (M * C + OC * C + OC + 2 * M * OC) * E  # both pre_gelu and out written
     plain = _time(lambda: mm.matmul_forward(out, inp, w, b))
-    for level in (0, 1):
-        ms = _time(lambda: mm.matmul_forward(out, inp, w, b, pre_gelu=pre, gelu_fusion=level))
-        what = "addmm + gelu_forward" if level == 0 else f"Triton GELU_AUX, default {_cfg_name(mm.GEMM_CONFIGS['bf16'])}"
-        rows.append(row(f"fc fwd+GELU gelu_fusion={level} ({what})", nbytes, ms,
+    for epilogue in (False, True):
+        ms = _time(lambda: mm.matmul_forward(out, inp, w, b, pre_gelu=pre, gelu_epilogue=epilogue))
+        what = f"Triton GELU_AUX, default {_cfg_name(mm.GEMM_CONFIGS['bf16'])}" if epilogue else "addmm + gelu_forward"
+        rows.append(row(f"fc fwd+GELU -ge {int(epilogue)} ({what})", nbytes, ms,
                         "_addmm_activation (writes out only)", act, comp,
                         f"{_tflops(flops, ms):.0f} TFLOP/s; plain addmm (no GELU) {plain:.3f} ms"))
     for cfg in SWEEP:
@@ -219,9 +219,8 @@ def _gelu_rows(compile_: bool) -> list[dict]:
     nbytes = (M * C + C * OC + 2 * M * OC) * E  # dout, W, pre read; d written
     mm_only = _time(lambda: torch.mm(dout, w_proj, out=d))
     variants = [
-        ("gelu_fusion=0/1 (mm + gelu_backward_inplace)", lambda: gelu_backward_inplace(torch.mm(dout, w_proj, out=d), pre)),
-        ("gelu_fusion=2 (mm + fused elementwise dGELU)", lambda: mm.gelu_backward_fused(torch.mm(dout, w_proj, out=d), pre)),
-        (f"gelu_fusion=3 (Triton DGELU, default {_cfg_name(mm.GEMM_CONFIGS['bf16'])})",
+        ("mm + gelu_backward_inplace", lambda: gelu_backward_inplace(torch.mm(dout, w_proj, out=d), pre)),
+        (f"-ge 2 (Triton DGELU, default {_cfg_name(mm.GEMM_CONFIGS['bf16'])})",
          lambda: mm.triton_matmul(d, dout, w_proj, aux=pre, epilogue=mm.EPILOGUE_DGELU)),
     ]
     for what, fn in variants:

@@ -16,6 +16,12 @@ Recompute (llm.c's -r): 0 keeps every per-layer activation; 1 does not keep GELU
 ln2 buffer instead of one per layer, recomputed in the backward from the residual and the saved
 mean/rstd.
 
+GELU fusion (llm.c's -ge): 0 runs GELU outside the matrix products: cuBLASLt fc GEMM + the GELU kernel
+forward; backward, cuBLAS fcproj dinp then ONE pass that applies GELU's derivative in place and sums the
+result's columns for fc's bias gradient (kernels.matmul.bias_gelu_backward). 1 moves the forward GELU
+into the epilogue of our Triton GEMM (GELU_AUX: writes pre-activation and activation); 2 also the
+backward's (DGELU epilogue, then fc's bias gradient in a separate reduction), as llm.c's -ge 2.
+
 Classifier chunks (classifier_chunks, default `default_classifier_chunks`): the (B*T, Vp) logits are
 the largest activation (6.6 GB at GPT-2 124M, B=64, T=1024, bf16), and they are only needed a row at a
 time. With k > 1 chunks a training forward runs, per chunk of rows r (fixed order): logits_r = lnf[r] @
@@ -62,7 +68,7 @@ from .kernels.fused_classifier import fused_classifier
 from .kernels.gelu import gelu_forward
 
 RECOMPUTE_LEVELS = (0, 1, 2)
-GELU_FUSION_LEVELS = (0, 1, 2, 3)
+GELU_FUSION_LEVELS = (0, 1, 2)
 ATTENTION_CHOICES = ("auto",) + kattn.ATTENTION_IMPLS
 
 # Headroom asked for on top of the counted buffers: the CUDA context's share is already gone from
@@ -89,9 +95,10 @@ _LCG_A, _LCG_C, _LCG_M = 1103515245, 12345, 1 << 31
 
 def default_gelu_fusion(device) -> int:
     """What `-ge -1` means here: 0. llm.c fuses GELU into cuBLASLt's epilogue on sm_90; torch exposes no
-    epilogue that also writes the pre-activation, and our Triton GEMM with that epilogue measured slower
-    than cuBLAS + the GELU kernel on an H200 (0.99 ms against 0.69 ms for fc at B=64, T=1024:
-    bench/RESULTS.md), so fusion stays opt-in (-ge 1..3) until it wins."""
+    epilogue that also writes the pre-activation, and our Triton GEMMs with those epilogues measured no
+    faster than cuBLAS + the GELU passes on an H200 at B=64, T=1024 (best persistent TMA kernel: fc
+    forward 0.693 ms against 0.691, fcproj dinp + dGELU 0.817 ms against 0.772; bench/RESULTS.md run G),
+    so fusion stays opt-in (-ge 1, 2) until it wins."""
     return 0
 
 
@@ -221,7 +228,8 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
     if attention == "flash":
         specs.append(BufferSpec("delta", (B, NH, T), f32, "scratch"))
-    bias_numel = max(kmm.bias_scratch_numel(B * T, n, device) for n in (3 * C, C, 4 * C))
+    bias_numel = max([kmm.bias_scratch_numel(B * T, n, device) for n in (3 * C, C, 4 * C)]
+                     + [kmm.bias_scratch_numel(B * T, 4 * C, device, gelu=True)])
     specs.append(BufferSpec("bias_scratch", (max(1, bias_numel),), f32, "scratch"))
     # the encoder backward's fp32 piece sums (its int scratch is allocated apart, counted below)
     specs.append(BufferSpec("encoder_partial", (2 * kenc.cdiv(B * T, kenc.ENC_PIECE), C), f32, "scratch"))
@@ -348,7 +356,7 @@ class GPT2Model:
         if gelu_fusion == -1:
             gelu_fusion = default_gelu_fusion(self.device)
         if gelu_fusion not in GELU_FUSION_LEVELS:
-            raise LlmpyError(f"-ge {gelu_fusion}: must be -1 (per GPU) or one of 0, 1, 2, 3")
+            raise LlmpyError(f"-ge {gelu_fusion}: must be -1 (per GPU) or one of 0, 1, 2")
         if params.numel() != config.num_parameters:
             raise LlmpyError(f"parameter buffer has {params.numel()} elements, the model needs "
                              f"{config.num_parameters}")
@@ -633,7 +641,7 @@ class GPT2Model:
                                        p["ln2w"][l], p["ln2b"][l])
             # MLP block
             kmm.matmul_forward(b["fch_gelu"], b["ln2"], p["fcw"][l], p["fcb"][l], pre_gelu=b["fch"],
-                               gelu_fusion=self.gelu_fusion)
+                               gelu_epilogue=self.gelu_fusion >= 1)
             kmm.matmul_forward(proj, b["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])
             # the residual add across the block boundary, fused with the next layernorm
             if l + 1 < L:
@@ -799,16 +807,17 @@ class GPT2Model:
                 gelu_forward(b["fch_gelu"], b["fch"])
             # fcproj, then the GELU: dl_bt4c becomes the gradient of fch
             if gf == 2:
+                # llm.c's DGELU epilogue in the Triton GEMM; fc's bias gradient in its own reduction below
+                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
+                                    p["fcprojw"][l], scratch=bias_scratch, pre_gelu=b["fch"], dgelu_epilogue=True,
+                                    seed=seed(5))
+                fc_dbias = g["fcb"][l]
+            else:
                 # dgelu fused with fc's bias gradient: one pass over the (B, T, 4C) gradient
                 kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
                                     p["fcprojw"][l], scratch=bias_scratch, seed=seed(5))
                 kmm.bias_gelu_backward(g["fcb"][l], bias_scratch, dl_bt4c, b["fch"], seed=seed(4))
                 fc_dbias = None
-            else:
-                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
-                                    p["fcprojw"][l], scratch=bias_scratch, pre_gelu=b["fch"], gelu_fusion=gf,
-                                    seed=seed(5))
-                fc_dbias = g["fcb"][l]
             if self.recompute >= 2:
                 kln.layernorm_forward(b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual2"], p["ln2w"][l],
                                       p["ln2b"][l])

@@ -88,6 +88,11 @@ LN_FWD_SWEEP = {
     "r1 w4 p16 s3": dict(rows=1, num_warps=4, programs_per_sm=16, stages=3),
     "r2 w8 p8 s3": dict(rows=2, num_warps=8, programs_per_sm=8, stages=3),
     "r1 w4 p12 s4": dict(rows=1, num_warps=4, programs_per_sm=12, stages=4),
+    # a warp a row (warps == rows): the row sums need no shared-memory round trip between warps
+    "r4 w4 p8 s3": dict(rows=4, num_warps=4, programs_per_sm=8, stages=3),
+    "r8 w8 p4 s3": dict(rows=8, num_warps=8, programs_per_sm=4, stages=3),
+    "r4 w4 p0 s1": dict(rows=4, num_warps=4, programs_per_sm=0, stages=1),
+    "r8 w4 p8 s2": dict(rows=8, num_warps=4, programs_per_sm=8, stages=2),
 }
 # Backward names: r=rows per iteration w=num_warps k=chunks (the scratch's first dim) s=stages.
 LN_BWD_SWEEP = {

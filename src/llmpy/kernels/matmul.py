@@ -6,14 +6,16 @@ Weights are (OC, C) as in llm.c: out = inp @ weight.T + bias.
 - Plain GEMMs are torch.addmm / torch.mm with `out=`: addmm with a 1-D bias goes to cuBLASLt's BIAS
   epilogue, so the bias costs no extra pass. The weight gradient accumulates with beta = 1 in the same
   GEMM (`dweight.addmm_(dout.T, inp)`: cuBLAS reads C and adds, no temporary, no copy).
-- GELU_AUX_BIAS (fc forward, gelu_fusion >= 1): torch has no GEMM that writes both the pre-activation
+- GELU_AUX_BIAS (fc forward, `gelu_epilogue=True`): torch has no GEMM that writes both the pre-activation
   and the activation (`_addmm_activation` writes only the latter), so `_matmul_kernel` is a Triton GEMM
   whose epilogue adds the bias, stores pre_gelu, and stores gelu(pre_gelu) while the tile is still in
-  registers: one write each instead of a write, a read and a write.
-- DGELU (fcproj backward): the derivative of GELU applied to dinp, either as a separate elementwise pass
-  (gelu_fusion 2, `_gelu_backward_inplace_kernel`) or in the same Triton GEMM's epilogue (gelu_fusion 3,
-  llm.c's DGELU epilogue). `bias_gelu_backward` fuses it instead with the *fc* layer's bias gradient: one
-  pass over the (B*T, 4C) tensor does dgelu in place and reduces its column sums.
+  registers: one write each instead of a write, a read and a write. On sm_90 `_matmul_tma_kernel` is the
+  same GEMM as a persistent grid fed by TMA (config TMA=True).
+- DGELU (fcproj backward): the derivative of GELU applied to dinp, either as kernels/gelu.py's pass after
+  the GEMM or in the Triton GEMM's epilogue (`dgelu_epilogue=True`, llm.c's DGELU epilogue).
+  `bias_gelu_backward` fuses it instead with the *fc* layer's bias gradient: one pass over the (B*T, 4C)
+  tensor does dgelu in place and reduces its column sums (what the model does unless asked for the
+  epilogue).
 - Bias gradient (llm.c's matmul_backward_bias_kernel9 + reduce_add_sum_kernel): no atomics, so the result
   is bitwise reproducible. Level 1: a fixed grid of (column block, row chunk) programs, each summing its
   chunk of rows in fp32 into a scratch row; level 2: one program per column block adds the chunk sums in
@@ -52,9 +54,12 @@ GEMM_CONFIGS = {
 # 2026-12-01 (bench/kernels/sweep_bias.py, bench/RESULTS.md): 32 x 64 with 8 warps is the best at OC = 768
 # (0.037 ms, 64 % of copy; 0.041 ms with the former 64 x 128) and as good as any at 2304 and 3072 (81 %, 85 %).
 BIAS_BLOCK_M, BIAS_BLOCK_N, BIAS_WARPS = (16, 64, 4) if interpreting() else (32, 64, 8)
+# bias_gelu_backward (dGELU in place on the way: two loads and a store an element) wants wider rows: 32 x 128
+# with 8 warps, 0.324 ms at (65536, 3072), 87 % of copy, against 0.394 ms for gelu_backward_inplace +
+# matmul_backward_bias (same sweep, `sweep_bias --gelu`)
+BIAS_GELU_BLOCK_M, BIAS_GELU_BLOCK_N, BIAS_GELU_WARPS = (16, 64, 4) if interpreting() else (32, 128, 8)
 BIAS_PROGRAMS_PER_SM = 4
 FINISH_BLOCK_CHUNKS, FINISH_BLOCK_N = 64, 64
-ELEMENTWISE_BLOCK = 1024 if interpreting() else 4096
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -294,16 +299,6 @@ def _bias_finish_kernel(part_ptr, dbias_ptr, seed_ptr, N, num_chunks, STOCHASTIC
     store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), cols, STOCHASTIC)
 
 
-@triton.jit
-def _gelu_backward_inplace_kernel(d_ptr, pre_ptr, n, BLOCK: tl.constexpr):
-    """d = d * gelu'(pre), elementwise, in place."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(d_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(pre_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    store_rounded(d_ptr + offs, g * _gelu_grad(x), mask, 0, offs, False)
-
-
 # ----------------------------------------------------------------------------------------------------
 # launchers
 
@@ -399,11 +394,11 @@ def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, c
     return c
 
 
-def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_fusion: int = 0):
+def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bool = False):
     """out (..., OC) = inp (..., C) @ weight (OC, C).T + bias (OC) (llm.c's matmul_forward_cublaslt).
 
     With pre_gelu (the fc layer): pre_gelu = inp @ weight.T + bias and out = gelu(pre_gelu), both written.
-    gelu_fusion 0: cuBLASLt addmm into pre_gelu, then the gelu kernel (kernels/gelu.py); >= 1: the
+    gelu_epilogue False: cuBLASLt addmm into pre_gelu, then the gelu kernel (kernels/gelu.py); True: the
     Triton GEMM with the bias + GELU epilogue writes both at once.
     """
     OC, C = weight.shape
@@ -420,7 +415,7 @@ def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_fusion: int 
         return out
     pre2 = _rows(pre_gelu, OC)
     assert pre2.shape == out2.shape and pre_gelu.dtype == out.dtype
-    if gelu_fusion >= 1:
+    if gelu_epilogue:
         triton_matmul(out2, inp2, weight.t(), bias, aux=pre2, epilogue=EPILOGUE_GELU_AUX)
     else:
         if bias is not None:
@@ -438,38 +433,46 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def bias_backward_chunks(M: int, N: int, device) -> tuple[int, int]:
-    """(num_chunks, rows_per_chunk) of the bias-gradient reduction of an (M, N) gradient: enough programs
-    for BIAS_PROGRAMS_PER_SM per SM. The scratch it needs is num_chunks * N fp32 (none for one chunk)."""
+def _bias_tiles(gelu: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the first level, plain or with the dGELU."""
+    return (BIAS_GELU_BLOCK_M, BIAS_GELU_BLOCK_N, BIAS_GELU_WARPS) if gelu else (BIAS_BLOCK_M, BIAS_BLOCK_N, BIAS_WARPS)
+
+
+def bias_backward_chunks(M: int, N: int, device, gelu: bool = False) -> tuple[int, int]:
+    """(num_chunks, rows_per_chunk) of the bias-gradient reduction of an (M, N) gradient (gelu: of
+    bias_gelu_backward's): enough programs for BIAS_PROGRAMS_PER_SM per SM. The scratch it needs is
+    num_chunks * N fp32 (none for one chunk)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    block_m, block_n, _ = _bias_tiles(gelu)
     target = BIAS_PROGRAMS_PER_SM * _num_sms(device)
-    chunks = max(1, min(cdiv(M, BIAS_BLOCK_M), cdiv(target, cdiv(N, BIAS_BLOCK_N))))
-    return _chunking(M, chunks)
+    chunks = max(1, min(cdiv(M, block_m), cdiv(target, cdiv(N, block_n))))
+    return _chunking(M, chunks, block_m)
 
 
-def _chunking(M: int, chunks: int) -> tuple[int, int]:
-    rows = cdiv(cdiv(M, chunks), BIAS_BLOCK_M) * BIAS_BLOCK_M  # whole row tiles per chunk
+def _chunking(M: int, chunks: int, block_m: int) -> tuple[int, int]:
+    rows = cdiv(cdiv(M, chunks), block_m) * block_m  # whole row tiles per chunk
     return cdiv(M, rows), rows
 
 
-def bias_scratch_numel(M: int, N: int, device) -> int:
-    """fp32 elements of scratch the default reduction of an (M, N) gradient uses."""
-    chunks, _ = bias_backward_chunks(M, N, device)
+def bias_scratch_numel(M: int, N: int, device, gelu: bool = False) -> int:
+    """fp32 elements of scratch the default reduction of an (M, N) gradient uses (gelu: bias_gelu_backward's)."""
+    chunks, _ = bias_backward_chunks(M, N, device, gelu)
     return chunks * N if chunks > 1 else 0
 
 
 def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks):
     M, N = d2.shape
     assert dbias.shape == (N,) and dbias.is_contiguous() and dbias.dtype in _FLOAT_DTYPES
+    block_m, block_n, warps = _bias_tiles(pre2 is not None)
     if num_chunks is None:
-        chunks, rows = bias_backward_chunks(M, N, d2.device)
+        chunks, rows = bias_backward_chunks(M, N, d2.device, pre2 is not None)
     else:
-        chunks, rows = _chunking(M, num_chunks)
+        chunks, rows = _chunking(M, num_chunks, block_m)
     if chunks > 1 and scratch is not None and scratch.numel() < chunks * N:
         # a smaller scratch than the default plan: fewer, longer chunks (still a fixed order)
-        chunks, rows = _chunking(M, max(1, scratch.numel() // N))
+        chunks, rows = _chunking(M, max(1, scratch.numel() // N), block_m)
     if chunks > 1:
         if scratch is None:
             scratch = torch.empty(chunks * N, dtype=torch.float32, device=d2.device)  # not for CUDA graphs
@@ -478,10 +481,10 @@ def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks):
     if seed is None:
         seed = dbias  # unread: STOCHASTIC is off
     part = scratch if chunks > 1 else dbias
-    _bias_partial_kernel[(cdiv(N, BIAS_BLOCK_N), chunks)](
+    _bias_partial_kernel[(cdiv(N, block_n), chunks)](
         d2, pre2 if pre2 is not None else d2, part, dbias, seed, M, N, d2.stride(0), rows,
         HAS_GELU=pre2 is not None, FINAL=chunks == 1, STOCHASTIC=stochastic,
-        BLOCK_M=BIAS_BLOCK_M, BLOCK_N=BIAS_BLOCK_N, num_warps=BIAS_WARPS)
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if chunks > 1:
         _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
             scratch, dbias, seed, N, chunks, STOCHASTIC=stochastic,
@@ -518,18 +521,8 @@ def bias_gelu_backward(dbias, scratch, d_in_out, pre_gelu, seed=None, num_chunks
     return d_in_out, dbias
 
 
-def gelu_backward_fused(d_in_out, pre_gelu):
-    """d_in_out *= gelu'(pre_gelu), in place, one elementwise pass (gelu_fusion 2 of matmul_backward)."""
-    assert d_in_out.shape == pre_gelu.shape and d_in_out.dtype == pre_gelu.dtype
-    assert d_in_out.is_contiguous() and pre_gelu.is_contiguous()
-    n = d_in_out.numel()
-    _gelu_backward_inplace_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](d_in_out, pre_gelu, n, BLOCK=ELEMENTWISE_BLOCK,
-                                                                  num_warps=8)
-    return d_in_out
-
-
-def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_gelu=None, gelu_fusion: int = 0,
-                    seed=None):
+def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_gelu=None,
+                    dgelu_epilogue: bool = False, seed=None):
     """Backward of out = inp @ weight.T + bias (llm.c's matmul_backward).
 
     dinp (..., C) = dout (..., OC) @ weight: OVERWRITTEN (None skips it).
@@ -537,8 +530,8 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
     dbias (OC) += column sums of dout: ACCUMULATED, deterministic Triton reduction (None skips it);
     scratch / seed as in matmul_backward_bias.
     pre_gelu (..., C): this layer's input was gelu(pre_gelu) (fcproj), so dinp is turned into the
-    gradient w.r.t. pre_gelu: gelu_fusion 0/1: gelu_backward_inplace of kernels/gelu.py after the GEMM;
-    2: this module's elementwise pass; 3: in the epilogue of the Triton GEMM (llm.c's DGELU).
+    gradient w.r.t. pre_gelu: by gelu_backward_inplace of kernels/gelu.py after the GEMM, or with
+    dgelu_epilogue in the epilogue of the Triton GEMM (llm.c's DGELU).
     """
     OC, C = weight.shape
     dout2 = _rows(dout, OC)
@@ -549,13 +542,11 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
         assert dinp2.shape == inp2.shape and dinp.dtype == dout.dtype
         if pre_gelu is not None:
             assert pre_gelu.shape == dinp.shape and pre_gelu.dtype == dinp.dtype
-        if pre_gelu is not None and gelu_fusion >= 3:
+        if pre_gelu is not None and dgelu_epilogue:
             triton_matmul(dinp2, dout2, weight, aux=_rows(pre_gelu, C), epilogue=EPILOGUE_DGELU)
         else:
             torch.mm(dout2, weight, out=dinp2)
-            if pre_gelu is not None and gelu_fusion == 2:
-                gelu_backward_fused(dinp, pre_gelu)
-            elif pre_gelu is not None:
+            if pre_gelu is not None:
                 gelu_backward_inplace(dinp, pre_gelu)
     assert dweight.shape == (OC, C) and dweight.dtype == dout.dtype and dweight.is_contiguous()
     dweight.addmm_(dout2.t(), inp2)  # beta = 1: cuBLAS accumulates into dweight in the GEMM
