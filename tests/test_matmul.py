@@ -1,7 +1,8 @@
 """Linear layers (kernels/matmul.py) against reference.matmul_forward / matmul_backward / gelu_forward /
 gelu_backward: the cuBLAS paths, the Triton GEMM with its GELU_AUX and DGELU epilogues (pointer and TMA
-kernels), with and without the epilogues, the deterministic bias-gradient reduction (with and without the fused dgelu), accumulate semantics,
-poisoned outputs, out-of-bounds writes, determinism and stochastic rounding.
+kernels), with and without the epilogues, the deterministic bias-gradient reduction (with and without the
+fused dgelu), accumulate semantics, poisoned outputs, out-of-bounds writes, determinism and stochastic
+rounding.
 
 CPU: small and odd shapes through Triton's interpreter (also run on the GPU with device=cuda).
 GPU (marker gpu): GPT-2 124M shapes in bf16 against the fp32 reference computed on the GPU.
@@ -180,7 +181,8 @@ def test_triton_matmul_tma_equals_pointer_kernel(device, dtype, shape, epilogue,
     rand = Rand(device, dtype, 9)
     a, w_nk, w_kn, bias = rand(M, K), rand(N, K, scale=K ** -0.5), rand(K, N, scale=K ** -0.5), rand(N, scale=0.5)
     tma = _tma_config(device, subtile)
-    plain = {k: v for k, v in tma.items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
+    tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+    plain = {k: v for k, v in tma.items() if k in tiles}
     aux_in = rand(M, N)
     for b in (w_nk.t(), w_kn):
         assert mm._tma_usable(a, b), "the test shapes are meant for the TMA path"

@@ -77,7 +77,7 @@ def _compiled_ms(fn, *args, enabled=True):
 
 def _cfg_name(cfg: dict) -> str:
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
-            f" g{cfg['GROUP_M']}")
+            f" g{cfg['GROUP_M']}" + (" tma" if cfg.get("TMA") else ""))
 
 
 def _cuda_kernels(fn) -> list[str]:
@@ -193,7 +193,8 @@ def _gelu_rows(compile_: bool) -> list[dict]:
     plain = _time(lambda: mm.matmul_forward(out, inp, w, b))
     for epilogue in (False, True):
         ms = _time(lambda: mm.matmul_forward(out, inp, w, b, pre_gelu=pre, gelu_epilogue=epilogue))
-        what = f"Triton GELU_AUX, default {_cfg_name(mm.GEMM_CONFIGS['bf16'])}" if epilogue else "addmm + gelu_forward"
+        what = (f"Triton GELU_AUX, default {_cfg_name(mm.gemm_config(BF16, 'cuda'))}" if epilogue
+                else "addmm + gelu_forward")
         rows.append(row(f"fc fwd+GELU -ge {int(epilogue)} ({what})", nbytes, ms,
                         "_addmm_activation (writes out only)", act, comp,
                         f"{_tflops(flops, ms):.0f} TFLOP/s; plain addmm (no GELU) {plain:.3f} ms"))
@@ -220,7 +221,7 @@ def _gelu_rows(compile_: bool) -> list[dict]:
     mm_only = _time(lambda: torch.mm(dout, w_proj, out=d))
     variants = [
         ("mm + gelu_backward_inplace", lambda: gelu_backward_inplace(torch.mm(dout, w_proj, out=d), pre)),
-        (f"-ge 2 (Triton DGELU, default {_cfg_name(mm.GEMM_CONFIGS['bf16'])})",
+        (f"-ge 2 (Triton DGELU, default {_cfg_name(mm.gemm_config(BF16, 'cuda'))})",
          lambda: mm.triton_matmul(d, dout, w_proj, aux=pre, epilogue=mm.EPILOGUE_DGELU)),
     ]
     for what, fn in variants:

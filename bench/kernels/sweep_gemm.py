@@ -53,7 +53,8 @@ CONFIGS = [
 
 
 def name(c: dict) -> str:
-    s = f"{'tma' if c.get('TMA') else 'ptr'} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
+    s = f"{'tma' if c.get('TMA') else 'ptr'} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
+    s += f" w{c['num_warps']} s{c['num_stages']}"
     if c.get("TMA"):
         s += f" p{c['PROGRAMS_PER_SM']}" + (" sub" if c["SUBTILE"] else "") + (" flat" if c["FLATTEN"] else "")
         s += " ws" if c["WARP_SPECIALIZE"] else ""
