@@ -46,17 +46,21 @@ from .common import cdiv, interpreting, launch_pipelined, round_to, store_rounde
 # bench/kernels/bench_layernorm.py sweeps LN_FWD_SWEEP / LN_BWD_SWEEP below to pick them).
 # Row kernels: a program's tile is [ROWS, BLOCK_C], BLOCK_C = C padded to a power of two, with rows
 # packed until the tile holds about *_TILE values (at most *_MAX_ROWS rows), *_PER_THREAD values per
-# thread deciding the warps. C=768: the forward takes 1 row in 4 warps, the backward 1 row in 2 warps.
-# Defaults picked from the H200 sweep of 2026-12-01 (bench/RESULTS.md): forward r1 w4 p8 s3 0.073 ms
-# (0.082 before), fused residual 0.108 ms (88 %), backward r1 w2 k1024 s3 0.114 ms (83 %; 0.146 before).
-FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD = 1024, 16, 8
+# thread deciding the warps. C=768: the forward takes 4 rows in 4 warps (a warp a row: the row sums stay
+# in the warp, no shared-memory round trip), the backward 1 row in 2 warps. Defaults picked from the H200
+# sweeps of 2026-12-01 (bench/RESULTS.md): forward r4 w4 p8 s3 0.063 ms (74 %; 0.073 for r1 w4), fused
+# residual r4 w4 p0 s1 0.104 ms (90 %; 0.108), backward r1 w2 k1024 s3 0.114 ms (83 %; 0.146 before).
+FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD = 4096, 16, 32
 BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD = 1024, 4, 16
-# Forward (layernorm_forward and fused_residual_forward share these, so that the two reduce each row in
-# the same order and agree bit for bit): programs per SM of a persistent grid looping over row blocks
-# (0: one program per row block), and the software-pipelining depth of that loop (1: none; with more,
-# the next blocks' loads wait in shared memory while this one is normalised).
+# Forward: programs per SM of a persistent grid looping over row blocks (0: one program per row block),
+# and the software-pipelining depth of that loop (1: none; with more, the next blocks' loads wait in
+# shared memory while this one is normalised). layernorm_forward and fused_residual_forward take their
+# own: these do not change the per-row reduction order (rows and warps do, and those the two share, so
+# that they agree bit for bit).
 FWD_PROGRAMS_PER_SM = 8 if not interpreting() else 0
 FWD_STAGES = 3
+FUSED_PROGRAMS_PER_SM = 0
+FUSED_STAGES = 1
 # Backward: pipelining depth of each chunk's row loop.
 BWD_STAGES = 3
 # residual_forward: values per program (32 per thread at 4 warps: a few 16-byte vectors each)
@@ -337,7 +341,7 @@ def residual_forward(out, inp1, inp2):
 
 def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bias, eps: float = LAYERNORM_EPS,
                            rows: int | None = None, num_warps: int | None = None,
-                           programs_per_sm: int = FWD_PROGRAMS_PER_SM, stages: int = FWD_STAGES):
+                           programs_per_sm: int = FUSED_PROGRAMS_PER_SM, stages: int = FUSED_STAGES):
     """residual = inp1 + inp2 (rounded to floatX), then normed, mean, rstd = layernorm(residual) as stored.
 
     Equals residual_forward then layernorm_forward (with the same tuning arguments, see there) bit for
