@@ -97,7 +97,8 @@ def default_gelu_fusion(device) -> int:
     """What `-ge -1` means here: 0. llm.c fuses GELU into cuBLASLt's epilogue on sm_90; torch exposes no
     epilogue that also writes the pre-activation, and our Triton GEMMs with those epilogues measured no
     faster than cuBLAS + the GELU passes on an H200 at B=64, T=1024 (best persistent TMA kernel: fc
-    forward 0.693 ms against 0.691, fcproj dinp + dGELU 0.817 ms against 0.772; bench/RESULTS.md run G),
+    forward 0.693 ms against 0.691, fcproj dinp + dGELU 0.817 ms against 0.772; bench/RESULTS.md, third
+    kernel run),
     so fusion stays opt-in (-ge 1, 2) until it wins."""
     return 0
 
