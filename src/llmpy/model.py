@@ -98,8 +98,7 @@ def default_gelu_fusion(device) -> int:
     epilogue that also writes the pre-activation, and our Triton GEMMs with those epilogues measured no
     faster than cuBLAS + the GELU passes on an H200 at B=64, T=1024 (best persistent TMA kernel: fc
     forward 0.693 ms against 0.691, fcproj dinp + dGELU 0.817 ms against 0.772; bench/RESULTS.md, third
-    kernel run),
-    so fusion stays opt-in (-ge 1, 2) until it wins."""
+    kernel run), so fusion stays opt-in (-ge 1, 2) until it wins."""
     return 0
 
 
