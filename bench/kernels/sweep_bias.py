@@ -16,6 +16,7 @@ where gelu' = 1.000..1.0003, so the gradient keeps its size over the repeated in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 
@@ -32,6 +33,21 @@ CANDIDATES = [(64, 128, 8, 4)] + [c for c in itertools.product((32, 64, 128), (6
                                   if c != (64, 128, 8, 4) and c[0] * c[1] <= 16384]
 
 
+@contextlib.contextmanager
+def bias_tiles(block_m: int, block_n: int, warps: int, per_sm: int, gelu: bool = False):
+    """The reduction's module constants (the plain ones, or bias_gelu_backward's) set for the block."""
+    names = (("BIAS_GELU_BLOCK_M", "BIAS_GELU_BLOCK_N", "BIAS_GELU_WARPS") if gelu
+             else ("BIAS_BLOCK_M", "BIAS_BLOCK_N", "BIAS_WARPS")) + ("BIAS_PROGRAMS_PER_SM",)
+    saved = [getattr(mm, n) for n in names]
+    for n, v in zip(names, (block_m, block_n, warps, per_sm)):
+        setattr(mm, n, v)
+    try:
+        yield
+    finally:
+        for n, v in zip(names, saved):
+            setattr(mm, n, v)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -41,7 +57,6 @@ def main():
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     if args.gelu:
         return sweep_gelu(copy, args.json)
-    saved = (mm.BIAS_BLOCK_M, mm.BIAS_BLOCK_N, mm.BIAS_WARPS, mm.BIAS_PROGRAMS_PER_SM)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     candidates = CANDIDATES
@@ -51,18 +66,18 @@ def main():
         dbias = torch.empty(N, device="cuda", dtype=torch.float32)
         best = None
         for bm, bn, w, p in candidates:
-            mm.BIAS_BLOCK_M, mm.BIAS_BLOCK_N, mm.BIAS_WARPS, mm.BIAS_PROGRAMS_PER_SM = bm, bn, w, p
-            chunks, _ = mm.bias_backward_chunks(M, N, dout.device)
-            scratch = torch.empty(max(1, chunks * N), device="cuda", dtype=torch.float32)
-
-            def run():  # accumulates: timed without a zeroing launch
-                mm.matmul_backward_bias(dbias, dout, scratch)
-
             try:
-                dbias.zero_()
-                run()
-                err = ((dbias - want).abs().max() / want.abs().max()).item()
-                ms = median_ms(run)
+                with bias_tiles(bm, bn, w, p):
+                    chunks, _ = mm.bias_backward_chunks(M, N, dout.device)
+                    scratch = torch.empty(max(1, chunks * N), device="cuda", dtype=torch.float32)
+
+                    def run():  # accumulates: timed without a zeroing launch
+                        mm.matmul_backward_bias(dbias, dout, scratch)
+
+                    dbias.zero_()
+                    run()
+                    err = ((dbias - want).abs().max() / want.abs().max()).item()
+                    ms = median_ms(run)
             except Exception as e:  # noqa: BLE001
                 print(f"N={N} {bm}x{bn} w{w} p{p}: FAILED {type(e).__name__}", flush=True)
                 continue
@@ -78,7 +93,6 @@ def main():
             top = sorted((r for r in rows if r["N"] == N), key=lambda r: r["ms"])[:5]
             candidates = [CANDIDATES[0]] + [(r["block_m"], r["block_n"], r["warps"], r["per_sm"]) for r in top
                                             if (r["block_m"], r["block_n"], r["warps"], r["per_sm"]) != CANDIDATES[0]]
-    mm.BIAS_BLOCK_M, mm.BIAS_BLOCK_N, mm.BIAS_WARPS, mm.BIAS_PROGRAMS_PER_SM = saved
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_gbs=copy, rows=rows), f, indent=1)
@@ -90,7 +104,6 @@ def sweep_gelu(copy: float, json_path):
     d = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
     pre = (4 + 0.5 * torch.rand(M, N, device="cuda", generator=g)).to(torch.bfloat16)
     dbias = torch.zeros(N, device="cuda", dtype=torch.float32)
-    saved = (mm.BIAS_GELU_BLOCK_M, mm.BIAS_GELU_BLOCK_N, mm.BIAS_GELU_WARPS, mm.BIAS_PROGRAMS_PER_SM)
     scratch = torch.empty(1 << 22, device="cuda", dtype=torch.float32)
 
     def unfused():
@@ -101,29 +114,30 @@ def sweep_gelu(copy: float, json_path):
     print(f"unfused gelu_backward_inplace + matmul_backward_bias (default tiles): {base:.4f} ms "
           f"({100 * 4 * M * N * 2 / (base * 1e-3) / 1e9 / copy:.1f} % of copy for its 1.6 GB)", flush=True)
     rows = [dict(what="unfused", ms=base)]
-    # correctness: one fused call against gelu' * d summed in fp32
+    # correctness: each configuration's first call against the unfused pass, from the same d
+    d0 = d.clone()
+    want_d = d0.clone()
+    gelu_backward_inplace(want_d, pre)
+    want_bias = want_d.float().sum(0)
     for bm, bn, w, p in CANDIDATES:
-        mm.BIAS_GELU_BLOCK_M, mm.BIAS_GELU_BLOCK_N, mm.BIAS_GELU_WARPS, mm.BIAS_PROGRAMS_PER_SM = bm, bn, w, p
-        chunks, _ = mm.bias_backward_chunks(M, N, d.device, gelu=True)
-        d0 = d.clone()
-        want_d = d0.clone()
-        gelu_backward_inplace(want_d, pre)
-        dbias.zero_()
         try:
-            mm.bias_gelu_backward(dbias, scratch, d, pre)
-            ok = torch.equal(d, want_d)
-            err = ((dbias - want_d.float().sum(0)).abs().max() / want_d.float().sum(0).abs().max()).item()
-            ms = median_ms(lambda: mm.bias_gelu_backward(dbias, scratch, d, pre))
+            with bias_tiles(bm, bn, w, p, gelu=True):
+                chunks, _ = mm.bias_backward_chunks(M, N, d.device, gelu=True)
+                dbias.zero_()
+                mm.bias_gelu_backward(dbias, scratch, d, pre)
+                ok = torch.equal(d, want_d)
+                err = ((dbias - want_bias).abs().max() / want_bias.abs().max()).item()
+                ms = median_ms(lambda: mm.bias_gelu_backward(dbias, scratch, d, pre))
         except Exception as e:  # noqa: BLE001
             print(f"{bm}x{bn} w{w} p{p}: FAILED {type(e).__name__}", flush=True)
             continue
-        d.copy_(d0)
+        finally:
+            d.copy_(d0)  # the timed calls worked on d in place
         pct = 100 * 3 * M * N * 2 / (ms * 1e-3) / 1e9 / copy
         rows.append(dict(block_m=bm, block_n=bn, warps=w, per_sm=p, chunks=chunks, ms=ms, pct=pct, err=err,
                          d_bitwise=ok))
         print(f"bias_gelu {bm:3d}x{bn:3d} w{w} p{p:2d} chunks {chunks:4d} {ms:.4f} ms {pct:5.1f} % err {err:.1e} "
               f"d {'==' if ok else '!='} unfused", flush=True)
-    mm.BIAS_GELU_BLOCK_M, mm.BIAS_GELU_BLOCK_N, mm.BIAS_GELU_WARPS, mm.BIAS_PROGRAMS_PER_SM = saved
     best = min((r for r in rows if "pct" in r), key=lambda r: r["ms"])
     print(f"BEST bias_gelu: {best} (unfused {base:.4f} ms)", flush=True)
     if json_path:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DOT_UPCAST, EXPLICIT_RNE, cdiv, interpreting, round_nearest_bf16, round_to, store_rounded
+from .common import DOT_UPCAST, cdiv, interpreting, round_to, store_rounded
 from .gelu import gelu_backward_inplace, gelu_forward, gelu_fp32, gelu_grad_fp32
 
 # 2 * sqrt(2 / pi) and 2 * sqrt(2 / pi) * 0.044715: sigmoid(2u) with u = sqrt(2/pi) * (x + 0.044715 x^3)
@@ -89,6 +89,16 @@ def _round_like(x, ptr):
 # GEMM with a fused epilogue: c = epilogue(a @ b + bias)
 
 @triton.jit
+def _tile_offsets(tile, per_group, grid_m, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row, column) offsets of output tile number `tile` in grouped order: consecutive tiles walk down
+    GROUP_M row blocks before moving to the next column block, so a band of A and a band of B stay in L2
+    while they are reused."""
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = min(grid_m - first_m, GROUP_M)
+    return (first_m + (tile % per_group) % rows_in_group) * BLOCK_M, ((tile % per_group) // rows_in_group) * BLOCK_N
+
+
+@triton.jit
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, M, N, K,
                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
@@ -97,19 +107,10 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, M, N, K,
     """a (M, K), b (K, N) (any strides: b is weight.T in the forward, weight in the backward), c and aux
     (M, N) with c's strides. EPILOGUE_GELU_AUX: aux = acc + bias, c = gelu(aux). EPILOGUE_DGELU:
     c = acc * gelu'(aux)."""
-    pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: consecutive programs walk down GROUP_M row blocks before moving to the next column
-    # block, so a band of A and a band of B stay in L2 while they are reused.
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    off_m, off_n = _tile_offsets(tl.program_id(0), GROUP_M * tl.cdiv(N, BLOCK_N), grid_m, GROUP_M, BLOCK_M, BLOCK_N)
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # Edge tiles re-read valid rows/columns (wrapped) instead of masking every load of the K loop; only
     # the stores are masked.
@@ -152,53 +153,25 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, M, N, K,
 
 @triton.jit
 def _tma_epilogue(x, off_m, off_n, c_desc, aux_desc, bias_ptr, N, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-                  BN: tl.constexpr, OUT_BF16: tl.constexpr):
+                  BN: tl.constexpr):
     """The epilogue of one [BLOCK_M, BN] (sub)tile at (off_m, off_n): the same arithmetic as
-    _matmul_kernel's, stored through the descriptors (TMA clips rows/columns past the edges)."""
+    _matmul_kernel's, stored through the descriptors (TMA clips rows/columns past the edges). bias_ptr
+    has the output's dtype (the launcher passes c itself when there is no bias): it names the rounding."""
     if HAS_BIAS:
         cols = off_n + tl.arange(0, BN)
         x += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if EPILOGUE == 1:
-        x = _round_out(x, OUT_BF16)
-        aux_desc.store([off_m, off_n], _cast_out(x, OUT_BF16))
+        x = _round_like(x, bias_ptr)
+        aux_desc.store([off_m, off_n], x.to(bias_ptr.dtype.element_ty))  # exact: x is already rounded
         x = _gelu(x)
     if EPILOGUE == 2:
         x = x * _gelu_grad(aux_desc.load([off_m, off_n]).to(tl.float32))
-    c_desc.store([off_m, off_n], _cast_out(_round_out(x, OUT_BF16), OUT_BF16))
-
-
-@triton.jit
-def _cast_out(x, OUT_BF16: tl.constexpr):
-    # x already holds a value of the output dtype (see _round_out): the cast is exact
-    if OUT_BF16:
-        return x.to(tl.bfloat16)
-    else:
-        return x
-
-
-@triton.jit
-def _round_out(x, OUT_BF16: tl.constexpr):
-    """fp32 x rounded to the output dtype (nearest even, also in the interpreter), as fp32."""
-    if OUT_BF16:
-        if EXPLICIT_RNE:
-            return round_nearest_bf16(x).to(tl.float32)
-        else:
-            return x.to(tl.bfloat16).to(tl.float32)
-    else:
-        return x
-
-
-@triton.jit
-def _tile_offsets(tile, per_group, grid_m, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(row, column) offsets of output tile number `tile` in the grouped order of _matmul_kernel."""
-    first_m = (tile // per_group) * GROUP_M
-    rows_in_group = min(grid_m - first_m, GROUP_M)
-    return (first_m + (tile % per_group) % rows_in_group) * BLOCK_M, ((tile % per_group) // rows_in_group) * BLOCK_N
+    c_desc.store([off_m, off_n], _round_like(x, bias_ptr).to(bias_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _matmul_tma_kernel(a_desc, b_desc, c_desc, aux_desc, bias_ptr, M, N, K,
-                       HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, B_KN: tl.constexpr, OUT_BF16: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, B_KN: tl.constexpr, IEEE: tl.constexpr,
                        DOT_UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
                        FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -225,23 +198,23 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, aux_desc, bias_ptr, M, N, K,
                 b = b_desc.load([ks * BLOCK_K, off_n])
             else:
                 b = b_desc.load([off_n, ks * BLOCK_K]).T
-            if DOT_UPCAST:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            elif OUT_BF16:
-                acc = tl.dot(a, b, acc)
-            else:
+            if DOT_UPCAST:  # the interpreter's tl.dot is wrong on bf16
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:  # fp32 operands: true fp32 products, not tf32
                 acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
         tile_out += NUM_PROGRAMS
         off_m, off_n = _tile_offsets(tile_out, per_group, grid_m, GROUP_M, BLOCK_M, BLOCK_N)
         if SUBTILE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             x0, x1 = tl.split(halves)
-            _tma_epilogue(x0, off_m, off_n, c_desc, aux_desc, bias_ptr, N, HAS_BIAS, EPILOGUE, BLOCK_N // 2,
-                          OUT_BF16)
+            _tma_epilogue(x0, off_m, off_n, c_desc, aux_desc, bias_ptr, N, HAS_BIAS, EPILOGUE, BLOCK_N // 2)
             _tma_epilogue(x1, off_m, off_n + BLOCK_N // 2, c_desc, aux_desc, bias_ptr, N, HAS_BIAS, EPILOGUE,
-                          BLOCK_N // 2, OUT_BF16)
+                          BLOCK_N // 2)
         else:
-            _tma_epilogue(acc, off_m, off_n, c_desc, aux_desc, bias_ptr, N, HAS_BIAS, EPILOGUE, BLOCK_N, OUT_BF16)
+            _tma_epilogue(acc, off_m, off_n, c_desc, aux_desc, bias_ptr, N, HAS_BIAS, EPILOGUE, BLOCK_N)
 
 
 @triton.jit
@@ -390,7 +363,7 @@ def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, c
         programs = min(tiles, 3 if interpreting() else _num_sms(a.device) * per_sm)
         _matmul_tma_kernel[(programs,)](
             a_d, b_d, c_d, aux_d, bias if bias is not None else c, M, N, K,
-            HAS_BIAS=bias is not None, EPILOGUE=epilogue, B_KN=b_kn, OUT_BF16=c.dtype == torch.bfloat16,
+            HAS_BIAS=bias is not None, EPILOGUE=epilogue, B_KN=b_kn, IEEE=a.dtype == torch.float32 or DOT_UPCAST,
             DOT_UPCAST=DOT_UPCAST, NUM_PROGRAMS=programs, SUBTILE=subtile, FLATTEN=flatten,
             WARP_SPECIALIZE=warp_spec,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
