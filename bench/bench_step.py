@@ -85,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gelu-fusion", type=int, default=None, help="llmpy: llm.c's -ge (0, 1, 2)")
     ap.add_argument("--attention", default="auto", help="llmpy: attention path")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
+    ap.add_argument("--flash-config", default=None,
+                    help='llmpy: JSON of flash attention tile fields to override, e.g. \'{"bwd_schedule": "fused"}\'')
     # internal: one system in this process, its result to a file
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
@@ -114,6 +116,14 @@ def llmpy_options(args) -> dict:
     if args.gelu_fusion is not None:
         opts["gelu_fusion"] = args.gelu_fusion
     return opts
+
+
+def set_flash_config(text: str | None, config) -> None:
+    """--flash-config: override fields of the flash attention tile table at the model's head size."""
+    if text:
+        import json
+        from llmpy.kernels.flash_attention import FLASH_CONFIGS
+        FLASH_CONFIGS[config.channels // config.num_heads] = json.loads(text)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -159,6 +169,7 @@ def _build_torch(args, config, flat, compiled: bool):
 def _build_llmpy(args, config, flat):
     import torch
     from llmpy.model import GPT2Model
+    set_flash_config(args.flash_config, config)
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

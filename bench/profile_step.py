@@ -232,6 +232,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", default="auto", help="auto, classic, flash, cudnn, torch-flash")
     ap.add_argument("--gelu-fusion", type=int, default=None, help="llm.c's -ge; model default if not given")
     ap.add_argument("--classifier-chunks", type=int, default=None, help="model default (None) if not given")
+    ap.add_argument("--flash-config", default=None, help="JSON of flash attention tile fields to override")
     ap.add_argument("--warmup", type=int, default=5, help="eager steps before profiling")
     ap.add_argument("--steps", type=int, default=5, help="profiled eager steps")
     ap.add_argument("--graph-steps", type=int, default=20, help="timed CUDA-graph steps (after 3 warm-up)")
@@ -267,6 +268,8 @@ def _build(args, cuda_graph: bool):
     from llmpy.model import GPT2Model
     config = parse_descriptor(args.model)
     flat = init_parameters(config, args.seed)
+    from bench.bench_step import set_flash_config
+    set_flash_config(args.flash_config, config)
     model = GPT2Model(config, flat, args.B, args.T, device="cuda", dtype=torch.bfloat16,
                       **_model_options(args, cuda_graph))
     return config, model

@@ -101,6 +101,23 @@ def test_forward_backward_match_reference(device, shape, dtype):
     check_backward(dqkv, dqkv_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 16, 2, 16), (2, 33, 2, 16), (1, 70, 3, 32)], ids=lambda s: "B%dT%dNH%dhs%d" % s)
+def test_forward_tma_matches_pointer(device, monkeypatch, shape, dtype):
+    """The forward's TMA path (keys and values through a tensor descriptor, rows past T read from the next
+    batch row) against the reference, and bitwise against the pointer path in the interpreter."""
+    B, T, NH, hs = shape
+    qkv, _ = make_inputs(B, T, NH, hs, dtype, device, seed=13)
+    out_ref, lse_ref, _ = reference(qkv, None, NH)
+    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(fwd_tma=True))
+    out, lse = run_forward(qkv, NH)
+    check_forward(out, lse, out_ref, lse_ref, dtype)
+    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(fwd_tma=False))
+    out_ptr, lse_ptr = run_forward(qkv, NH)
+    if device == "cpu":
+        assert torch.equal(out, out_ptr) and torch.equal(lse, lse_ptr)
+
+
 def test_large_scores_online_softmax(device):
     """Scores of std ~ 50: exp overflows unless every block rescales by the running max correctly."""
     qkv, dout = make_inputs(1, 40, 1, 24, torch.float32, device, scale=7.0, seed=1)
@@ -121,8 +138,10 @@ def test_single_position_attends_to_itself(device):
     assert torch.allclose(lse, score, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_deterministic(device, dtype):
+def test_deterministic(device, monkeypatch, dtype, schedule):
+    monkeypatch.setitem(FLASH_CONFIGS, 8, dict(bwd_schedule=schedule))
     qkv, dout = make_inputs(2, 33, 2, 8, dtype, device, seed=3)
     out1, lse1 = run_forward(qkv, 2)
     out2, lse2 = run_forward(qkv, 2)
@@ -130,6 +149,56 @@ def test_deterministic(device, dtype):
     d1 = run_backward(dout, qkv, out1, lse1, 2)
     d2 = run_backward(dout, qkv, out1, lse1, 2)
     assert torch.equal(d1, d2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_backward_schedules_agree(device, monkeypatch, dtype):
+    """dk and dv come out of the same sums in every schedule; dq is summed in another order by the ordered
+    one, so it agrees to rounding. Each also matches the reference (test_forward_backward_match_reference
+    covers the default one)."""
+    B, T, NH, hs = 2, 50, 2, 16
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=10)
+    _, _, dqkv_ref = reference(qkv, dout, NH)
+    out, lse = run_forward(qkv, NH)
+    grads = {}
+    for schedule in fa.BWD_SCHEDULES:
+        monkeypatch.setitem(FLASH_CONFIGS, hs, dict(bwd_schedule=schedule))
+        grads[schedule] = run_backward(dout, qkv, out, lse, NH)
+        check_backward(grads[schedule], dqkv_ref, dtype)
+    C = NH * hs
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    if device == "cpu":
+        # the interpreter runs the same sums in the same order whatever the kernel: bitwise
+        assert torch.equal(grads["fused"], grads["split"])
+        assert torch.equal(grads["ordered"], grads["head"])  # the same shares added in the same order
+        assert torch.equal(grads["ordered"][..., C:], grads["fused"][..., C:])
+    else:  # compiled, each kernel's dots may sum in their own order
+        for a, b in (("fused", "split"), ("ordered", "head")):
+            assert rel_err(grads[a], grads[b]) < tol
+    assert rel_err(grads["ordered"][..., :C], grads["fused"][..., :C]) < tol
+
+
+@pytest.mark.parametrize("schedule", ["ordered", "head"])
+def test_dq_sum_scratch(device, monkeypatch, schedule):
+    """The dq-summing schedules' scratch: garbage in dq_accum and in the locks (zeroed by the launcher) does
+    not change the result, and nothing past the sizes flash_backward_scratch_numel gives is written."""
+    B, T, NH, hs, dtype = 2, 40, 2, 16, torch.float32
+    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(bwd_schedule=schedule))
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=11)
+    out, lse = run_forward(qkv, NH)
+    expect = run_backward(dout, qkv, out, lse, NH)
+    acc_numel, lock_numel = fa.flash_backward_scratch_numel(B, T, NH * hs, NH, dtype)
+    locks_needed = B * NH * -(-T // fa.flash_config(hs, dtype)["BLOCK_M1"]) if schedule == "ordered" else 0
+    assert acc_numel == B * NH * T * hs and lock_numel == locks_needed
+    assert fa.flash_backward_scratch_numel(B, T, NH * hs, NH) >= (acc_numel, lock_numel)
+    acc = torch.full((acc_numel + 64,), float("nan"), device=device)
+    locks = torch.randint(-5, 1000, (lock_numel + 16,), dtype=torch.int32, device=device)
+    tail_locks = locks[lock_numel:].clone()
+    dqkv = torch.full_like(qkv, float("nan"))
+    flash_attention_backward(dqkv, dout, qkv, out, lse, NH, dq_accum=acc, locks=locks)
+    assert torch.equal(dqkv, expect)
+    assert torch.isnan(acc[acc_numel:]).all()
+    assert torch.equal(locks[lock_numel:], tail_locks)
 
 
 def test_writes_stay_in_bounds_and_inputs_untouched(device):
@@ -175,13 +244,13 @@ def test_delta_buffer(device):
     assert torch.allclose(delta, expect, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_bwd", "split_bwd"])
-def test_rectangular_tiles(device, monkeypatch, fused):
+@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
+def test_rectangular_tiles(device, monkeypatch, schedule):
     """Tiles as on the GPU (query tile a multiple of the key tile and vice versa for dk/dv), so the
     diagonal spans several masked blocks; T = 40 leaves the last 32-row tile partial."""
     B, T, NH, hs, dtype = 1, 40, 2, 16, torch.float32
     monkeypatch.setitem(FLASH_CONFIGS, hs, dict(BLOCK_M=32, BLOCK_N=16, BLOCK_M1=16, BLOCK_N1=32,
-                                                BLOCK_M2=32, BLOCK_N2=16, fused_bwd=fused,
+                                                BLOCK_M2=32, BLOCK_N2=16, bwd_schedule=schedule,
                                                 fwd_warps=4, fwd_stages=2, bwd_warps=4, bwd_stages=2))
     qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=6)
     out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
@@ -196,8 +265,12 @@ def test_config_validation(monkeypatch):
     monkeypatch.setitem(FLASH_CONFIGS, 64, dict(BLOCK_M=16, BLOCK_N=32))  # diagonal split would be wrong
     with pytest.raises(AssertionError):
         fa.flash_config(64, torch.bfloat16)
-    monkeypatch.setitem(FLASH_CONFIGS, 64, dict(BLOCK_N1=32, BLOCK_M2=64, BLOCK_M1=16, BLOCK_N2=16, fused_bwd=True))
+    monkeypatch.setitem(FLASH_CONFIGS, 64, dict(BLOCK_N1=32, BLOCK_M2=64, BLOCK_M1=16, BLOCK_N2=16,
+                                                bwd_schedule="fused"))
     with pytest.raises(AssertionError):
+        fa.flash_config(64, torch.bfloat16)
+    monkeypatch.setitem(FLASH_CONFIGS, 64, dict(bwd_schedule="atomic"))
+    with pytest.raises(AssertionError, match="bwd_schedule"):
         fa.flash_config(64, torch.bfloat16)
 
 
@@ -221,6 +294,20 @@ def test_gpu_gpt2_shapes_bf16(shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(128, 64, 8), (128, 128, 8), (64, 64, 4)], ids=lambda t: "M%dN%dw%d" % t)
+def test_gpu_forward_tma(monkeypatch, tiles):
+    """The TMA forward at a GPT-2 shape with T not a multiple of the tiles (key rows past T come from the
+    next batch row), against the reference."""
+    bm, bn, warps = tiles
+    B, T, NH, hs, dtype = 3, 1000, 12, 64, torch.bfloat16
+    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(fwd_tma=True, BLOCK_M=bm, BLOCK_N=bn, fwd_warps=warps))
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=14)
+    out_ref, lse_ref, _ = reference(qkv, None, NH)
+    out, lse = run_forward(qkv, NH)
+    check_forward(out, lse, out_ref, lse_ref, dtype)
+
+
+@pytest.mark.gpu
 def test_gpu_fp32():
     B, T, NH, hs, dtype = 2, 1024, 12, 64, torch.float32
     qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=8)
@@ -231,13 +318,36 @@ def test_gpu_fp32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_bwd", "split_bwd"])
-def test_gpu_split_backward_matches(monkeypatch, fused):
-    """Both backward schedules (one launch or two) at a GPT-2 shape with T not a multiple of the tiles."""
+@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
+def test_gpu_backward_schedules_match(monkeypatch, schedule):
+    """Every backward schedule at a GPT-2 shape with T not a multiple of the tiles."""
     B, T, NH, hs, dtype = 2, 1000, 12, 64, torch.bfloat16
-    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(fused_bwd=fused))  # the default tiles allow both
+    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(bwd_schedule=schedule))  # the default tiles allow all three
     qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=9)
     out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
     out, lse = run_forward(qkv, NH)
     check_forward(out, lse, out_ref, lse_ref, dtype)
     check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["ordered", "head"])
+@pytest.mark.parametrize("tiles", [(32, 64, 4), (64, 64, 4), (32, 128, 8), (64, 128, 8)], ids=lambda t: "M%dN%dw%d" % t)
+def test_gpu_dq_sum_bitwise_repeatable(monkeypatch, tiles, schedule):
+    """The dq sums at a full GPT-2 layer (768 heads, 16 key blocks each): in the ordered schedule a
+    handshake between concurrently running programs, in the head schedule a barrier between a program's
+    warps. Repeated runs must agree bitwise, whatever the timing."""
+    bm, bn, warps = tiles
+    monkeypatch.setitem(FLASH_CONFIGS, 64, dict(bwd_schedule=schedule, BLOCK_M1=bm, BLOCK_N1=bn, bwd_warps=warps))
+    B, T, NH, hs = 64, 1024, 12, 64
+    qkv, dout = make_inputs(B, T, NH, hs, torch.bfloat16, "cuda", seed=12)
+    out, lse = run_forward(qkv, NH)
+    first = run_backward(dout, qkv, out, lse, NH)
+    assert torch.isfinite(first).all()
+    for _ in range(4):
+        assert torch.equal(run_backward(dout, qkv, out, lse, NH), first)
+    monkeypatch.setitem(FLASH_CONFIGS, 64, dict(bwd_schedule="fused"))
+    other = run_backward(dout, qkv, out, lse, NH)
+    C = NH * hs
+    for i in range(3):  # the fused schedule (default tiles) is checked against the reference elsewhere
+        assert rel_err(first[..., i * C:(i + 1) * C], other[..., i * C:(i + 1) * C]) < 1e-2

@@ -22,16 +22,28 @@ from llmpy.kernels.flash_attention import FLASH_CONFIGS, flash_attention_backwar
 SHAPES = [(64, 1024, 12, 64), (32, 1024, 6, 128)]  # (B, T, NH, hs)
 DTYPE = torch.bfloat16
 
-FWD_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-    (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
-    (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4), (256, 64, 8, 3),
+FWD_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, fwd_tma)
+    (128, 64, 8, 3, False), (64, 64, 4, 3, False), (128, 128, 8, 3, False),
+    (128, 64, 8, 3, True), (128, 64, 8, 2, True), (128, 64, 8, 4, True), (128, 64, 4, 3, True),
+    (128, 128, 8, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 4, True), (64, 32, 4, 3, True),
+    (64, 64, 8, 3, True), (256, 64, 8, 3, True),
 ]
-BWD_SWEEP = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages, fused)
-    (32, 128, 128, 32, 8, 3, True), (32, 128, 128, 32, 8, 4, True), (32, 128, 128, 32, 8, 2, True),
-    (32, 128, 128, 32, 4, 3, True), (32, 128, 128, 32, 4, 5, True), (64, 128, 128, 64, 8, 3, True),
-    (32, 64, 64, 32, 4, 3, True), (32, 64, 64, 32, 4, 4, True), (32, 64, 64, 32, 8, 2, True),
-    (16, 64, 64, 16, 4, 3, True), (16, 128, 128, 16, 8, 2, True), (64, 64, 64, 64, 4, 2, True),
-    (32, 128, 128, 32, 8, 3, False), (32, 64, 128, 32, 8, 3, False), (32, 64, 64, 32, 8, 2, False),
+BWD_SWEEP = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages, bwd_schedule)
+    # ordered and head: key tiles of BLOCK_N1, query tiles of BLOCK_M1 (BLOCK_M2, BLOCK_N2 unused)
+    (32, 64, 64, 32, 4, 3, "ordered"), (32, 64, 64, 32, 4, 2, "ordered"), (32, 64, 64, 32, 8, 3, "ordered"),
+    (64, 64, 64, 32, 4, 3, "ordered"), (64, 64, 64, 32, 8, 3, "ordered"), (16, 64, 64, 32, 4, 3, "ordered"),
+    (32, 128, 128, 32, 8, 3, "ordered"), (32, 128, 128, 32, 8, 2, "ordered"), (64, 128, 128, 32, 8, 3, "ordered"),
+    (64, 128, 128, 32, 8, 2, "ordered"), (16, 128, 128, 32, 8, 3, "ordered"), (32, 128, 128, 32, 4, 3, "ordered"),
+    # head: one program per (b, h), same tile fields as ordered
+    (64, 64, 64, 32, 4, 2, "head"), (64, 64, 64, 32, 4, 3, "head"), (32, 64, 64, 32, 4, 3, "head"),
+    (16, 64, 64, 32, 4, 3, "head"), (64, 128, 128, 32, 8, 2, "head"), (64, 128, 128, 32, 8, 3, "head"),
+    (32, 128, 128, 32, 8, 3, "head"), (128, 128, 128, 32, 8, 2, "head"), (32, 128, 128, 32, 4, 3, "head"),
+    (64, 128, 128, 32, 4, 2, "head"), (64, 64, 64, 32, 8, 3, "head"),
+    (32, 128, 128, 32, 8, 3, "fused"), (32, 128, 128, 32, 8, 4, "fused"), (32, 128, 128, 32, 8, 2, "fused"),
+    (32, 128, 128, 32, 4, 3, "fused"), (32, 128, 128, 32, 4, 5, "fused"), (64, 128, 128, 64, 8, 3, "fused"),
+    (32, 64, 64, 32, 4, 3, "fused"), (32, 64, 64, 32, 4, 4, "fused"), (32, 64, 64, 32, 8, 2, "fused"),
+    (16, 64, 64, 16, 4, 3, "fused"), (16, 128, 128, 16, 8, 2, "fused"), (64, 64, 64, 64, 4, 2, "fused"),
+    (32, 128, 128, 32, 8, 3, "split"), (32, 64, 128, 32, 8, 3, "split"), (32, 64, 64, 32, 8, 2, "split"),
 ]
 
 
@@ -61,6 +73,9 @@ class Case:
         self.lse = torch.empty(B, NH, T, device="cuda", dtype=torch.float32)
         self.delta = torch.empty(B, NH, T, device="cuda", dtype=torch.float32)
         self.dqkv = torch.empty_like(self.qkv)
+        acc_numel, lock_numel = fa.flash_backward_scratch_numel(B, T, C, NH)  # enough for every schedule
+        self.dq_accum = torch.empty(acc_numel, device="cuda", dtype=torch.float32)
+        self.locks = torch.empty(lock_numel, device="cuda", dtype=torch.int32)
         # torch: the same numbers, (B, T, NH, hs) storage seen as (B, NH, T, hs), leaves for autograd
         split = self.qkv.view(B, T, 3, NH, hs)
         self.leaves = [split[:, :, i].clone().requires_grad_() for i in range(3)]
@@ -78,7 +93,8 @@ class Case:
         flash_attention_forward(self.out, self.lse, self.qkv, self.NH)
 
     def bwd(self):
-        flash_attention_backward(self.dqkv, self.dout, self.qkv, self.out, self.lse, self.NH, delta=self.delta)
+        flash_attention_backward(self.dqkv, self.dout, self.qkv, self.out, self.lse, self.NH, delta=self.delta,
+                                 dq_accum=self.dq_accum, locks=self.locks)
 
     def fwdbwd(self):
         self.fwd()
@@ -122,10 +138,14 @@ class Case:
         return o.detach().transpose(1, 2).reshape(B, T, C), torch.cat([g.reshape(B, T, C) for g in grads], -1)
 
 
-def bench() -> list[dict]:
+def bench(head_sizes=None, sweeps=("fwd", "bwd"), schedules=None) -> list[dict]:
+    """The headline rows and the tile sweeps (those named in sweeps; backward entries of the schedules
+    named, all by default) for the shapes whose head size is in head_sizes (all by default)."""
     from torch.nn.attention import SDPBackend
     rows = []
     for B, T, NH, hs in SHAPES:
+        if head_sizes and hs not in head_sizes:
+            continue
         FLASH_CONFIGS.clear()
         case = Case(B, T, NH, hs)
         tag = f"B{B} T{T} NH{NH} hs{hs}"
@@ -153,19 +173,24 @@ def bench() -> list[dict]:
                             note=f"{tag}; baseline row: torch cuDNN backend"))
 
         # ---- tile sweep: forward, then backward (on the default forward's out/lse)
-        for bm, bn, w, s in FWD_SWEEP:
-            FLASH_CONFIGS[hs] = dict(BLOCK_M=bm, BLOCK_N=bn, fwd_warps=w, fwd_stages=s)
-            name = f"sweep fwd hs{hs} BM{bm} BN{bn} w{w} s{s}"
+        for bm, bn, w, s, tma in FWD_SWEEP if "fwd" in sweeps else ():
+            FLASH_CONFIGS[hs] = dict(BLOCK_M=bm, BLOCK_N=bn, fwd_warps=w, fwd_stages=s, fwd_tma=tma)
+            name = f"sweep fwd hs{hs} BM{bm} BN{bn} w{w} s{s}" + (" tma" if tma else "")
             rows.append(_sweep_row(name, case.fwd, lambda: rel_err(case.out, ref_out), case.bytes_fwd, flops[0],
                                    flash[0]))
+            rows[-1]["fields"] = dict(FLASH_CONFIGS[hs])
         FLASH_CONFIGS.clear()
         case.fwd()
-        for m1, n1, m2, n2, w, s, fused in BWD_SWEEP:
+        for m1, n1, m2, n2, w, s, schedule in BWD_SWEEP if "bwd" in sweeps else ():
+            if schedules and schedule not in schedules:
+                continue
             FLASH_CONFIGS[hs] = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_warps=w, bwd_stages=s,
-                                     fused_bwd=fused)
-            name = f"sweep bwd hs{hs} M1 {m1} N1 {n1} M2 {m2} N2 {n2} w{w} s{s} {'fused' if fused else 'split'}"
+                                     bwd_schedule=schedule)
+            tiles = f"M1 {m1} N1 {n1}" + (f" M2 {m2} N2 {n2}" if schedule in ("fused", "split") else "")
+            name = f"sweep bwd hs{hs} {tiles} w{w} s{s} {schedule}"
             rows.append(_sweep_row(name, case.bwd, lambda: rel_err(case.dqkv, ref_dqkv), case.bytes_bwd, flops[1],
                                    flash[1]))
+            rows[-1]["fields"] = dict(FLASH_CONFIGS[hs])
         FLASH_CONFIGS.clear()
         del case
         torch.cuda.empty_cache()
@@ -185,7 +210,27 @@ def _sweep_row(name, fn, err_fn, nbytes, flops, flash_ms):
 
 
 if __name__ == "__main__":
-    for r in bench():
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hs", type=int, nargs="*", default=None, help="head sizes to run (default: all shapes)")
+    ap.add_argument("--sweeps", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd"], help="tile sweeps to run")
+    ap.add_argument("--schedules", nargs="*", default=None, choices=fa.BWD_SCHEDULES,
+                    help="backward schedules to sweep (default: all)")
+    ap.add_argument("--best-json", default=None,
+                    help="write the fastest correct sweep entry (forward, and each backward schedule) here, as "
+                         "FLASH_CONFIGS fields")
+    cli = ap.parse_args()
+    best: dict = {}
+    for r in bench(cli.hs, cli.sweeps, cli.schedules):
         base = f"{r['baseline_ms']:.3f}" if r["baseline_ms"] is not None else "n/a"
         print(f"{r['kernel']:<58} {r['ms']:8.3f} ms  {r['bytes'] / 1e6:8.1f} MB  "
               f"{r['baseline']} {base} ms  | {r['note']}")
+        if r["kernel"].startswith("sweep") and r["ms"] == r["ms"] and "WRONG" not in r["note"] and "fields" in r:
+            sched = r["fields"].get("bwd_schedule", "fwd")
+            if sched not in best or r["ms"] < best[sched]["ms"]:
+                best[sched] = {"ms": r["ms"], "fields": r["fields"]}
+    if cli.best_json:
+        import json
+        with open(cli.best_json, "w") as f:
+            json.dump(best, f, indent=1)
+        print("best per sweep:", json.dumps(best))
