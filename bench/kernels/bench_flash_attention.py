@@ -29,16 +29,6 @@ FWD_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, fwd_tma)
     (64, 64, 8, 3, True), (256, 64, 8, 3, True),
 ]
 BWD_SWEEP = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages, bwd_schedule)
-    # ordered and head: key tiles of BLOCK_N1, query tiles of BLOCK_M1 (BLOCK_M2, BLOCK_N2 unused)
-    (32, 64, 64, 32, 4, 3, "ordered"), (32, 64, 64, 32, 4, 2, "ordered"), (32, 64, 64, 32, 8, 3, "ordered"),
-    (64, 64, 64, 32, 4, 3, "ordered"), (64, 64, 64, 32, 8, 3, "ordered"), (16, 64, 64, 32, 4, 3, "ordered"),
-    (32, 128, 128, 32, 8, 3, "ordered"), (32, 128, 128, 32, 8, 2, "ordered"), (64, 128, 128, 32, 8, 3, "ordered"),
-    (64, 128, 128, 32, 8, 2, "ordered"), (16, 128, 128, 32, 8, 3, "ordered"), (32, 128, 128, 32, 4, 3, "ordered"),
-    # head: one program per (b, h), same tile fields as ordered
-    (64, 64, 64, 32, 4, 2, "head"), (64, 64, 64, 32, 4, 3, "head"), (32, 64, 64, 32, 4, 3, "head"),
-    (16, 64, 64, 32, 4, 3, "head"), (64, 128, 128, 32, 8, 2, "head"), (64, 128, 128, 32, 8, 3, "head"),
-    (32, 128, 128, 32, 8, 3, "head"), (128, 128, 128, 32, 8, 2, "head"), (32, 128, 128, 32, 4, 3, "head"),
-    (64, 128, 128, 32, 4, 2, "head"), (64, 64, 64, 32, 8, 3, "head"),
     (32, 128, 128, 32, 8, 3, "fused"), (32, 128, 128, 32, 8, 4, "fused"), (32, 128, 128, 32, 8, 2, "fused"),
     (32, 128, 128, 32, 4, 3, "fused"), (32, 128, 128, 32, 4, 5, "fused"), (64, 128, 128, 64, 8, 3, "fused"),
     (32, 64, 64, 32, 4, 3, "fused"), (32, 64, 64, 32, 4, 4, "fused"), (32, 64, 64, 32, 8, 2, "fused"),
@@ -73,9 +63,6 @@ class Case:
         self.lse = torch.empty(B, NH, T, device="cuda", dtype=torch.float32)
         self.delta = torch.empty(B, NH, T, device="cuda", dtype=torch.float32)
         self.dqkv = torch.empty_like(self.qkv)
-        acc_numel, lock_numel = fa.flash_backward_scratch_numel(B, T, C, NH)  # enough for every schedule
-        self.dq_accum = torch.empty(acc_numel, device="cuda", dtype=torch.float32)
-        self.locks = torch.empty(lock_numel, device="cuda", dtype=torch.int32)
         # torch: the same numbers, (B, T, NH, hs) storage seen as (B, NH, T, hs), leaves for autograd
         split = self.qkv.view(B, T, 3, NH, hs)
         self.leaves = [split[:, :, i].clone().requires_grad_() for i in range(3)]
@@ -93,8 +80,7 @@ class Case:
         flash_attention_forward(self.out, self.lse, self.qkv, self.NH)
 
     def bwd(self):
-        flash_attention_backward(self.dqkv, self.dout, self.qkv, self.out, self.lse, self.NH, delta=self.delta,
-                                 dq_accum=self.dq_accum, locks=self.locks)
+        flash_attention_backward(self.dqkv, self.dout, self.qkv, self.out, self.lse, self.NH, delta=self.delta)
 
     def fwdbwd(self):
         self.fwd()
@@ -186,7 +172,7 @@ def bench(head_sizes=None, sweeps=("fwd", "bwd"), schedules=None) -> list[dict]:
                 continue
             FLASH_CONFIGS[hs] = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_warps=w, bwd_stages=s,
                                      bwd_schedule=schedule)
-            tiles = f"M1 {m1} N1 {n1}" + (f" M2 {m2} N2 {n2}" if schedule in ("fused", "split") else "")
+            tiles = f"M1 {m1} N1 {n1} M2 {m2} N2 {n2}"
             name = f"sweep bwd hs{hs} {tiles} w{w} s{s} {schedule}"
             rows.append(_sweep_row(name, case.bwd, lambda: rel_err(case.dqkv, ref_dqkv), case.bytes_bwd, flops[1],
                                    flash[1]))

@@ -60,7 +60,6 @@ from .errors import LlmpyError
 from .kernels import adamw as kadamw
 from .kernels import attention as kattn
 from .kernels import encoder as kenc
-from .kernels import flash_attention as kflash
 from .kernels import global_norm as knorm
 from .kernels import layernorm as kln
 from .kernels import matmul as kmm
@@ -190,10 +189,6 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         out_numel = max(out_numel, B * T * 3 * C)
         if classifier_chunks > 1:
             out_numel = max(out_numel, B * NH * T * T)
-    if attention == "flash":
-        # the flash backward's fp32 dq sums (ordered schedule) live there too: dead logits by then
-        dq_numel, lock_numel = kflash.flash_backward_scratch_numel(B, T, C, NH)
-        out_numel = max(out_numel, -(-dq_numel * 4 // torch.empty((), dtype=dtype).element_size()))
     specs = [
         BufferSpec("encoded", (B, T, C), dtype, "activations"),
         BufferSpec("ln1", (Ll, B, T, C), dtype, "activations"),
@@ -233,7 +228,6 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
     if attention == "flash":
         specs.append(BufferSpec("delta", (B, NH, T), f32, "scratch"))
-        specs.append(BufferSpec("flash_locks", (lock_numel,), torch.int32, "scratch"))
     bias_numel = max([kmm.bias_scratch_numel(B * T, n, device) for n in (3 * C, C, 4 * C)]
                      + [kmm.bias_scratch_numel(B * T, 4 * C, device, gelu=True)])
     specs.append(BufferSpec("bias_scratch", (max(1, bias_numel),), f32, "scratch"))
@@ -843,12 +837,8 @@ class GPT2Model:
                 kattn.attention_backward_any("classic", dqkv, dl_btc, None, None, NH, qkvr=b["qkvr"], att=b["att"],
                                              dqkvr=dqkvr, datt=datt, scratch=b["atty"])
             else:
-                flash = {}
-                if self.attention == "flash":
-                    # dq sums in the spent logits buffer (sized for them in activation_specs)
-                    flash = dict(delta=a["delta"], locks=a["flash_locks"], dq_accum=a["output"].view(-1).view(torch.float32))
                 kattn.attention_backward_any(self.attention, dqkv, dl_btc, b["qkv"], b["atty"], NH, lse=b["lse"],
-                                             **flash)
+                                             delta=a["delta"] if "delta" in a else None)
             if self.recompute >= 2:
                 kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"], p["ln1w"][l], p["ln1b"][l])
             kmm.matmul_backward(dl_btc, g["qkvw"][l], g["qkvb"][l], dqkv, b["ln1"], p["qkvw"][l], scratch=bias_scratch,

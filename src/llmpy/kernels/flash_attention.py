@@ -10,19 +10,18 @@ kernels are that fused kernel, written in Triton:
   the diagonal ones pay for the causal mask. The output lands directly in the (B, T, C) layout the
   projection matmul reads, and the log-sum-exp of each row (natural log, fp32) is saved so the backward
   can rebuild the probabilities without another softmax pass.
-* backward: a small kernel computes delta = rowsum(dout * out) per (b, h, t); then one of three
-  schedules (config "bwd_schedule"). All are deterministic: no floating-point atomics, a fixed order for
-  every sum, bitwise the same result run after run.
-  - "ordered": program j owns key block j and walks the query blocks at and after it, computing the
-    scores once for dk, dv and dq (5 matrix products a block pair). Its share of each query block's dq is
-    added to an fp32 sum in global memory in a fixed order, diagonal key block first and key block 0 last
-    (which writes the finished dq), through an integer lock per query block that counts the shares
-    added so far. Key blocks are scheduled last-first so that every program waits only on programs
-    dispatched before it.
-  - "fused": program i owns key block i (dk, dv over the query blocks at or after it) and query block i
-    (dq over the key blocks up to it, recomputing scores and dP: 7 products a pair). The halves even out
-    the causal triangle: every program does about T rows of work.
-  - "split": the same two halves as two launches.
+* backward: a small kernel computes delta = rowsum(dout * out) per (b, h, t); then one kernel whose
+  program i owns key block i (accumulating dk, dv over the query blocks at or after it) and query block i
+  (accumulating dq over the key blocks up to it, recomputing the scores and dP it needs: 7 matrix products
+  a block pair where dk, dv and dq together need 5). Every gradient element is owned by one program, so
+  there are no atomics and the result is bitwise reproducible. The halves also even out the causal
+  triangle: key block i meets the T - i*BLOCK query rows after it, query block i the i*BLOCK keys before
+  it, so every program does about T rows of work. They can run as two launches instead (config
+  "bwd_schedule": "split"). Summing dq across key-block programs instead (in a fixed order, through
+  integer locks, or all key blocks of a head in one program) measured slower on the H200: see
+  bench/RESULTS.md, "flash backward schedules".
+* forward on sm_90: keys and values can come through a TMA descriptor (config "fwd_tma", when the head
+  size is a power of two and qkv's rows are 16-byte aligned), which the pipeliner loads asynchronously.
 
 Both read q, k, v through the row stride 3C (no permute pass) and write dq, dk, dv into the (B, T, 3C)
 gradient the QKV matmul's backward consumes. Head sizes need not be powers of two: the head dimension is
@@ -305,191 +304,6 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
         _store_tile(dq_base, dq * sm_scale, offs_m, offs_d, row_stride, T, HS, EVEN_HS)
 
 
-@triton.jit
-def _dkdv_dq_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_acc_base, lock_base,
-                   key_block, m0, offs_n, offs_d, row_stride, C, T, sm_scale, scale_log2,
-                   HS: tl.constexpr, HS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASKED: tl.constexpr, EVEN_HS: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """_dkdv_block plus this pair's share of the query block's dq (dS @ k), added to the dq sums of the key
-    blocks before it in a fixed order: from the diagonal key block down to key block 0.
-
-    The query block's lock counts the key blocks that have added their share. Key block j waits for the
-    count to reach its rank (diagonal block - j), adds its share to the fp32 sum in dq_acc, and publishes
-    rank + 1; key block 0 comes last and writes the finished dq (times the softmax scale) into dqkv
-    instead. The order never depends on timing, so the sum is bitwise reproducible, and no floating-point
-    atomics are involved (the lock is an integer handshake)."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    rows_ok = (offs_m < T)[:, None]
-    q = _load_tile(q_base, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS)
-    do = _load_tile(do_base, offs_m, offs_d, C, T, HS, True, EVEN_HS)
-    lse2 = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
-    sT = _mm(k, tl.trans(q), DOT_UPCAST, PREC)
-    pT = tl.exp2(sT * scale_log2 - lse2[None, :])
-    if MASKED:
-        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-    dv = _mma(pT.to(do.dtype), do, dv, DOT_UPCAST, PREC)
-    dpT = _mm(v, tl.trans(do), DOT_UPCAST, PREC)
-    dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-    dk = _mma(dsT, q, dk, DOT_UPCAST, PREC)
-    dq = _mm(tl.trans(dsT), k, DOT_UPCAST, PREC)
-
-    rank = m0 // BLOCK_N - key_block  # 0 for the diagonal key block, which starts the sum
-    lock = lock_base + m0 // BLOCK_M
-    acc_ptrs = dq_acc_base + offs_m[:, None] * HS_PAD + offs_d[None, :]
-    if rank > 0:
-        # acquire: the previous key block's sum is visible once its count is seen
-        count = tl.atomic_add(lock, 0, sem="acquire", scope="gpu")
-        while count < rank:
-            count = tl.atomic_add(lock, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
-        # .cg: read from L2, past any stale copy of the sum in this SM's L1
-        dq += tl.load(acc_ptrs, mask=rows_ok, other=0.0, cache_modifier=".cg")
-    if key_block == 0:
-        _store_tile(dq_base, dq * sm_scale, offs_m, offs_d, row_stride, T, HS, EVEN_HS)
-    else:
-        tl.store(acc_ptrs, dq, mask=rows_ok, cache_modifier=".cg")
-        tl.debug_barrier()  # every warp's part of the sum is written before the count says so
-        tl.atomic_xchg(lock, rank + 1, sem="release", scope="gpu")
-    return dk, dv
-
-
-@triton.jit
-def _flash_bwd_ordered_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, dq_acc_ptr, lock_ptr,
-                              T, NH, C, sm_scale, scale_log2,
-                              HS: tl.constexpr, HS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """The backward in one pass over the causal triangle: program (x, bh) owns key block
-    num_programs(0) - 1 - x, accumulates its dk, dv over the query blocks at and after it, and adds
-    each query block's dq share in key-block order (_dkdv_dq_block). Key blocks run last-first: each
-    waits only on key blocks with a lower program id, which start before it (on the GPU, blocks of a grid
-    are dispatched in order; in the interpreter, x is the outer loop), so a wait always ends."""
-    key_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // NH
-    h = bh % NH
-    EVEN_HS: tl.constexpr = HS == HS_PAD
-    row_stride = 3 * C
-    q_base, k_base, v_base = _head_bases(qkv_ptr, b, h, T, C, HS)
-    do_base = dout_ptr + b.to(tl.int64) * T * C + h * HS
-    dq_base = dqkv_ptr + b.to(tl.int64) * T * row_stride + h * HS
-    lse_base = lse_ptr + bh.to(tl.int64) * T
-    delta_base = delta_ptr + bh.to(tl.int64) * T
-    dq_acc_base = dq_acc_ptr + bh.to(tl.int64) * T * HS_PAD
-    lock_base = lock_ptr + bh * tl.cdiv(T, BLOCK_M)
-    offs_d = tl.arange(0, HS_PAD)
-
-    n0 = key_block * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    k = _load_tile(k_base, offs_n, offs_d, row_stride, T, HS, True, EVEN_HS)
-    v = _load_tile(v_base, offs_n, offs_d, row_stride, T, HS, True, EVEN_HS)
-    dk = tl.zeros([BLOCK_N, HS_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HS_PAD], dtype=tl.float32)
-    for m0 in range(n0, tl.minimum(n0 + BLOCK_N, T), BLOCK_M):
-        dk, dv = _dkdv_dq_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_acc_base,
-                                lock_base, key_block, m0, offs_n, offs_d, row_stride, C, T, sm_scale, scale_log2,
-                                HS, HS_PAD, BLOCK_M, BLOCK_N, True, EVEN_HS, DOT_UPCAST, PREC)
-    for m0 in range(n0 + BLOCK_N, T, BLOCK_M):
-        dk, dv = _dkdv_dq_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_acc_base,
-                                lock_base, key_block, m0, offs_n, offs_d, row_stride, C, T, sm_scale, scale_log2,
-                                HS, HS_PAD, BLOCK_M, BLOCK_N, False, EVEN_HS, DOT_UPCAST, PREC)
-    _store_tile(dq_base + C, dk * sm_scale, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
-    _store_tile(dq_base + 2 * C, dv, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
-
-
-@triton.jit
-def _head_pair(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_acc_base, m0, offs_n, offs_d,
-               row_stride, C, T, sm_scale, scale_log2, HS: tl.constexpr, HS_PAD: tl.constexpr,
-               BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LAST: tl.constexpr, EVEN_HS: tl.constexpr,
-               DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """One (key block, query block) pair of the per-head backward: dk, dv as _dkdv_block, and dq's running
-    sum for the query block. MASKED pairs are on the diagonal, where the sum starts; LAST is key block 0,
-    where it ends and the finished dq goes to dqkv."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    rows_ok = (offs_m < T)[:, None]
-    q = _load_tile(q_base, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS)
-    do = _load_tile(do_base, offs_m, offs_d, C, T, HS, True, EVEN_HS)
-    lse2 = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
-    acc_ptrs = dq_acc_base + offs_m[:, None] * HS_PAD + offs_d[None, :]
-    if not MASKED:
-        dq = tl.load(acc_ptrs, mask=rows_ok, other=0.0)  # the key blocks after this one, summed
-    sT = _mm(k, tl.trans(q), DOT_UPCAST, PREC)
-    pT = tl.exp2(sT * scale_log2 - lse2[None, :])
-    if MASKED:
-        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-    dv = _mma(pT.to(do.dtype), do, dv, DOT_UPCAST, PREC)
-    dpT = _mm(v, tl.trans(do), DOT_UPCAST, PREC)
-    dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-    dk = _mma(dsT, q, dk, DOT_UPCAST, PREC)
-    if MASKED:
-        dq = _mm(tl.trans(dsT), k, DOT_UPCAST, PREC)
-    else:
-        dq = _mma(tl.trans(dsT), k, dq, DOT_UPCAST, PREC)
-    if LAST:
-        _store_tile(dq_base, dq * sm_scale, offs_m, offs_d, row_stride, T, HS, EVEN_HS)
-    else:
-        tl.store(acc_ptrs, dq, mask=rows_ok)
-    return dk, dv
-
-
-@triton.jit
-def _head_key_block(key_block, qkv_base, do_base, lse_base, delta_base, dq_base, dq_acc_base, offs_d,
-                    row_stride, C, T, sm_scale, scale_log2, HS: tl.constexpr, HS_PAD: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAST: tl.constexpr, EVEN_HS: tl.constexpr,
-                    DOT_UPCAST: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
-    """Key block key_block of one head: its dk, dv over the query blocks at and after it, and its share
-    added to their dq sums."""
-    k_base = qkv_base + C
-    v_base = qkv_base + 2 * C
-    n0 = key_block * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    k = _load_tile(k_base, offs_n, offs_d, row_stride, T, HS, True, EVEN_HS)
-    v = _load_tile(v_base, offs_n, offs_d, row_stride, T, HS, True, EVEN_HS)
-    dk = tl.zeros([BLOCK_N, HS_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HS_PAD], dtype=tl.float32)
-    for m0 in tl.range(n0, tl.minimum(n0 + BLOCK_N, T), BLOCK_M, num_stages=STAGES):
-        dk, dv = _head_pair(dk, dv, k, v, qkv_base, do_base, lse_base, delta_base, dq_base, dq_acc_base, m0,
-                            offs_n, offs_d, row_stride, C, T, sm_scale, scale_log2, HS, HS_PAD, BLOCK_M,
-                            True, LAST, EVEN_HS, DOT_UPCAST, PREC)
-    for m0 in tl.range(n0 + BLOCK_N, T, BLOCK_M, num_stages=STAGES):
-        dk, dv = _head_pair(dk, dv, k, v, qkv_base, do_base, lse_base, delta_base, dq_base, dq_acc_base, m0,
-                            offs_n, offs_d, row_stride, C, T, sm_scale, scale_log2, HS, HS_PAD, BLOCK_M,
-                            False, LAST, EVEN_HS, DOT_UPCAST, PREC)
-    _store_tile(dq_base + C, dk * sm_scale, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
-    _store_tile(dq_base + 2 * C, dv, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
-
-
-@triton.jit
-def _flash_bwd_head_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, dq_acc_ptr, T, NH, C, sm_scale,
-                           scale_log2, HS: tl.constexpr, HS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr,
-                           STAGES: tl.constexpr):
-    """The whole backward of one (b, h) in one program: key blocks from the last to the first, each
-    adding its share to the fp32 dq sums of the query blocks it sees (a fixed order, no other program
-    touches them, so no atomics and no locks); key block 0 finishes them."""
-    bh = tl.program_id(0)
-    b = bh // NH
-    h = bh % NH
-    EVEN_HS: tl.constexpr = HS == HS_PAD
-    row_stride = 3 * C
-    qkv_base = qkv_ptr + b.to(tl.int64) * T * (3 * C) + h * HS
-    do_base = dout_ptr + b.to(tl.int64) * T * C + h * HS
-    dq_base = dqkv_ptr + b.to(tl.int64) * T * row_stride + h * HS
-    lse_base = lse_ptr + bh.to(tl.int64) * T
-    delta_base = delta_ptr + bh.to(tl.int64) * T
-    dq_acc_base = dq_acc_ptr + bh.to(tl.int64) * T * HS_PAD
-    offs_d = tl.arange(0, HS_PAD)
-    n_key_blocks = tl.cdiv(T, BLOCK_N)
-    for i in tl.range(1, n_key_blocks, num_stages=1):
-        _head_key_block(n_key_blocks - i, qkv_base, do_base, lse_base, delta_base, dq_base, dq_acc_base, offs_d,
-                        row_stride, C, T, sm_scale, scale_log2, HS, HS_PAD, BLOCK_M, BLOCK_N, False, EVEN_HS,
-                        DOT_UPCAST, PREC, STAGES)
-        tl.debug_barrier()  # this key block's dq sums are stored before the next one's warps read them
-    _head_key_block(0, qkv_base, do_base, lse_base, delta_base, dq_base, dq_acc_base, offs_d, row_stride, C, T,
-                    sm_scale, scale_log2, HS, HS_PAD, BLOCK_M, BLOCK_N, True, EVEN_HS, DOT_UPCAST, PREC, STAGES)
-
-
 # ----------------------------------------------------------------------------------------------------
 # configuration
 
@@ -498,9 +312,11 @@ def _flash_bwd_head_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, dq_a
 # hs=64 and B=32 NH=6 hs=128; bench/RESULTS.md): forward 128x64 tiles with 8 warps at hs 64 (0.365 ms)
 # and 64x64 with 4 warps at hs 128 (0.166 ms); backward 32-row query tiles against 64-key tiles, 4 warps,
 # 3 stages for both (1.135 ms and 0.507 ms, against 1.357 and 1.179 ms for the first, untimed guesses).
-# `python -m bench.kernels.bench_flash_attention` reruns the sweep.
+# `python -m bench.kernels.bench_flash_attention` reruns the sweep. Since (2026-12-01, session 4): the hs 64
+# forward takes its keys and values through TMA with 64x64 tiles, 4 warps (0.351 ms against 0.362 for the
+# pointer kernel's 128x64; where TMA is unavailable the same tiles run through pointers).
 _CONFIGS_16 = {
-    64: dict(BLOCK_M=128, BLOCK_N=64, fwd_warps=8, fwd_stages=3, fwd_tma=False,
+    64: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=True,
              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3, bwd_schedule="fused"),
     128: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=False,
               BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3, bwd_schedule="fused"),
@@ -516,15 +332,12 @@ _CONFIGS_32 = {
 # The interpreter runs every program in Python: the smallest tiles tl.dot accepts (16).
 _CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1, fwd_tma=False,
                          BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1,
-                         bwd_schedule="ordered")
+                         bwd_schedule="fused")
 _DELTA_BLOCK_T = 64
 
-# How the backward gets dq (dk and dv always come from programs that own a key block):
-#   "ordered": in the same programs, each adding its share to the query block's sum in a fixed order
-#              (_flash_bwd_ordered_kernel): the scores are computed once, 5 matrix products a block pair;
-#   "fused":   program i also owns query block i and recomputes its scores and dP for dq: 7 products;
-#   "split":   the same two halves as two launches.
-BWD_SCHEDULES = ("ordered", "head", "fused", "split")
+# How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
+# two launches).
+BWD_SCHEDULES = ("fused", "split")
 
 # Override hook: FLASH_CONFIGS[hs] (or FLASH_CONFIGS[(hs, dtype)], which wins) = dict of the fields above
 # to replace, e.g. FLASH_CONFIGS[64] = {"BLOCK_M": 64, "fwd_warps": 8}. Read at every launch; a new value
@@ -591,33 +404,11 @@ def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Ten
     return out, lse
 
 
-def flash_backward_scratch_numel(B: int, T: int, C: int, num_heads: int,
-                                 dtype: torch.dtype | None = None) -> tuple[int, int]:
-    """(fp32 elements of dq_accum, int32 elements of locks) that flash_attention_backward needs for its
-    "ordered" and "head" schedules at this shape, to preallocate them: for dtype's current configuration
-    ((0, 0) for the others), or with dtype None, enough for any configuration (query tiles of 16 rows or more)."""
-    hs, hs_pad = _head_dims(C, num_heads)
-    if dtype is None:
-        block_m = 16
-    else:
-        cfg = flash_config(hs, dtype)
-        if cfg["bwd_schedule"] == "head":
-            return B * num_heads * T * hs_pad, 0
-        if cfg["bwd_schedule"] != "ordered":
-            return 0, 0
-        block_m = cfg["BLOCK_M1"]
-    return B * num_heads * T * hs_pad, B * num_heads * triton.cdiv(T, block_m)
-
-
 def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
-                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None,
-                             dq_accum: torch.Tensor | None = None, locks: torch.Tensor | None = None):
+                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None):
     """Gradient of qkv (B, T, 3C) from dout (B, T, C), written over dqkv (B, T, 3C), given the forward's
-    out and lse. Scratch, each allocated here when not given (pass them preallocated to keep the launcher
-    allocation-free for CUDA-graph capture): delta (B, NH, T) fp32; for the "ordered" schedule dq_accum
-    (fp32) and locks (int32), at least flash_backward_scratch_numel elements each, any shape (locks are
-    zeroed here, dq_accum needs no initial value). Deterministic: no floating-point atomics, and the same
-    inputs give bitwise the same dqkv. Returns dqkv."""
+    out and lse. delta (B, NH, T) fp32 is scratch; pass it preallocated to keep the launcher allocation-free
+    (CUDA-graph capture). Deterministic: no atomics. Returns dqkv."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     assert dqkv.shape == qkv.shape and dout.shape == (B, T, C) and out.shape == (B, T, C)
@@ -637,43 +428,14 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
 
-    args = (qkv, dout, lse, delta, dqkv)
-    scalars = (T, num_heads, C, scale, scale * LOG2E)
-    launch = dict(num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
-    schedule = cfg["bwd_schedule"]
-    if schedule == "head":
-        acc_numel, _ = flash_backward_scratch_numel(B, T, C, num_heads)
-        if dq_accum is None:
-            dq_accum = torch.empty(acc_numel, dtype=torch.float32, device=qkv.device)
-        assert dq_accum.dtype == torch.float32 and dq_accum.numel() >= acc_numel and dq_accum.is_contiguous()
-        _flash_bwd_head_kernel[(B * num_heads,)](
-            *args, dq_accum, *scalars, HS=hs, HS_PAD=hs_pad, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"],
-            DOT_UPCAST=DOT_UPCAST, PREC=prec, STAGES=cfg["bwd_stages"], **launch)
-        return dqkv
-    if schedule == "ordered":
-        acc_numel, lock_numel = flash_backward_scratch_numel(B, T, C, num_heads, qkv.dtype)
-        if dq_accum is None:
-            dq_accum = torch.empty(acc_numel, dtype=torch.float32, device=qkv.device)
-        if locks is None:
-            locks = torch.empty(lock_numel, dtype=torch.int32, device=qkv.device)
-        assert dq_accum.dtype == torch.float32 and dq_accum.numel() >= acc_numel and dq_accum.is_contiguous()
-        assert locks.dtype == torch.int32 and locks.numel() >= lock_numel and locks.is_contiguous()
-        assert dq_accum.device == locks.device == qkv.device
-        locks.view(-1)[:lock_numel].zero_()
-        _flash_bwd_ordered_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](
-            *args, dq_accum, locks, *scalars, HS=hs, HS_PAD=hs_pad, BLOCK_M=cfg["BLOCK_M1"],
-            BLOCK_N=cfg["BLOCK_N1"], DOT_UPCAST=DOT_UPCAST, PREC=prec, **launch)
-        return dqkv
-
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
-                  BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec, **launch)
-    if schedule == "fused":
+                  BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,
+                  num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
+    args = (qkv, dout, lse, delta, dqkv, T, num_heads, C, scale, scale * LOG2E)
+    if cfg["bwd_schedule"] == "fused":
         # program i: key block i's dk, dv and query block i's dq (BLOCK_N1 == BLOCK_M2)
-        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, *scalars, DO_DKDV=True,
-                                                                            DO_DQ=True, **common)
+        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, DO_DKDV=True, DO_DQ=True, **common)
     else:
-        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, *scalars, DO_DKDV=True,
-                                                                            DO_DQ=False, **common)
-        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_M2"]), B * num_heads)](*args, *scalars, DO_DKDV=False,
-                                                                            DO_DQ=True, **common)
+        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, DO_DKDV=True, DO_DQ=False, **common)
+        _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_M2"]), B * num_heads)](*args, DO_DKDV=False, DO_DQ=True, **common)
     return dqkv
