@@ -9,6 +9,8 @@ settings, each in its own process (the settings are read when PyTorch creates it
 
 Per setting: each product's median time (CUDA events, 30 runs after warm-up) and the step's total (times
 its calls a step), plus whether two runs of every product agree bitwise (the step must be deterministic).
+Then the backward products in other layouts (a transposed copy of the weight for the input gradient, the
+weight gradient computed transposed), timed the same way but not counted in the total.
 
     PYTHONPATH=src:. python -m bench.kernels.bench_blas [--settings default prefer-lt ...] [--json F]
 """
@@ -44,6 +46,21 @@ PRODUCTS = [
     ("fcproj dweight", L, "acc", C, BT, 4 * C),
     ("lm_head dweight", CHUNKS, "acc", VP, ROWS, C),
 ]
+# The same products in other layouts (not in the step total): "dinp-wt" = mm(dout, wt.t()) with a
+# transposed copy wt (N, K) of the weight; "acc-t" = the weight gradient computed transposed,
+# dw.t().addmm_(x.t(), dout) into the (N, M) view of dw.
+LAYOUT_VARIANTS = [
+    ("qkv dinp wt", 0, "dinp-wt", BT, 3 * C, C),
+    ("attproj dinp wt", 0, "dinp-wt", BT, C, C),
+    ("fc dinp wt", 0, "dinp-wt", BT, 4 * C, C),
+    ("fcproj dinp wt", 0, "dinp-wt", BT, C, 4 * C),
+    ("lm_head dinp wt", 0, "dinp-wt", ROWS, VP, C),
+    ("qkv dweight t", 0, "acc-t", 3 * C, BT, C),
+    ("attproj dweight t", 0, "acc-t", C, BT, C),
+    ("fc dweight t", 0, "acc-t", 4 * C, BT, C),
+    ("fcproj dweight t", 0, "acc-t", C, BT, 4 * C),
+    ("lm_head dweight t", 0, "acc-t", VP, ROWS, C),
+]
 
 SETTINGS = {
     "default": {},
@@ -60,8 +77,8 @@ def _operands(kind, M, K, N, gen):
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
 
-    a = randn(K, M).t() if kind == "acc" else randn(M, K)
-    b = randn(N, K).t() if kind in ("bias", "fwd") else randn(K, N)
+    a = randn(K, M).t() if kind in ("acc", "acc-t") else randn(M, K)
+    b = randn(N, K).t() if kind in ("bias", "fwd", "dinp-wt") else randn(K, N)
     return a, b, (0.1 * randn(N)), randn(M, N)
 
 
@@ -70,17 +87,19 @@ def child() -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows, total = [], 0.0
-    for name, calls, kind, M, K, N in PRODUCTS:
+    for name, calls, kind, M, K, N in PRODUCTS + LAYOUT_VARIANTS:
         a, b, bias, out = _operands(kind, M, K, N, gen)
         out0 = out.clone()
 
         def run():
             if kind == "bias":
                 torch.addmm(bias, a, b, out=out)
-            elif kind in ("fwd", "dinp"):
+            elif kind in ("fwd", "dinp", "dinp-wt"):
                 torch.mm(a, b, out=out)
-            else:
+            elif kind == "acc":
                 out.addmm_(a, b)
+            else:  # acc-t: out^T += b^T a^T
+                out.t().addmm_(b.t(), a.t())
 
         # determinism: the same inputs twice give the same bits
         out.copy_(out0)
@@ -126,7 +145,7 @@ def main(argv=None) -> int:
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     names = list(results)
     print(f"{'product':<18} {'calls':>5} " + " ".join(f"{n:>16}" for n in names) + "   (ms, TFLOP/s)")
-    for i, (pname, calls, *_rest) in enumerate(PRODUCTS):
+    for i, (pname, calls, *_rest) in enumerate(PRODUCTS + LAYOUT_VARIANTS):
         cells = []
         for n in names:
             r = results[n]["rows"][i]
