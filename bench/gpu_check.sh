@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [blas] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -51,6 +51,15 @@ for stage in $stages; do
       # the Triton GEMM (pointer and TMA kernels) with the GELU epilogues against cuBLAS + a GELU pass
       timeout ${GEMM_TIMEOUT:-300} python3 -m bench.kernels.sweep_gemm --budget-s ${GEMM_BUDGET:-220} \
         --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log"
+      rc=$? ;;
+    flash)
+      # the flash attention tile sweeps (forward and the backward schedules) against SDPA's flash and cuDNN
+      timeout ${FLASH_TIMEOUT:-300} python3 -m bench.kernels.bench_flash_attention ${FLASH_ARGS:---hs 64} \
+        --best-json "$OUT/flash_best.json" 2>&1 | tee "$OUT/flash.log"
+      rc=$? ;;
+    blas)
+      # every matrix product of a step under cuBLAS settings, each setting in its own process
+      timeout ${BLAS_TIMEOUT:-300} python3 -m bench.kernels.bench_blas ${BLAS_ARGS:-} --json "$OUT/blas.json" 2>&1 | tee "$OUT/blas.log"
       rc=$? ;;
     bias)
       timeout ${BIAS_TIMEOUT:-240} python3 -m bench.kernels.sweep_bias ${BIAS_ARGS:-} --json "$OUT/bias.json" 2>&1 | tee "$OUT/bias.log"

@@ -113,6 +113,19 @@ def test_bench_step_defaults_and_errors():
             bench_step.parse_args(bad)
 
 
+def test_bench_step_flash_config(monkeypatch):
+    """--flash-config overrides the flash tile table at the model's head size (GPT-2 124M: 64)."""
+    from llmpy.config import parse_descriptor
+    from llmpy.kernels import flash_attention as fa
+    monkeypatch.setattr(fa, "FLASH_CONFIGS", {})
+    args = bench_step.parse_args(["--flash-config", '{"bwd_schedule": "split", "fwd_tma": false}'])
+    bench_step.set_flash_config(args.flash_config, parse_descriptor("d12"))
+    assert fa.FLASH_CONFIGS == {64: {"bwd_schedule": "split", "fwd_tma": False}}
+    assert fa.flash_config(64, torch.bfloat16)["bwd_schedule"] == "split"
+    bench_step.set_flash_config(None, parse_descriptor("d12"))  # no flag: nothing changes
+    assert fa.FLASH_CONFIGS == {64: {"bwd_schedule": "split", "fwd_tma": False}}
+
+
 def test_make_batches_fresh_shifted_and_reproducible():
     a = bench_step.make_batches(100, 2, 8, 3, seed=5)
     b = bench_step.make_batches(100, 2, 8, 3, seed=5)
