@@ -314,10 +314,11 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
 # 3 stages for both (1.135 ms and 0.507 ms, against 1.357 and 1.179 ms for the first, untimed guesses).
 # `python -m bench.kernels.bench_flash_attention` reruns the sweep. Since (2026-12-01, session 4): the hs 64
 # forward takes its keys and values through TMA with 64x64 tiles, 4 warps (0.351 ms against 0.362 for the
-# pointer kernel's 128x64; where TMA is unavailable the same tiles run through pointers).
+# pointer kernel's 128x64; where TMA is unavailable the same tiles run through pointers), and the backward's
+# dq half takes 64-key tiles (0.986 ms against 1.143 ms with 32-key tiles, cuDNN 1.033; bench/RESULTS.md run J).
 _CONFIGS_16 = {
     64: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=True,
-             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3, bwd_schedule="fused"),
+             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3, bwd_schedule="fused"),
     128: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=False,
               BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3, bwd_schedule="fused"),
 }
