@@ -554,10 +554,10 @@ def _probe(impl: str, device: torch.device) -> bool:
 
 
 # Preference on a CUDA device, the first that runs and agrees with the math. The Triton flash kernel comes
-# first: alone cuDNN's is faster (1.32 against 1.50 ms a layer, forward + backward, GPT-2 124M shapes), but
-# in the model the cuDNN path copies q, k, v out of the qkv layout and dq, dk, dv back into it (36 strided
-# copies, 4.5 ms a step), and the whole step is faster with flash (112.3 against 115.2 ms, H200,
-# bench/RESULTS.md run E). Flash takes head sizes up to 128.
+# first: it is deterministic, alone it is as fast as cuDNN's (1.34 against 1.32 ms a layer, forward +
+# backward, GPT-2 124M shapes, bench/RESULTS.md run J), and in the model the cuDNN path also copies q, k, v
+# out of the qkv layout and dq, dk, dv back into it (36 strided copies, 4.5 ms a step; run E). Flash takes
+# head sizes up to 128.
 DEFAULT_PREFERENCE = ("flash", "cudnn")
 
 
