@@ -12,6 +12,7 @@ import torch
 
 from llmpy import reference as ref
 from llmpy.kernels import matmul as mm
+from llmpy.kernels.common import tma_usable
 
 # ||out - ref|| / ||ref||. fp32: reference in float64; bf16: reference in fp32 on the bf16-rounded inputs.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -185,7 +186,7 @@ def test_triton_matmul_tma_equals_pointer_kernel(device, dtype, shape, epilogue,
     plain = {k: v for k, v in tma.items() if k in tiles}
     aux_in = rand(M, N)
     for b in (w_nk.t(), w_kn):
-        assert mm._tma_usable(a, b), "the test shapes are meant for the TMA path"
+        assert tma_usable(a, b), "the test shapes are meant for the TMA path"
         outs = []
         for cfg in (plain, tma):
             c, buf = guarded((M, N), dtype, device)
@@ -210,7 +211,7 @@ def test_triton_matmul_tma_falls_back_on_unaligned_rows(device):
     rand = Rand(device, dtype, 10)
     a, w = rand(M, K), rand(N, K)
     c = poisoned((M, N), dtype, device)
-    assert not mm._tma_usable(a, w.t(), c)
+    assert not tma_usable(a, w.t(), c)
     mm.triton_matmul(c, a, w.t(), config=_tma_config(device, True))
     check(c, up(a, dtype) @ up(w.t(), dtype), dtype, "c")
 

@@ -71,57 +71,63 @@ SETTINGS = {
 }
 
 
-def _operands(kind, M, K, N, gen):
+def _operands(kind, M, K, N, gen, device="cuda"):
     import torch
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+        return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
 
     a = randn(K, M).t() if kind in ("acc", "acc-t") else randn(M, K)
     b = randn(N, K).t() if kind in ("bias", "fwd", "dinp-wt") else randn(K, N)
     return a, b, (0.1 * randn(N)), randn(M, N)
 
 
+def _product(kind, a, b, bias, out):
+    """One product as the model calls it (out is overwritten, or accumulated into for the weight gradients)."""
+    import torch
+    if kind == "bias":
+        torch.addmm(bias, a, b, out=out)
+    elif kind in ("fwd", "dinp", "dinp-wt"):
+        torch.mm(a, b, out=out)
+    elif kind == "acc":
+        out.addmm_(a, b)
+    else:  # acc-t: out^T += b^T a^T
+        out.t().addmm_(b.t(), a.t())
+
+
+def _time_product(kind, M, K, N, gen) -> tuple[float, bool]:
+    """(median ms of 30 runs after 5 warm-up runs, whether two runs from the same inputs agree bitwise)."""
+    import torch
+    a, b, bias, out = _operands(kind, M, K, N, gen)
+    out0 = out.clone()
+    out.copy_(out0)
+    _product(kind, a, b, bias, out)
+    first = out.clone()
+    out.copy_(out0)
+    _product(kind, a, b, bias, out)
+    bitwise = bool(torch.equal(first, out))
+    for _ in range(5):
+        _product(kind, a, b, bias, out)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(30):
+        start.record()
+        _product(kind, a, b, bias, out)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], bitwise
+
+
 def child() -> dict:
     import torch
     gen = torch.Generator(device="cuda").manual_seed(0)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows, total = [], 0.0
     for name, calls, kind, M, K, N in PRODUCTS + LAYOUT_VARIANTS:
-        a, b, bias, out = _operands(kind, M, K, N, gen)
-        out0 = out.clone()
-
-        def run():
-            if kind == "bias":
-                torch.addmm(bias, a, b, out=out)
-            elif kind in ("fwd", "dinp", "dinp-wt"):
-                torch.mm(a, b, out=out)
-            elif kind == "acc":
-                out.addmm_(a, b)
-            else:  # acc-t: out^T += b^T a^T
-                out.t().addmm_(b.t(), a.t())
-
-        # determinism: the same inputs twice give the same bits
-        out.copy_(out0)
-        run()
-        first = out.clone()
-        out.copy_(out0)
-        run()
-        bitwise = bool(torch.equal(first, out))
-        for _ in range(5):
-            run()
-        times = []
-        for _ in range(30):
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = sorted(times)[len(times) // 2]
+        ms, bitwise = _time_product(kind, M, K, N, gen)
         tflops = 2 * M * K * N / (ms * 1e-3) / 1e12
         rows.append(dict(name=name, calls=calls, ms=ms, tflops=tflops, bitwise=bitwise))
         total += calls * ms
-        del a, b, bias, out, out0, first
     return dict(rows=rows, total_ms=total)
 
 

@@ -80,6 +80,33 @@ def store_rounded(ptr, x, mask, seed, offsets, STOCHASTIC: tl.constexpr):
         tl.store(ptr, round_to(x, ptr), mask=mask)
 
 
+def tma_descriptor_class():
+    """Triton's host-side TensorDescriptor, or None in a Triton without it."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # an older Triton
+        return None
+    return TensorDescriptor
+
+
+def tma_usable(*tensors) -> bool:
+    """TMA (tensor descriptors) needs sm_90+ (or the interpreter), and every 2-D operand 16-byte aligned
+    in its base and its row stride, with unit column stride (or unit row stride: a transposed view)."""
+    if tma_descriptor_class() is None:
+        return False
+    t0 = tensors[0]
+    if t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    if not t0.is_cuda and not interpreting():
+        return False
+    for t in tensors:
+        e = t.element_size()
+        lead = t.stride(0) if t.stride(1) == 1 else t.stride(1) if t.stride(0) == 1 else None
+        if lead is None or (lead * e) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
 # Configurations whose pipelined build failed (to compile, or to fit in shared memory) and ran unpipelined
 # instead: {(kernel, stages, meta): error}. The benchmarks print it; a warning says so once per configuration.
 PIPELINE_FALLBACKS: dict = {}

@@ -17,9 +17,9 @@ kernels are that fused kernel, written in Triton:
   there are no atomics and the result is bitwise reproducible. The halves also even out the causal
   triangle: key block i meets the T - i*BLOCK query rows after it, query block i the i*BLOCK keys before
   it, so every program does about T rows of work. They can run as two launches instead (config
-  "bwd_schedule": "split"). Summing dq across key-block programs instead (in a fixed order, through
-  integer locks, or all key blocks of a head in one program) measured slower on the H200: see
-  bench/RESULTS.md, "flash backward schedules".
+  "bwd_schedule": "split"). Summing dq across key-block programs instead (in a fixed order through
+  integer locks, or all key blocks of a head in one program) measured slower on the H200
+  (bench/RESULTS.md, run J).
 * forward on sm_90: keys and values can come through a TMA descriptor (config "fwd_tma", when the head
   size is a power of two and qkv's rows are 16-byte aligned), which the pipeliner loads asynchronously.
 
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DOT_UPCAST, interpreting
+from .common import DOT_UPCAST, interpreting, tma_descriptor_class, tma_usable
 
 LOG2E = 1.4426950408889634  # (kernels spell their constants out: Triton jit code reads no plain globals)
 
@@ -312,10 +312,10 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
 # hs=64 and B=32 NH=6 hs=128; bench/RESULTS.md): forward 128x64 tiles with 8 warps at hs 64 (0.365 ms)
 # and 64x64 with 4 warps at hs 128 (0.166 ms); backward 32-row query tiles against 64-key tiles, 4 warps,
 # 3 stages for both (1.135 ms and 0.507 ms, against 1.357 and 1.179 ms for the first, untimed guesses).
-# `python -m bench.kernels.bench_flash_attention` reruns the sweep. Since (2026-12-01, session 4): the hs 64
-# forward takes its keys and values through TMA with 64x64 tiles, 4 warps (0.351 ms against 0.362 for the
-# pointer kernel's 128x64; where TMA is unavailable the same tiles run through pointers), and the backward's
-# dq half takes 64-key tiles (0.986 ms against 1.143 ms with 32-key tiles, cuDNN 1.033; bench/RESULTS.md run J).
+# `python -m bench.kernels.bench_flash_attention` reruns the sweep. Re-swept at hs 64 (run J): the forward
+# takes its keys and values through TMA with 64x64 tiles, 4 warps (0.351 ms against 0.362 for the pointer
+# kernel's 128x64; where TMA is unavailable the same tiles run through pointers), and the backward's dq
+# half takes 64-key tiles (0.986 ms against 1.143 with 32-key tiles; cuDNN's backward: 1.033 ms).
 _CONFIGS_16 = {
     64: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=True,
              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3, bwd_schedule="fused"),
@@ -360,7 +360,8 @@ def flash_config(hs: int, dtype: torch.dtype) -> dict:
     assert cfg["BLOCK_N1"] % cfg["BLOCK_M1"] == 0, cfg
     assert cfg["BLOCK_M2"] % cfg["BLOCK_N2"] == 0, cfg
     assert cfg["bwd_schedule"] in BWD_SCHEDULES, f"bwd_schedule {cfg['bwd_schedule']!r}: one of {BWD_SCHEDULES}"
-    assert cfg["bwd_schedule"] != "fused" or cfg["BLOCK_N1"] == cfg["BLOCK_M2"], "fused backward needs BLOCK_N1 == BLOCK_M2"
+    assert cfg["bwd_schedule"] != "fused" or cfg["BLOCK_N1"] == cfg["BLOCK_M2"], \
+        "fused backward needs BLOCK_N1 == BLOCK_M2"
     return cfg
 
 
@@ -394,10 +395,9 @@ def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Ten
     grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * num_heads)
     qkv_desc, tma = None, False
     if cfg["fwd_tma"] and hs == hs_pad:
-        from .matmul import _tma_descriptor_class, _tma_usable
         qkv2d = qkv.view(B * T, 3 * C)
-        if _tma_usable(qkv2d):
-            qkv_desc, tma = _tma_descriptor_class().from_tensor(qkv2d, [cfg["BLOCK_N"], hs]), True
+        if tma_usable(qkv2d):
+            qkv_desc, tma = tma_descriptor_class().from_tensor(qkv2d, [cfg["BLOCK_N"], hs]), True
     _flash_fwd_kernel[grid](qkv, qkv_desc, out, lse, T, num_heads, C, scale * LOG2E,
                             HS=hs, HS_PAD=hs_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                             TMA=tma, DOT_UPCAST=DOT_UPCAST, PREC=_precision(qkv.dtype),

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DOT_UPCAST, cdiv, interpreting, round_to, store_rounded
+from .common import DOT_UPCAST, cdiv, interpreting, round_to, store_rounded, tma_descriptor_class, tma_usable
 from .gelu import gelu_backward_inplace, gelu_forward, gelu_fp32, gelu_grad_fp32
 
 # 2 * sqrt(2 / pi) and 2 * sqrt(2 / pi) * 0.044715: sigmoid(2u) with u = sqrt(2/pi) * (x + 0.044715 x^3)
@@ -300,38 +300,12 @@ def gemm_config(dtype: torch.dtype, device=None) -> dict:
     return GEMM_CONFIGS["bf16"]
 
 
-def _tma_descriptor_class():
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # an older Triton
-        return None
-    return TensorDescriptor
-
-
-def _tma_usable(*tensors) -> bool:
-    """TMA (tensor descriptors) needs sm_90+ (or the interpreter), and every 2-D operand 16-byte aligned
-    in its base and its row stride, with unit column stride (or unit row stride: a transposed view)."""
-    if _tma_descriptor_class() is None:
-        return False
-    t0 = tensors[0]
-    if t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] < 9:
-        return False
-    if not t0.is_cuda and not interpreting():
-        return False
-    for t in tensors:
-        e = t.element_size()
-        lead = t.stride(0) if t.stride(1) == 1 else t.stride(1) if t.stride(0) == 1 else None
-        if lead is None or (lead * e) % 16 or t.data_ptr() % 16:
-            return False
-    return True
-
-
 def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, config: dict | None = None):
     """c (M, N) = epilogue(a (M, K) @ b (K, N) + bias) with the Triton GEMM; b may be strided (weight.t()).
 
     EPILOGUE_GELU_AUX: aux (M, N) gets a @ b + bias, c gets its gelu. EPILOGUE_DGELU: c = (a @ b) * gelu'(aux).
     config: GEMM_CONFIGS-style tiles (default gemm_config(dtype, device)); the benchmark sweeps it. With
-    TMA=True in it (and operands TMA can address, see _tma_usable) the persistent TMA kernel runs, with
+    TMA=True in it (and operands TMA can address, see common.tma_usable) the persistent TMA kernel runs, with
     PROGRAMS_PER_SM, SUBTILE and FLATTEN from the config; else the pointer kernel.
     """
     M, K = a.shape
@@ -351,8 +325,8 @@ def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, c
     per_sm, subtile, flatten = cfg.pop("PROGRAMS_PER_SM", 1), cfg.pop("SUBTILE", False), cfg.pop("FLATTEN", False)
     warp_spec = cfg.pop("WARP_SPECIALIZE", False) and not interpreting()
     operands = [a, b, c] + ([aux] if aux is not None else [])
-    if tma and _tma_usable(*operands):
-        TD = _tma_descriptor_class()
+    if tma and tma_usable(*operands):
+        TD = tma_descriptor_class()
         b_kn = b.stride(1) == 1
         en = bn // 2 if subtile else bn
         a_d = TD.from_tensor(a, [bm, bk])
