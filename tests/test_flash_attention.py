@@ -228,12 +228,28 @@ def test_rectangular_tiles(device, monkeypatch, schedule):
     check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
 
 
+@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
+def test_key_tiles_larger_than_query_tiles(device, monkeypatch, schedule):
+    """The other way round from test_rectangular_tiles: key tiles twice the query tiles in the forward and
+    the dq half, query tiles twice the key tiles in the dk/dv half, so a diagonal block also holds rows
+    or keys on the far side of the diagonal, and T = 50 cuts the last tiles short."""
+    B, T, NH, hs, dtype = 1, 50, 2, 16, torch.float32
+    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_M1=32, BLOCK_N1=16,
+                                                BLOCK_M2=16, BLOCK_N2=32, bwd_schedule=schedule,
+                                                fwd_warps=4, fwd_stages=2, bwd_warps=4, bwd_stages=2))
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=16)
+    out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
+    out, lse = run_forward(qkv, NH)
+    check_forward(out, lse, out_ref, lse_ref, dtype)
+    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
+
+
 def test_config_validation(monkeypatch):
-    cfg = fa.flash_config(64, torch.bfloat16)
-    assert cfg["BLOCK_M"] % cfg["BLOCK_N"] == 0
-    monkeypatch.setitem(FLASH_CONFIGS, 64, dict(BLOCK_M=16, BLOCK_N=32))  # diagonal split would be wrong
-    with pytest.raises(AssertionError):
-        fa.flash_config(64, torch.bfloat16)
+    fa.flash_config(64, torch.bfloat16)
+    for bad in (dict(BLOCK_N=24), dict(BLOCK_M=8), dict(BLOCK_N2=48)):  # tl.arange / tl.dot cannot take these
+        monkeypatch.setitem(FLASH_CONFIGS, 64, bad)
+        with pytest.raises(AssertionError, match="power of two"):
+            fa.flash_config(64, torch.bfloat16)
     monkeypatch.setitem(FLASH_CONFIGS, 64, dict(BLOCK_N1=32, BLOCK_M2=64, BLOCK_M1=16, BLOCK_N2=16,
                                                 bwd_schedule="fused"))
     with pytest.raises(AssertionError):
@@ -274,6 +290,21 @@ def test_gpu_forward_tma(monkeypatch, tiles):
     out_ref, lse_ref, _ = reference(qkv, None, NH)
     out, lse = run_forward(qkv, NH)
     check_forward(out, lse, out_ref, lse_ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
+def test_gpu_key_tiles_larger_than_query_tiles(monkeypatch, schedule):
+    """cuDNN's forward tiling (64 queries x 128 keys) and its mirror in the backward, at a GPT-2 shape
+    with T not a multiple of the tiles."""
+    B, T, NH, hs, dtype = 2, 1000, 12, 64, torch.bfloat16
+    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_M1=128, BLOCK_N1=64, BLOCK_M2=64,
+                                                BLOCK_N2=128, bwd_schedule=schedule, bwd_warps=8))
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=17)
+    out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
+    out, lse = run_forward(qkv, NH)
+    check_forward(out, lse, out_ref, lse_ref, dtype)
+    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
 
 
 @pytest.mark.gpu

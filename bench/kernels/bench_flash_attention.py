@@ -27,6 +27,8 @@ FWD_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, fwd_tma)
     (128, 64, 8, 3, True), (128, 64, 8, 2, True), (128, 64, 8, 4, True), (128, 64, 4, 3, True),
     (128, 128, 8, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 4, True), (64, 32, 4, 3, True),
     (64, 64, 8, 3, True), (256, 64, 8, 3, True),
+    # key tiles larger than query tiles (cuDNN's forward runs 64 x 128)
+    (64, 128, 4, 3, True), (64, 128, 4, 2, True), (64, 128, 8, 3, True), (32, 64, 4, 3, True),
 ]
 BWD_SWEEP = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages, bwd_schedule)
     # the dk/dv half's tiles (query x key) need not match the dq half's: 32x64 with 64x64 won at hs 64 (run J)
@@ -36,6 +38,9 @@ BWD_SWEEP = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages,
     (32, 128, 128, 64, 4, 3, "fused"), (32, 128, 128, 64, 8, 3, "fused"), (32, 128, 128, 32, 4, 3, "fused"),
     (64, 128, 128, 64, 8, 3, "fused"), (16, 64, 64, 16, 4, 3, "fused"),
     (32, 64, 64, 64, 4, 3, "split"), (64, 64, 64, 64, 4, 3, "split"), (32, 128, 128, 32, 8, 3, "split"),
+    # query tiles larger than key tiles in the dk/dv half, key tiles larger than query tiles in the dq half
+    (32, 64, 64, 128, 4, 3, "fused"), (64, 64, 64, 128, 4, 3, "fused"), (128, 64, 64, 64, 4, 3, "fused"),
+    (128, 64, 64, 128, 8, 3, "fused"), (64, 32, 32, 64, 4, 3, "fused"), (32, 64, 64, 128, 4, 3, "split"),
 ]
 
 

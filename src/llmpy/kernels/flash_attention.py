@@ -166,12 +166,14 @@ def _flash_fwd_kernel(qkv_ptr, qkv_desc, out_ptr, lse_ptr, T, NH, C, scale_log2,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HS_PAD], dtype=tl.float32)
-    # key blocks wholly below the diagonal: no mask (BLOCK_M is a multiple of BLOCK_N, so m0 is aligned)
-    for n0 in range(0, m0, BLOCK_N):
+    # key blocks wholly at or below every row of this query block: no mask. The tiles are powers of two,
+    # so one divides the other: the diagonal starts at the key block holding row m0.
+    diag0 = (m0 // BLOCK_N) * BLOCK_N
+    for n0 in range(0, diag0, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_src, v_src, kv_row0, k_col0, v_col0, n0, offs_m, offs_d,
                                    row_stride, T, scale_log2, HS, BLOCK_N, False, EVEN_HS, TMA, DOT_UPCAST, PREC)
-    # the diagonal blocks, masked
-    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+    # the diagonal blocks, masked (keys after the block's last row, or past T, are hidden from every row)
+    for n0 in range(diag0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_src, v_src, kv_row0, k_col0, v_col0, n0, offs_m, offs_d,
                                    row_stride, T, scale_log2, HS, BLOCK_N, True, EVEN_HS, TMA, DOT_UPCAST, PREC)
 
@@ -275,12 +277,14 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
         v = _load_tile(v_base, offs_n, offs_d, row_stride, T, HS, True, EVEN_HS)
         dk = tl.zeros([BLOCK_N1, HS_PAD], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N1, HS_PAD], dtype=tl.float32)
-        # diagonal query blocks (BLOCK_N1 is a multiple of BLOCK_M1), masked
-        for m0 in range(n0, tl.minimum(n0 + BLOCK_N1, T), BLOCK_M1):
+        # query blocks that overlap the key block's rows (the diagonal), masked: from the one holding row
+        # n0 to the one holding row n0 + BLOCK_N1 - 1 (powers of two: one tile divides the other)
+        diag_end = tl.cdiv(n0 + BLOCK_N1, BLOCK_M1) * BLOCK_M1
+        for m0 in range((n0 // BLOCK_M1) * BLOCK_M1, tl.minimum(diag_end, T), BLOCK_M1):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n, offs_d,
                                  row_stride, C, T, scale_log2, HS, BLOCK_M1, True, EVEN_HS, DOT_UPCAST, PREC)
         # query blocks wholly after the key block: every pair visible
-        for m0 in range(n0 + BLOCK_N1, T, BLOCK_M1):
+        for m0 in range(diag_end, T, BLOCK_M1):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n, offs_d,
                                  row_stride, C, T, scale_log2, HS, BLOCK_M1, False, EVEN_HS, DOT_UPCAST, PREC)
         # dS is the gradient of the scaled scores; the scale moves onto dk (and dq below)
@@ -295,10 +299,12 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
         lse2 = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
         dq = tl.zeros([BLOCK_M2, HS_PAD], dtype=tl.float32)
-        for n0 in range(0, m0, BLOCK_N2):
+        # key blocks wholly at or below row m0, then the diagonal ones from the key block holding row m0
+        diag0 = (m0 // BLOCK_N2) * BLOCK_N2
+        for n0 in range(0, diag0, BLOCK_N2):
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
                            scale_log2, HS, BLOCK_N2, False, EVEN_HS, DOT_UPCAST, PREC)
-        for n0 in range(m0, tl.minimum(m0 + BLOCK_M2, T), BLOCK_N2):
+        for n0 in range(diag0, tl.minimum(m0 + BLOCK_M2, T), BLOCK_N2):
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
                            scale_log2, HS, BLOCK_N2, True, EVEN_HS, DOT_UPCAST, PREC)
         _store_tile(dq_base, dq * sm_scale, offs_m, offs_d, row_stride, T, HS, EVEN_HS)
@@ -355,10 +361,10 @@ def flash_config(hs: int, dtype: torch.dtype) -> dict:
         cfg = dict(table[min(k for k in table if k >= hs)])  # hs <= 128 is asserted by the launchers
     cfg.update(FLASH_CONFIGS.get(hs, {}))
     cfg.update(FLASH_CONFIGS.get((hs, dtype), {}))
-    # the loops split the causal triangle at block boundaries, which needs these divisibilities
-    assert cfg["BLOCK_M"] % cfg["BLOCK_N"] == 0, cfg
-    assert cfg["BLOCK_N1"] % cfg["BLOCK_M1"] == 0, cfg
-    assert cfg["BLOCK_M2"] % cfg["BLOCK_N2"] == 0, cfg
+    # the loops split the causal triangle at block boundaries, which needs one tile of each pair to divide
+    # the other; tl.arange needs powers of two anyway, and those always do
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):
+        assert cfg[key] >= 16 and cfg[key] & (cfg[key] - 1) == 0, f"{key} = {cfg[key]}: a power of two >= 16"
     assert cfg["bwd_schedule"] in BWD_SCHEDULES, f"bwd_schedule {cfg['bwd_schedule']!r}: one of {BWD_SCHEDULES}"
     assert cfg["bwd_schedule"] != "fused" or cfg["BLOCK_N1"] == cfg["BLOCK_M2"], \
         "fused backward needs BLOCK_N1 == BLOCK_M2"
