@@ -41,6 +41,10 @@ BWD_SWEEP = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages,
     # query tiles larger than key tiles in the dk/dv half, key tiles larger than query tiles in the dq half
     (32, 64, 64, 128, 4, 3, "fused"), (64, 64, 64, 128, 4, 3, "fused"), (128, 64, 64, 64, 4, 3, "fused"),
     (128, 64, 64, 128, 8, 3, "fused"), (64, 32, 32, 64, 4, 3, "fused"), (32, 64, 64, 128, 4, 3, "split"),
+    # the streamed tiles through TMA (an 8th field: bwd_tma)
+    (32, 64, 64, 64, 4, 3, "fused", True), (32, 64, 64, 64, 4, 2, "fused", True),
+    (32, 64, 64, 64, 4, 4, "fused", True), (64, 64, 64, 64, 4, 3, "fused", True),
+    (32, 64, 64, 128, 4, 3, "fused", True), (32, 64, 64, 64, 4, 3, "split", True),
 ]
 
 
@@ -174,13 +178,14 @@ def bench(head_sizes=None, sweeps=("fwd", "bwd"), schedules=None) -> list[dict]:
             rows[-1]["fields"] = dict(FLASH_CONFIGS[hs])
         FLASH_CONFIGS.clear()
         case.fwd()
-        for m1, n1, m2, n2, w, s, schedule in BWD_SWEEP if "bwd" in sweeps else ():
+        for m1, n1, m2, n2, w, s, schedule, *tma in BWD_SWEEP if "bwd" in sweeps else ():
             if schedules and schedule not in schedules:
                 continue
+            tma = bool(tma and tma[0])
             FLASH_CONFIGS[hs] = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_warps=w, bwd_stages=s,
-                                     bwd_schedule=schedule)
+                                     bwd_schedule=schedule, bwd_tma=tma)
             tiles = f"M1 {m1} N1 {n1} M2 {m2} N2 {n2}"
-            name = f"sweep bwd hs{hs} {tiles} w{w} s{s} {schedule}"
+            name = f"sweep bwd hs{hs} {tiles} w{w} s{s} {schedule}" + (" tma" if tma else "")
             rows.append(_sweep_row(name, case.bwd, lambda: rel_err(case.dqkv, ref_dqkv), case.bytes_bwd, flops[1],
                                    flash[1]))
             rows[-1]["fields"] = dict(FLASH_CONFIGS[hs])
@@ -219,7 +224,8 @@ if __name__ == "__main__":
         print(f"{r['kernel']:<58} {r['ms']:8.3f} ms  {r['bytes'] / 1e6:8.1f} MB  "
               f"{r['baseline']} {base} ms  | {r['note']}")
         if r["kernel"].startswith("sweep") and r["ms"] == r["ms"] and "WRONG" not in r["note"] and "fields" in r:
-            sched = r["fields"].get("bwd_schedule", "fwd")
+            f = r["fields"]
+            sched = (f["bwd_schedule"] + (" tma" if f["bwd_tma"] else "")) if "bwd_schedule" in f else "fwd"
             if sched not in best or r["ms"] < best[sched]["ms"]:
                 best[sched] = {"ms": r["ms"], "fields": r["fields"]}
     if cli.best_json:

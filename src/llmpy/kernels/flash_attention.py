@@ -20,8 +20,11 @@ kernels are that fused kernel, written in Triton:
   "bwd_schedule": "split"). Summing dq across key-block programs instead (in a fixed order through
   integer locks, or all key blocks of a head in one program) measured slower on the H200
   (bench/RESULTS.md, run J).
-* forward on sm_90: keys and values can come through a TMA descriptor (config "fwd_tma", when the head
-  size is a power of two and qkv's rows are 16-byte aligned), which the pipeliner loads asynchronously.
+* TMA on sm_90: the tiles the loops stream (keys and values in the forward and in the backward's dq
+  half, queries and dout in its dk/dv half) can come through TMA descriptors (configs "fwd_tma",
+  "bwd_tma"; when the head size is a power of two and the rows are 16-byte aligned), which the pipeliner
+  loads asynchronously. The forward uses them by default at head size 64; the backward's are not yet
+  timed on the GPU.
 
 Both read q, k, v through the row stride 3C (no permute pass) and write dq, dk, dv into the (B, T, 3C)
 gradient the QKV matmul's backward consumes. Head sizes need not be powers of two: the head dimension is
@@ -207,16 +210,22 @@ def _flash_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, NH, C,
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n, offs_d, row_stride, C, T,
-                scale_log2, HS: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_HS: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _dkdv_block(dk, dv, k, v, q_src, do_src, row0, q_col0, do_col0, lse_base, delta_base, m0, offs_n, offs_d,
+                row_stride, C, T, scale_log2, HS: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_HS: tl.constexpr, TMA: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
     """One query block's contribution to a key block's dk, dv, computed transposed (keys x queries) so
-    the products land in dk, dv without transposing the accumulators.
+    the products land in dk, dv without transposing the accumulators. q and dout come through pointers
+    (q_src, do_src: the head's bases) or TMA descriptors (at [row0 + m0, q_col0 / do_col0]).
 
-    Query rows >= T read q = dout = lse = delta = 0, so their p is finite and dv, dk get p * 0 from them."""
+    Through pointers, query rows >= T read q = dout = lse = delta = 0, so their p is finite and dv, dk get
+    p * 0 from them; through TMA those rows hold the next batch row's q and dout, so their p is zeroed."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    q = _load_tile(q_base, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS)
-    do = _load_tile(do_base, offs_m, offs_d, C, T, HS, True, EVEN_HS)
+    if TMA:
+        q = q_src.load([row0 + m0, q_col0])
+        do = do_src.load([row0 + m0, do_col0])
+    else:
+        q = _load_tile(q_src, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS)
+        do = _load_tile(do_src, offs_m, offs_d, C, T, HS, True, EVEN_HS)
     lse2 = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
     # P^T from the saved LSE: p = exp(s - lse) = exp2(s2 - lse * log2 e)
@@ -224,6 +233,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n,
     pT = tl.exp2(sT * scale_log2 - lse2[None, :])
     if MASKED:
         pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+    if TMA:
+        pT = tl.where(offs_m[None, :] < T, pT, 0.0)
     dv = _mma(pT.to(do.dtype), do, dv, DOT_UPCAST, PREC)
     dpT = _mm(v, tl.trans(do), DOT_UPCAST, PREC)
     dsT = pT * (dpT - delta[None, :])
@@ -232,17 +243,17 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n,
 
 
 @triton.jit
-def _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T, scale_log2,
-              HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_HS: tl.constexpr,
-              DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """One key block's contribution to a query block's dq."""
+def _dq_block(dq, q, do, lse2, delta, k_src, v_src, row0, k_col0, v_col0, n0, offs_m, offs_d, row_stride, T,
+              scale_log2, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_HS: tl.constexpr,
+              TMA: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One key block's contribution to a query block's dq (k, v through pointers or TMA, as _kv_tile)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k = _load_tile(k_base, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS)
-    v = _load_tile(v_base, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS)
+    k = _kv_tile(k_src, row0, k_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
+    v = _kv_tile(v_src, row0, v_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
     s = _mm(q, tl.trans(k), DOT_UPCAST, PREC)
     p = tl.exp2(s * scale_log2 - lse2[:, None])
     if MASKED:
-        # also hides keys >= T (read as 0) from the rows < T that are stored
+        # also hides keys >= T (read as 0, or the next batch row's through TMA) from the rows < T stored
         p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
     dp = _mm(do, tl.trans(v), DOT_UPCAST, PREC)
     ds = p * (dp - delta[:, None])
@@ -250,12 +261,15 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_st
 
 
 @triton.jit
-def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C, sm_scale, scale_log2,
+def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, q_desc, do_desc, kv_desc,
+                      T, NH, C, sm_scale, scale_log2,
                       HS: tl.constexpr, HS_PAD: tl.constexpr,
                       BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                       BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                      DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr,
+                      DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, TMA: tl.constexpr,
                       DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """TMA: the tiles the loops stream (q and dout in the dk/dv half, k and v in the dq half) come through
+    descriptors of qkv as (B*T, 3C) and dout as (B*T, C), with [BLOCK_M1, HS] and [BLOCK_N2, HS] boxes."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // NH
@@ -268,6 +282,18 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
     lse_base = lse_ptr + bh.to(tl.int64) * T
     delta_base = delta_ptr + bh.to(tl.int64) * T
     offs_d = tl.arange(0, HS_PAD)
+    # where the loops' tiles come from: descriptors (rows from b*T in the 2-D views) or the head's bases
+    row0 = b * T
+    if TMA:
+        q_src = q_desc
+        do_src = do_desc
+        k_src = kv_desc
+        v_src = kv_desc
+    else:
+        q_src = q_base
+        do_src = do_base
+        k_src = k_base
+        v_src = v_base
 
     if DO_DKDV:
         # this program's key block; the query blocks that see it start at its first row
@@ -281,12 +307,14 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
         # n0 to the one holding row n0 + BLOCK_N1 - 1 (powers of two: one tile divides the other)
         diag_end = tl.cdiv(n0 + BLOCK_N1, BLOCK_M1) * BLOCK_M1
         for m0 in range((n0 // BLOCK_M1) * BLOCK_M1, tl.minimum(diag_end, T), BLOCK_M1):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n, offs_d,
-                                 row_stride, C, T, scale_log2, HS, BLOCK_M1, True, EVEN_HS, DOT_UPCAST, PREC)
+            dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, row0, h * HS, h * HS, lse_base, delta_base, m0,
+                                 offs_n, offs_d, row_stride, C, T, scale_log2, HS, BLOCK_M1, True, EVEN_HS, TMA,
+                                 DOT_UPCAST, PREC)
         # query blocks wholly after the key block: every pair visible
         for m0 in range(diag_end, T, BLOCK_M1):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_n, offs_d,
-                                 row_stride, C, T, scale_log2, HS, BLOCK_M1, False, EVEN_HS, DOT_UPCAST, PREC)
+            dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, row0, h * HS, h * HS, lse_base, delta_base, m0,
+                                 offs_n, offs_d, row_stride, C, T, scale_log2, HS, BLOCK_M1, False, EVEN_HS, TMA,
+                                 DOT_UPCAST, PREC)
         # dS is the gradient of the scaled scores; the scale moves onto dk (and dq below)
         _store_tile(dq_base + C, dk * sm_scale, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
         _store_tile(dq_base + 2 * C, dv, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
@@ -302,11 +330,11 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
         # key blocks wholly at or below row m0, then the diagonal ones from the key block holding row m0
         diag0 = (m0 // BLOCK_N2) * BLOCK_N2
         for n0 in range(0, diag0, BLOCK_N2):
-            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
-                           scale_log2, HS, BLOCK_N2, False, EVEN_HS, DOT_UPCAST, PREC)
+            dq = _dq_block(dq, q, do, lse2, delta, k_src, v_src, row0, C + h * HS, 2 * C + h * HS, n0, offs_m,
+                           offs_d, row_stride, T, scale_log2, HS, BLOCK_N2, False, EVEN_HS, TMA, DOT_UPCAST, PREC)
         for n0 in range(diag0, tl.minimum(m0 + BLOCK_M2, T), BLOCK_N2):
-            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_d, row_stride, T,
-                           scale_log2, HS, BLOCK_N2, True, EVEN_HS, DOT_UPCAST, PREC)
+            dq = _dq_block(dq, q, do, lse2, delta, k_src, v_src, row0, C + h * HS, 2 * C + h * HS, n0, offs_m,
+                           offs_d, row_stride, T, scale_log2, HS, BLOCK_N2, True, EVEN_HS, TMA, DOT_UPCAST, PREC)
         _store_tile(dq_base, dq * sm_scale, offs_m, offs_d, row_stride, T, HS, EVEN_HS)
 
 
@@ -324,22 +352,26 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, NH, C,
 # half takes 64-key tiles (0.986 ms against 1.143 with 32-key tiles; cuDNN's backward: 1.033 ms).
 _CONFIGS_16 = {
     64: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=True,
-             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3, bwd_schedule="fused"),
+             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3,
+             bwd_schedule="fused", bwd_tma=False),
     128: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=False,
-              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3, bwd_schedule="fused"),
+              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3,
+              bwd_schedule="fused", bwd_tma=False),
 }
 # fp32 storage is the correctness configuration: IEEE fp32 dots (CUDA-core FMAs, no TF32), with tiles
 # small enough not to spill.
 _CONFIGS_32 = {
     64: dict(BLOCK_M=32, BLOCK_N=32, fwd_warps=4, fwd_stages=2, fwd_tma=False,
-             BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2, bwd_schedule="fused"),
+             BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2,
+             bwd_schedule="fused", bwd_tma=False),
     128: dict(BLOCK_M=32, BLOCK_N=16, fwd_warps=4, fwd_stages=2, fwd_tma=False,
-              BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2, bwd_schedule="fused"),
+              BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2,
+              bwd_schedule="fused", bwd_tma=False),
 }
 # The interpreter runs every program in Python: the smallest tiles tl.dot accepts (16).
 _CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1, fwd_tma=False,
                          BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1,
-                         bwd_schedule="fused")
+                         bwd_schedule="fused", bwd_tma=False)
 _DELTA_BLOCK_T = 64
 
 # How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
@@ -438,7 +470,16 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,
                   num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
-    args = (qkv, dout, lse, delta, dqkv, T, num_heads, C, scale, scale * LOG2E)
+    descs, tma = (None, None, None), False
+    if cfg["bwd_tma"] and hs == hs_pad:
+        qkv2d, dout2d = qkv.view(B * T, 3 * C), dout.view(B * T, C)
+        if tma_usable(qkv2d, dout2d):
+            TD = tma_descriptor_class()
+            descs = (TD.from_tensor(qkv2d, [cfg["BLOCK_M1"], hs]), TD.from_tensor(dout2d, [cfg["BLOCK_M1"], hs]),
+                     TD.from_tensor(qkv2d, [cfg["BLOCK_N2"], hs]))
+            tma = True
+    common["TMA"] = tma
+    args = (qkv, dout, lse, delta, dqkv, *descs, T, num_heads, C, scale, scale * LOG2E)
     if cfg["bwd_schedule"] == "fused":
         # program i: key block i's dk, dv and query block i's dq (BLOCK_N1 == BLOCK_M2)
         _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, DO_DKDV=True, DO_DQ=True, **common)
