@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [blas] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [blas] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -56,6 +56,12 @@ for stage in $stages; do
       # the flash attention tile sweeps (forward and the backward schedules) against SDPA's flash and cuDNN
       timeout ${FLASH_TIMEOUT:-300} python3 -m bench.kernels.bench_flash_attention ${FLASH_ARGS:---hs 64} \
         --best-json "$OUT/flash_best.json" 2>&1 | tee "$OUT/flash.log"
+      rc=$? ;;
+    ab)
+      # whole-step A/B, alternated round by round: by default the flash sweep's best tiles (stage flash,
+      # earlier in the same call) against the defaults; AB_ARGS gives other variants
+      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step ${AB_ARGS:---from-best $OUT/flash_best.json} \
+        --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- --recompute 0 2>&1 | tee "$OUT/ab.log"
       rc=$? ;;
     blas)
       # every matrix product of a step under cuBLAS settings, each setting in its own process

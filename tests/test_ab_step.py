@@ -1,0 +1,58 @@
+"""bench/ab_step.py without a GPU: the variants alternate round by round, each run gets the common
+arguments and its own, and --from-best merges the flash sweep's fastest forward and backward entries."""
+import json
+
+import pytest
+
+from bench import ab_step
+
+
+def fake_runner(calls):
+    def run(system, args, argv):
+        calls.append(list(argv))
+        ms = 100.0 if "--flash-config" in argv else 110.0
+        ms += 0.5 * len(calls)  # drift: a later run is slower, whichever variant it is
+        return {"system": system, "ok": True, "step_ms": [5000.0] + [ms] * 39, "losses": [], "norms": []}
+    return run
+
+
+def test_variants_alternate_and_report(capsys, tmp_path):
+    calls = []
+    out = tmp_path / "ab.json"
+    rc = ab_step.main(["--variant", """new=--flash-config '{"BLOCK_N2": 64}'""", "--variant", "old=", "--rounds", "2",
+                       "--json", str(out), "--", "--recompute", "0"], runner=fake_runner(calls))
+    assert rc == 0
+    # A B A B, the common arguments in every run, the variant's own only in its runs
+    assert [("--flash-config" in c) for c in calls] == [True, False, True, False]
+    assert all(c[:2] == ["--systems", "llmpy"] and "--recompute" in c for c in calls)
+    assert calls[0][-1] == '{"BLOCK_N2": 64}'
+    report = json.loads(out.read_text())
+    assert report["medians_ms"] == {"new": [100.5, 101.5], "old": [111.0, 112.0]}
+    text = capsys.readouterr().out
+    assert "+10.5 ms" in text  # old against new: (111.0 + 112.0) / 2 - (100.5 + 101.5) / 2
+
+
+def test_from_best_merges_forward_and_fastest_backward(tmp_path):
+    best = {"fwd": {"ms": 0.35, "fields": {"BLOCK_M": 64, "fwd_tma": True}},
+            "fused": {"ms": 0.99, "fields": {"BLOCK_N2": 64, "bwd_schedule": "fused"}},
+            "split": {"ms": 1.03, "fields": {"BLOCK_N2": 32, "bwd_schedule": "split"}}}
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(best))
+    (name0, args0), (name1, args1) = ab_step.variants_from_best(str(path))
+    assert (name0, args0) == ("default", [])
+    assert name1 == "best" and args1[0] == "--flash-config"
+    assert json.loads(args1[1]) == {"BLOCK_M": 64, "fwd_tma": True, "BLOCK_N2": 64, "bwd_schedule": "fused"}
+
+
+def test_bad_usage():
+    for bad in (["--variant", "only="], ["--variant", "a=", "--variant", "a="],
+                ["--variant", "noequals", "--variant", "b="], ["--variant", "a=", "--variant", "b=", "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            ab_step.main(bad, runner=fake_runner([]))
+
+
+def test_a_failed_run_fails_the_call(capsys):
+    def failing(system, args, argv):
+        return {"system": system, "ok": False, "error": "boom", "step_ms": [], "losses": [], "norms": []}
+    assert ab_step.main(["--variant", "a=", "--variant", "b=", "--rounds", "1"], runner=failing) == 1
+    assert "FAILED: boom" in capsys.readouterr().out
