@@ -232,31 +232,24 @@ def test_delta_buffer(device):
     assert torch.allclose(delta, expect, rtol=1e-5, atol=1e-6)
 
 
+# rectangular tiles, (forward, dk/dv half, dq half) each as (query tile, key tile), and the T that leaves
+# the last tiles partial: "query tiles larger" as on the GPU, so a diagonal spans several masked blocks;
+# "key tiles larger" the other way round, so a diagonal block also holds rows or keys on the far side of it
+RECTANGULAR_TILES = {
+    "query-tiles-larger": (((32, 16), (16, 32), (32, 16)), 40),
+    "key-tiles-larger": (((16, 32), (32, 16), (16, 32)), 50),
+}
+
+
 @pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
-def test_rectangular_tiles(device, monkeypatch, schedule):
-    """Tiles as on the GPU (query tile a multiple of the key tile and vice versa for dk/dv), so the
-    diagonal spans several masked blocks; T = 40 leaves the last 32-row tile partial."""
-    B, T, NH, hs, dtype = 1, 40, 2, 16, torch.float32
-    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(BLOCK_M=32, BLOCK_N=16, BLOCK_M1=16, BLOCK_N1=32,
-                                                BLOCK_M2=32, BLOCK_N2=16, bwd_schedule=schedule,
-                                                fwd_warps=4, fwd_stages=2, bwd_warps=4, bwd_stages=2))
+@pytest.mark.parametrize("tiles", list(RECTANGULAR_TILES))
+def test_rectangular_tiles(device, monkeypatch, tiles, schedule):
+    ((bm, bn), (m1, n1), (m2, n2)), T = RECTANGULAR_TILES[tiles]
+    B, NH, hs, dtype = 1, 2, 16, torch.float32
+    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2,
+                                                BLOCK_N2=n2, bwd_schedule=schedule, fwd_warps=4, fwd_stages=2,
+                                                bwd_warps=4, bwd_stages=2))
     qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=6)
-    out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
-    out, lse = run_forward(qkv, NH)
-    check_forward(out, lse, out_ref, lse_ref, dtype)
-    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
-
-
-@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
-def test_key_tiles_larger_than_query_tiles(device, monkeypatch, schedule):
-    """The other way round from test_rectangular_tiles: key tiles twice the query tiles in the forward and
-    the dq half, query tiles twice the key tiles in the dk/dv half, so a diagonal block also holds rows
-    or keys on the far side of the diagonal, and T = 50 cuts the last tiles short."""
-    B, T, NH, hs, dtype = 1, 50, 2, 16, torch.float32
-    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_M1=32, BLOCK_N1=16,
-                                                BLOCK_M2=16, BLOCK_N2=32, bwd_schedule=schedule,
-                                                fwd_warps=4, fwd_stages=2, bwd_warps=4, bwd_stages=2))
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=16)
     out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
     out, lse = run_forward(qkv, NH)
     check_forward(out, lse, out_ref, lse_ref, dtype)
@@ -297,42 +290,30 @@ def test_gpu_gpt2_shapes_bf16(shape):
     assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH))
 
 
+# configurations checked at a GPT-2 shape with T = 1000 (not a multiple of any tile) and B = 3 (TMA reads
+# rows past T from the next batch row), against the reference: FLASH_CONFIGS fields on top of the defaults
+GPU_CONFIGS = {
+    "fused": dict(bwd_schedule="fused"),
+    "split": dict(bwd_schedule="split"),
+    "fused-bwd-tma": dict(bwd_schedule="fused", bwd_tma=True),
+    "split-bwd-tma": dict(bwd_schedule="split", bwd_tma=True),
+    # cuDNN's forward tiling (64 queries x 128 keys) and its mirror in the backward
+    "fused-key-tiles-larger": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_M1=128, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=128,
+                                   bwd_warps=8, bwd_schedule="fused"),
+    "split-key-tiles-larger": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_M1=128, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=128,
+                                   bwd_warps=8, bwd_schedule="split"),
+    "fwd-pointer-64x64-w4": dict(fwd_tma=False, BLOCK_M=64, BLOCK_N=64, fwd_warps=4),
+    "fwd-tma-128x64-w8": dict(fwd_tma=True, BLOCK_M=128, BLOCK_N=64, fwd_warps=8),
+    "fwd-tma-128x128-w8": dict(fwd_tma=True, BLOCK_M=128, BLOCK_N=128, fwd_warps=8),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(128, 64, 8), (128, 128, 8), (64, 64, 4)], ids=lambda t: "M%dN%dw%d" % t)
-def test_gpu_forward_tma(monkeypatch, tiles):
-    """The TMA forward at a GPT-2 shape with T not a multiple of the tiles (key rows past T come from the
-    next batch row), against the reference."""
-    bm, bn, warps = tiles
+@pytest.mark.parametrize("name", list(GPU_CONFIGS))
+def test_gpu_configs_match_reference(monkeypatch, name):
     B, T, NH, hs, dtype = 3, 1000, 12, 64, torch.bfloat16
-    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(fwd_tma=True, BLOCK_M=bm, BLOCK_N=bn, fwd_warps=warps))
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=14)
-    out_ref, lse_ref, _ = reference(qkv, None, NH)
-    out, lse = run_forward(qkv, NH)
-    check_forward(out, lse, out_ref, lse_ref, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
-def test_gpu_key_tiles_larger_than_query_tiles(monkeypatch, schedule):
-    """cuDNN's forward tiling (64 queries x 128 keys) and its mirror in the backward, at a GPT-2 shape
-    with T not a multiple of the tiles."""
-    B, T, NH, hs, dtype = 2, 1000, 12, 64, torch.bfloat16
-    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_M1=128, BLOCK_N1=64, BLOCK_M2=64,
-                                                BLOCK_N2=128, bwd_schedule=schedule, bwd_warps=8))
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=17)
-    out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
-    out, lse = run_forward(qkv, NH)
-    check_forward(out, lse, out_ref, lse_ref, dtype)
-    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
-def test_gpu_backward_tma(monkeypatch, schedule):
-    """The TMA backward at a GPT-2 shape with T not a multiple of the tiles, against the reference."""
-    B, T, NH, hs, dtype = 3, 1000, 12, 64, torch.bfloat16
-    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(bwd_tma=True, bwd_schedule=schedule))
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=19)
+    monkeypatch.setitem(FLASH_CONFIGS, hs, GPU_CONFIGS[name])
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=9)
     out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
     out, lse = run_forward(qkv, NH)
     check_forward(out, lse, out_ref, lse_ref, dtype)
@@ -343,19 +324,6 @@ def test_gpu_backward_tma(monkeypatch, schedule):
 def test_gpu_fp32():
     B, T, NH, hs, dtype = 2, 1024, 12, 64, torch.float32
     qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=8)
-    out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
-    out, lse = run_forward(qkv, NH)
-    check_forward(out, lse, out_ref, lse_ref, dtype)
-    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("schedule", fa.BWD_SCHEDULES)
-def test_gpu_backward_schedules_match(monkeypatch, schedule):
-    """Every backward schedule at a GPT-2 shape with T not a multiple of the tiles."""
-    B, T, NH, hs, dtype = 2, 1000, 12, 64, torch.bfloat16
-    monkeypatch.setitem(FLASH_CONFIGS, hs, dict(bwd_schedule=schedule))  # the default tiles allow both
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=9)
     out_ref, lse_ref, dqkv_ref = reference(qkv, dout, NH)
     out, lse = run_forward(qkv, NH)
     check_forward(out, lse, out_ref, lse_ref, dtype)
