@@ -104,11 +104,12 @@ def _head_bases(qkv_ptr, b, h, T, C, HS: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(src, row0, col0, n0, rows, offs_d, row_stride, T, HS: tl.constexpr, CHECK_ROWS: tl.constexpr,
-             EVEN_HS: tl.constexpr, TMA: tl.constexpr):
-    """A key or value tile: through a TMA descriptor of the (B*T, 3C) qkv at [row0 + n0, col0], or through
-    the pointer src (the head's base) at rows (n0 + arange). TMA needs no row mask: rows past T read the next
-    batch row's keys (or zeros past the tensor's end), which the causal mask hides from every row < T."""
+def _stream_tile(src, row0, col0, n0, rows, offs_d, row_stride, T, HS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                 EVEN_HS: tl.constexpr, TMA: tl.constexpr):
+    """A tile a loop streams (k, v, or in the dk/dv half q and dout): through a TMA descriptor of the 2-D
+    (B*T, width) view at [row0 + n0, col0], or through the pointer src (the head's base) at rows (n0 +
+    arange). TMA masks no rows: rows past T hold the next batch row's values (or zeros past the tensor's
+    end), which the caller must hide (the causal mask does for keys)."""
     if TMA:
         return src.load([row0 + n0, col0])
     else:
@@ -122,7 +123,7 @@ def _fwd_block(acc, l_i, m_i, q, k_src, v_src, kv_row0, k_col0, v_col0, n0, offs
     """One key/value block of the online softmax. Scores are kept in base 2: s2 = q.k * scale * log2(e)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     # off-diagonal blocks lie entirely below row offs_m[0] < T: no row mask needed there
-    k = _kv_tile(k_src, kv_row0, k_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
+    k = _stream_tile(k_src, kv_row0, k_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
     s = _mm(q, tl.trans(k), DOT_UPCAST, PREC) * scale_log2
     if MASKED:
         # causal: key n visible from query m iff n <= m; this also hides keys >= T from every row < T
@@ -132,7 +133,7 @@ def _fwd_block(acc, l_i, m_i, q, k_src, v_src, kv_row0, k_col0, v_col0, n0, offs
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _kv_tile(v_src, kv_row0, v_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
+    v = _stream_tile(v_src, kv_row0, v_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
     acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_UPCAST, PREC)
     return acc, l_i, m_new
 
@@ -220,12 +221,8 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, row0, q_col0, do_col0, lse_base, de
     Through pointers, query rows >= T read q = dout = lse = delta = 0, so their p is finite and dv, dk get
     p * 0 from them; through TMA those rows hold the next batch row's q and dout, so their p is zeroed."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    if TMA:
-        q = q_src.load([row0 + m0, q_col0])
-        do = do_src.load([row0 + m0, do_col0])
-    else:
-        q = _load_tile(q_src, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS)
-        do = _load_tile(do_src, offs_m, offs_d, C, T, HS, True, EVEN_HS)
+    q = _stream_tile(q_src, row0, q_col0, m0, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS, TMA)
+    do = _stream_tile(do_src, row0, do_col0, m0, offs_m, offs_d, C, T, HS, True, EVEN_HS, TMA)
     lse2 = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
     # P^T from the saved LSE: p = exp(s - lse) = exp2(s2 - lse * log2 e)
@@ -246,10 +243,10 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, row0, q_col0, do_col0, lse_base, de
 def _dq_block(dq, q, do, lse2, delta, k_src, v_src, row0, k_col0, v_col0, n0, offs_m, offs_d, row_stride, T,
               scale_log2, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_HS: tl.constexpr,
               TMA: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """One key block's contribution to a query block's dq (k, v through pointers or TMA, as _kv_tile)."""
+    """One key block's contribution to a query block's dq (k, v through pointers or TMA, as _stream_tile)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k = _kv_tile(k_src, row0, k_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
-    v = _kv_tile(v_src, row0, v_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
+    k = _stream_tile(k_src, row0, k_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
+    v = _stream_tile(v_src, row0, v_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
     s = _mm(q, tl.trans(k), DOT_UPCAST, PREC)
     p = tl.exp2(s * scale_log2 - lse2[:, None])
     if MASKED:
@@ -352,26 +349,23 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, q_desc, d
 # half takes 64-key tiles (0.986 ms against 1.143 with 32-key tiles; cuDNN's backward: 1.033 ms).
 _CONFIGS_16 = {
     64: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=True,
-             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3,
-             bwd_schedule="fused", bwd_tma=False),
-    128: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=False,
-              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3,
-              bwd_schedule="fused", bwd_tma=False),
+             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3),
+    128: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3,
+              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3),
 }
 # fp32 storage is the correctness configuration: IEEE fp32 dots (CUDA-core FMAs, no TF32), with tiles
 # small enough not to spill.
 _CONFIGS_32 = {
-    64: dict(BLOCK_M=32, BLOCK_N=32, fwd_warps=4, fwd_stages=2, fwd_tma=False,
-             BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2,
-             bwd_schedule="fused", bwd_tma=False),
-    128: dict(BLOCK_M=32, BLOCK_N=16, fwd_warps=4, fwd_stages=2, fwd_tma=False,
-              BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2,
-              bwd_schedule="fused", bwd_tma=False),
+    64: dict(BLOCK_M=32, BLOCK_N=32, fwd_warps=4, fwd_stages=2,
+             BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2),
+    128: dict(BLOCK_M=32, BLOCK_N=16, fwd_warps=4, fwd_stages=2,
+              BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, bwd_warps=4, bwd_stages=2),
 }
 # The interpreter runs every program in Python: the smallest tiles tl.dot accepts (16).
-_CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1, fwd_tma=False,
-                         BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1,
-                         bwd_schedule="fused", bwd_tma=False)
+_CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1,
+                         BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1)
+# the fields the tables above leave at their default
+_FIELD_DEFAULTS = dict(fwd_tma=False, bwd_schedule="fused", bwd_tma=False)
 _DELTA_BLOCK_T = 64
 
 # How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
@@ -387,10 +381,10 @@ FLASH_CONFIGS: dict = {}
 def flash_config(hs: int, dtype: torch.dtype) -> dict:
     """The tile configuration for head size hs and storage dtype (table, then FLASH_CONFIGS overrides)."""
     if interpreting():
-        cfg = dict(_CONFIG_INTERPRET)
+        cfg = {**_FIELD_DEFAULTS, **_CONFIG_INTERPRET}
     else:
         table = _CONFIGS_32 if dtype == torch.float32 else _CONFIGS_16
-        cfg = dict(table[min(k for k in table if k >= hs)])  # hs <= 128 is asserted by the launchers
+        cfg = {**_FIELD_DEFAULTS, **table[min(k for k in table if k >= hs)]}  # hs <= 128: asserted by the launchers
     cfg.update(FLASH_CONFIGS.get(hs, {}))
     cfg.update(FLASH_CONFIGS.get((hs, dtype), {}))
     # the loops split the causal triangle at block boundaries, which needs one tile of each pair to divide
@@ -418,6 +412,17 @@ def _precision(dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------------------------------
 # launchers
 
+def _tma_descriptors(enabled: bool, hs: int, hs_pad: int, *tiles) -> tuple:
+    """TMA descriptors for (tensor (B, T, width), tile rows) pairs, each over the 2-D (B*T, width) view with
+    [rows, hs] boxes; all None when TMA is off, the head size is padded, or a view is not TMA-addressable
+    (then the kernels load through pointers)."""
+    views = [(t.view(-1, t.shape[-1]), rows) for t, rows in tiles]
+    if not (enabled and hs == hs_pad and tma_usable(*(v for v, _ in views))):
+        return (None,) * len(tiles)
+    TD = tma_descriptor_class()
+    return tuple(TD.from_tensor(v, [rows, hs]) for v, rows in views)
+
+
 def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor, num_heads: int):
     """Causal attention of qkv (B, T, 3C) into out (B, T, C); lse (B, NH, T) fp32 gets each row's
     log-sum-exp of the scaled scores (natural log), kept for the backward. Returns (out, lse)."""
@@ -431,14 +436,10 @@ def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Ten
     cfg = flash_config(hs, qkv.dtype)
     scale = 1.0 / math.sqrt(hs)
     grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * num_heads)
-    qkv_desc, tma = None, False
-    if cfg["fwd_tma"] and hs == hs_pad:
-        qkv2d = qkv.view(B * T, 3 * C)
-        if tma_usable(qkv2d):
-            qkv_desc, tma = tma_descriptor_class().from_tensor(qkv2d, [cfg["BLOCK_N"], hs]), True
+    (qkv_desc,) = _tma_descriptors(cfg["fwd_tma"], hs, hs_pad, (qkv, cfg["BLOCK_N"]))
     _flash_fwd_kernel[grid](qkv, qkv_desc, out, lse, T, num_heads, C, scale * LOG2E,
                             HS=hs, HS_PAD=hs_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                            TMA=tma, DOT_UPCAST=DOT_UPCAST, PREC=_precision(qkv.dtype),
+                            TMA=qkv_desc is not None, DOT_UPCAST=DOT_UPCAST, PREC=_precision(qkv.dtype),
                             num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return out, lse
 
@@ -470,15 +471,9 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,
                   num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
-    descs, tma = (None, None, None), False
-    if cfg["bwd_tma"] and hs == hs_pad:
-        qkv2d, dout2d = qkv.view(B * T, 3 * C), dout.view(B * T, C)
-        if tma_usable(qkv2d, dout2d):
-            TD = tma_descriptor_class()
-            descs = (TD.from_tensor(qkv2d, [cfg["BLOCK_M1"], hs]), TD.from_tensor(dout2d, [cfg["BLOCK_M1"], hs]),
-                     TD.from_tensor(qkv2d, [cfg["BLOCK_N2"], hs]))
-            tma = True
-    common["TMA"] = tma
+    descs = _tma_descriptors(cfg["bwd_tma"], hs, hs_pad, (qkv, cfg["BLOCK_M1"]), (dout, cfg["BLOCK_M1"]),
+                             (qkv, cfg["BLOCK_N2"]))
+    common["TMA"] = descs[0] is not None
     args = (qkv, dout, lse, delta, dqkv, *descs, T, num_heads, C, scale, scale * LOG2E)
     if cfg["bwd_schedule"] == "fused":
         # program i: key block i's dk, dv and query block i's dq (BLOCK_N1 == BLOCK_M2)
