@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -135,7 +136,24 @@ def init_data_parallel(device: str, zero_stage: int, timeout_s: float = 1800.0) 
     return DataParallel(rank=rank, world_size=world, zero_stage=zero_stage)
 
 
+# CUDA graphs that captured NCCL collectives hold the communicator: they must be freed before it is
+# destroyed, or destroy_process_group waits forever. Models register their release here.
+_release_before_shutdown: list = []
+
+
+def release_before_shutdown(method) -> None:
+    """Call the bound `method` (held weakly) before leaving the group."""
+    _release_before_shutdown.append(weakref.WeakMethod(method))
+
+
 def shutdown():
     import torch.distributed as dist
+    for ref in _release_before_shutdown:
+        method = ref()
+        if method is not None:
+            method()
+    _release_before_shutdown.clear()
     if dist.is_available() and dist.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         dist.destroy_process_group()

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from .config import GPT2Config, parameter_views
-from .distributed import DataParallel, shard_bounds
+from .distributed import DataParallel, release_before_shutdown, shard_bounds
 from .errors import LlmpyError
 from .kernels import adamw as kadamw
 from .kernels import attention as kattn
@@ -1108,6 +1108,17 @@ class GPT2Model:
             self._adamw()
         return loss, norm
 
+    def release_graphs(self):
+        """Free the captured step graphs (the next step captures again); with several ranks they hold
+        the NCCL communicator, so distributed.shutdown calls this first."""
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+        for graphs in self._graphs.values():
+            for graph in graphs:
+                if graph is not None:
+                    graph.reset()
+        self._graphs.clear()
+
     def train_step(self, batches, lr: float, step: int, weight_decay: float = 0.0, grad_clip: float = 1.0, *,
                    beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, skip=None) -> tuple[float, float]:
         """One optimizer step over the micro-batches `batches` [(inputs, targets), ...] (CPU (B, T) int
@@ -1122,18 +1133,19 @@ class GPT2Model:
         accum = len(batches)
         hp = (beta1, beta2, eps, weight_decay)
         self._prepare(accum)
-        if not self.cuda_graph or self.overlap_reduction:
+        if not self.cuda_graph:
             dev_in, dev_tg = self._stage(batches)
             return self._eager_step(dev_in, dev_tg, accum, lr, step, hp, grad_clip, skip)
 
-        # one GPU: the whole step in a graph (or two, around the skip decision); several: the local
-        # micro-steps in a graph, then the reduction (collectives), the norm and AdamW eagerly
-        local_only = self.world_size > 1
+        # the whole step in a graph (or two, around the skip decision); with several ranks NCCL's
+        # collectives are captured too - the all-to-alls launched by the backward's layer hooks, the
+        # gathers of -z 0/-z 1 - so the overlapped reduction costs no launch gaps
         key = (accum, float(grad_clip), skip is not None)
         if key not in self._graphs:
             if key not in self._warmed:
                 # warm-up: a real step, eager, on a side stream (as torch.cuda.graphs asks): compiles every
-                # Triton kernel, lets cuBLAS/cuDNN set up their workspaces and the fused ops their state
+                # Triton kernel, lets cuBLAS/cuDNN set up their workspaces and the fused ops their state,
+                # creates the NCCL communicator and the gather buffers
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
@@ -1143,25 +1155,29 @@ class GPT2Model:
                 self._warmed.add(key)
                 return result
             dev_in, dev_tg, _ = self._staging[accum]
+            # several ranks: no eager collective may still be in flight when the capture starts, and the
+            # capture checks only this thread (the process group's watchdog thread polls its own events)
+            mode = "global"
+            if self.world_size > 1:
+                torch.cuda.synchronize(self.device)
+                mode = "thread_local"
             main = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(main):
+            with torch.cuda.graph(main, capture_error_mode=mode):
                 self._local_fwdbwd(dev_in, dev_tg, accum)
-                if not local_only:
-                    self._reduce_norm_clip(accum, grad_clip)
-                    if skip is None:
-                        self._adamw()
+                self._reduce_norm_clip(accum, grad_clip)
+                if skip is None:
+                    self._adamw()
             upd = None
-            if skip is not None and not local_only:
+            if skip is not None:
                 upd = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(upd, pool=main.pool()):
+                with torch.cuda.graph(upd, pool=main.pool(), capture_error_mode=mode):
                     self._adamw()
             self._graphs[key] = (main, upd)
+            if self.world_size > 1:
+                release_before_shutdown(self.release_graphs)
         main, upd = self._graphs[key]
         self._stage(batches)
-        if local_only:
-            main.replay()
-            loss, norm = self._finish_eagerly(accum, lr, step, hp, grad_clip, skip)
-        elif upd is None:
+        if upd is None:
             self._set_hyper(lr, step, *hp)
             main.replay()
             loss, norm = self._read(accum)
