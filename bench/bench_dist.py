@@ -1,7 +1,9 @@
 """Data-parallel scaling on one node: GPT-2 124M (d12) from llm.c's init, B=64, T=1024 a GPU, the same
 number of steps on 1 GPU and on N GPUs under torchrun (-z 0 and -z 1, the reduction overlapped with the
-backward; -z 1 also with it after the backward, in the CUDA graph), in one call; the scaling is the N-GPU
-throughput over the 1-GPU throughput measured in the same run.
+backward or after it; optionally under other NCCL settings, --nccl-env), in one call. The 1-GPU run
+comes first and last, because the card's clocks drift by a few % between runs (the H200 x2 medians of
+one tree once read 113.8 and 118.4 ms at the same minimum): the scaling is the N-GPU throughput over
+the 1-GPU throughput of both runs' steps pooled.
 
 Every step draws a global batch of N*B fresh random rows; rank r trains on rows [r*B, (r+1)*B). A last
 run on 1 GPU takes the same global batches as N accumulation steps of B rows: its losses must equal
@@ -33,6 +35,9 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
+    ap.add_argument("--nccl-env", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                    help="also run -z 0 and -z 1 (overlapped) under these NCCL variables, e.g. NCCL_MAX_CTAS=4 "
+                         "(fewer NCCL blocks beside the backward's kernels); repeatable")
     # worker side (one process of one run)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
@@ -82,7 +87,19 @@ def worker(args) -> None:
     shutdown()
 
 
-def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overlap: int = 1) -> dict:
+def parse_env(text: str) -> dict[str, str]:
+    """'KEY=VAL,KEY=VAL' -> {KEY: VAL}; keys must be NCCL_ variables."""
+    env = {}
+    for item in filter(None, text.split(",")):
+        key, sep, val = item.partition("=")
+        if not sep or not key.startswith("NCCL_"):
+            raise SystemExit(f"--nccl-env {text!r}: expected NCCL_KEY=VALUE items separated by commas")
+        env[key] = val
+    return env
+
+
+def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overlap: int = 1,
+           extra_env: dict | None = None) -> dict:
     out = f"/tmp/bench_dist_{tag}_{os.getpid()}.json"
     common = ["-m", "bench.bench_dist", "--worker", "--model", args.model, "--B", str(args.B), "--T", str(args.T),
               "--steps", str(steps), "--recompute", str(args.recompute), "--lr", str(args.lr), "--zero", str(zero),
@@ -91,14 +108,14 @@ def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overla
         cmd = [sys.executable, *common]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *common]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", **(extra_env or {})}
     t = time.time()
     try:
         proc = subprocess.run(cmd, env=env, timeout=args.timeout)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
-    res = {"tag": tag, "rc": rc, "wall_s": time.time() - t}
+    res = {"tag": tag, "rc": rc, "wall_s": time.time() - t, "env": extra_env or {}}
     if os.path.exists(out):
         with open(out) as f:
             res.update(json.load(f))
@@ -106,31 +123,39 @@ def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overla
 
 
 def report(runs: list[dict], args) -> tuple[list[str], dict]:
-    """The table lines and the bitwise checks of the five runs of main() (adds median_ms, tokens_per_s
-    and scaling to each run that has enough steps)."""
+    """The table lines and the bitwise checks of main()'s runs, found by tag (adds median_ms,
+    tokens_per_s and scaling to each run that has enough steps). The baseline: the steps of the 1-GPU
+    runs without accumulation (first and last), pooled."""
     N, lo, tokens = args.nproc, args.median_from - 1, args.B * args.T
     lines = [f"=== data-parallel scaling: {args.model}, B={args.B} T={args.T} a GPU, median of steps "
              f"{args.median_from}..{args.steps}",
-             f"{'run':16} {'GPUs':>4} {'ms/step':>8} {'tok/s':>11} {'scaling':>8} {'alloc GB':>9}  status"]
-    base = None
+             f"{'run':24} {'GPUs':>4} {'ms/step':>8} {'tok/s':>11} {'scaling':>8} {'alloc GB':>9}  status"]
+    timed = lambda r: len(r.get("step_ms", [])) > lo  # noqa: E731
+    pooled = [ms for r in runs if r.get("world") == 1 and r.get("accum") == 1 and timed(r)
+              for ms in r["step_ms"][lo:]]
+    base = tokens / (statistics.median(pooled) / 1e3) if pooled else None
     for r in runs:
-        ms = statistics.median(r["step_ms"][lo:]) if len(r.get("step_ms", [])) > lo else None
-        if ms is not None:
+        if timed(r):
+            ms = statistics.median(r["step_ms"][lo:])
             tok_s = tokens * max(r.get("world", 1), r.get("accum", 1)) / (ms / 1e3)
             r["median_ms"], r["tokens_per_s"] = ms, tok_s
-            if r["tag"] == "1gpu":
-                base = tok_s
             r["scaling"] = tok_s / base if base else None
-        lines.append(f"{r['tag']:16} {r.get('world', '?'):>4} {r.get('median_ms') or float('nan'):8.1f} "
+        lines.append(f"{r['tag']:24} {r.get('world', '?'):>4} {r.get('median_ms') or float('nan'):8.1f} "
                      f"{r.get('tokens_per_s') or 0:11,.0f} {r.get('scaling') or float('nan'):8.3f} "
                      f"{r.get('peak_allocated_bytes', 0) / 1e9:9.2f}  rc={r['rc']}")
-    z0, z1, acc, after = runs[1], runs[2], runs[3], runs[4]
+    if pooled:
+        lines.append(f"1-GPU baseline: median {statistics.median(pooled):.1f} ms over {len(pooled)} steps of the "
+                     f"first and last runs")
+    by_tag = {r["tag"]: r for r in runs}
+    z0, z1, acc = by_tag.get(f"{N}gpu_z0", {}), by_tag.get(f"{N}gpu_z1", {}), by_tag.get(f"1gpu_accum{N}", {})
     k = args.exact_steps
     same = lambda a, b, n=None: bool(a.get("losses")) and a.get("losses", [])[:n] == b.get("losses", [])[:n] \
         and a.get("norms", [])[:n] == b.get("norms", [])[:n]  # noqa: E731
     checks = {"z0 == z1 (losses, norms, all steps)": same(z0, z1),
-              "z1 overlapped == z1 after the backward": same(z1, after),
               f"{N} GPUs == 1 GPU x {N} accumulation (first {k} steps)": bool(acc.get("losses")) and same(z0, acc, k)}
+    for r in runs:  # every other N-GPU run (after the backward, other NCCL settings) must match -z 0
+        if r.get("world", N) > 1 and r["tag"] not in (z0.get("tag"), z1.get("tag")) and r["tag"].startswith(f"{N}gpu"):
+            checks[f"{r['tag']} == z0"] = same(r, z0)
     lines += [f"bitwise {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
     return lines, checks
 
@@ -141,11 +166,16 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     N = args.nproc
+    variants = [(text, parse_env(text)) for text in args.nccl_env]
     runs = [launch(args, 1, 0, 1, args.steps, "1gpu"),
             launch(args, N, 0, 1, args.steps, f"{N}gpu_z0"),
             launch(args, N, 1, 1, args.steps, f"{N}gpu_z1"),
             launch(args, 1, 0, N, args.exact_steps, f"1gpu_accum{N}"),
+            launch(args, N, 0, 1, args.steps, f"{N}gpu_z0_after", overlap=0),
             launch(args, N, 1, 1, args.steps, f"{N}gpu_z1_after", overlap=0)]
+    for text, env in variants:
+        runs += [launch(args, N, zero, 1, args.steps, f"{N}gpu_z{zero}_{text}", extra_env=env) for zero in (0, 1)]
+    runs.append(launch(args, 1, 0, 1, args.steps, "1gpu_last"))
     lines, checks = report(runs, args)
     print("\n" + "\n".join(lines))
     if args.json:

@@ -1,5 +1,7 @@
 """bench/bench_dist.py's report on made-up runs (the GPU runs themselves need the 2-GPU machine)."""
-from bench.bench_dist import parse_args, report
+import pytest
+
+from bench.bench_dist import parse_args, parse_env, report
 
 
 def run(tag, world, ms, losses, accum=1, rc=0):
@@ -7,22 +9,36 @@ def run(tag, world, ms, losses, accum=1, rc=0):
             "norms": [1.0] * len(losses), "peak_allocated_bytes": 24e9}
 
 
-def test_scaling_and_bitwise_checks():
+def test_scaling_against_both_one_gpu_runs_pooled_and_bitwise_checks():
     args = parse_args(["--nproc", "2"])
     same = [10.0 + i for i in range(40)]
-    runs = [run("1gpu", 1, 100.0, [9.0] * 40), run("2gpu_z0", 2, 102.0, same), run("2gpu_z1", 2, 101.0, same),
-            run("1gpu_accum2", 1, 200.0, same[:10], accum=2), run("2gpu_z1_after", 2, 101.5, same)]
+    first = run("1gpu", 1, 100.0, [9.0] * 40)
+    last = run("1gpu_last", 1, 104.0, [9.0] * 40)
+    last["step_ms"][:25] = [98.0] * 25  # 15 of its 30 timed steps at 98, 15 at 104: pooled median 100
+    runs = [first, run("2gpu_z0", 2, 102.0, same), run("2gpu_z1", 2, 101.0, same),
+            run("1gpu_accum2", 1, 200.0, same[:10], accum=2), run("2gpu_z0_after", 2, 101.5, same),
+            run("2gpu_z1_after", 2, 101.5, same), run("2gpu_z0_NCCL_MAX_CTAS=4", 2, 100.5, same), last]
     lines, checks = report(runs, args)
     assert abs(runs[1]["scaling"] - 2 * 100 / 102) < 1e-9 and abs(runs[2]["scaling"] - 2 * 100 / 101) < 1e-9
     assert abs(runs[3]["scaling"] - 1.0) < 1e-9  # 2 micro-steps of B on one GPU: the 1-GPU throughput
-    assert all(checks.values()) and sum("yes" in l for l in lines) == 3
+    assert set(checks) == {"z0 == z1 (losses, norms, all steps)", "2 GPUs == 1 GPU x 2 accumulation (first 10 steps)",
+                           "2gpu_z0_after == z0", "2gpu_z1_after == z0", "2gpu_z0_NCCL_MAX_CTAS=4 == z0"}
+    assert all(checks.values()) and sum("yes" in l for l in lines) == 5
+    assert any("1-GPU baseline: median 100.0 ms over 60 steps" in l for l in lines)
 
 
-def test_a_failed_run_reads_no_and_nan():
+def test_a_failed_or_different_run_reads_no_and_nan():
     args = parse_args(["--nproc", "2"])
     runs = [run("1gpu", 1, 100.0, [9.0] * 40), {"tag": "2gpu_z0", "rc": 1},
             run("2gpu_z1", 2, 101.0, [1.0] * 40), {"tag": "1gpu_accum2", "rc": "timeout"},
-            run("2gpu_z1_after", 2, 101.0, [2.0] * 40)]
+            run("2gpu_z1_after", 2, 101.0, [2.0] * 40), {"tag": "2gpu_z0_NCCL_MAX_CTAS=4", "rc": "timeout"}]
     lines, checks = report(runs, args)
-    assert not any(checks.values())
+    assert not any(checks.values()) and len(checks) == 4
     assert any("2gpu_z0" in l and "nan" in l and "rc=1" in l for l in lines)
+
+
+def test_nccl_env_variants_parse_and_refuse_other_variables():
+    assert parse_env("NCCL_MAX_CTAS=4,NCCL_MIN_CTAS=2") == {"NCCL_MAX_CTAS": "4", "NCCL_MIN_CTAS": "2"}
+    for bad in ("MAX_CTAS=4", "NCCL_MAX_CTAS"):
+        with pytest.raises(SystemExit, match="--nccl-env"):
+            parse_env(bad)

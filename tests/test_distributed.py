@@ -175,19 +175,25 @@ def test_bucket_plan_covers_the_buffer_once(monkeypatch, bucket_bytes):
     assert bool((covered == 1).all())
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the nvidia-h200-x2 kind)")
-@pytest.mark.parametrize("zero,overlap", [(0, 1), (1, 1), (1, 0)], ids=["z0", "z1", "z1-after-backward"])
-def test_two_gpus_are_bitwise_one_gpu_with_accumulation(shards, tmp_path, zero, overlap):
-    """The same equality over NCCL: 2 GPUs, one micro-step each, against 1 GPU with 2 accumulation steps."""
-    one = tmp_path / "one"
+@pytest.fixture(scope="module")
+def one_gpu_run(shards, tmp_path_factory):
+    """The NCCL tests' reference: one GPU, 2 accumulation steps a step (trained once for the three)."""
+    one = tmp_path_factory.mktemp("one_gpu")
     res = train(TrainOptions(**common_args(shards, "bfloat16"), device="cuda", output_dir=str(one)),
                 log=lambda *_: None)
     assert len(res.train_losses) == STEPS
+    return one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the nvidia-h200-x2 kind)")
+@pytest.mark.parametrize("zero,overlap", [(0, 1), (1, 1), (1, 0)], ids=["z0", "z1", "z1-after-backward"])
+def test_two_gpus_are_bitwise_one_gpu_with_accumulation(shards, one_gpu_run, tmp_path, zero, overlap):
+    """The same equality over NCCL: 2 GPUs, one micro-step each, against 1 GPU with 2 accumulation steps."""
     two = tmp_path / "two"
     run = torchrun(2, shards, two, "bfloat16", "-z", zero, "--overlap-reduction", overlap, device="cuda")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "data parallel: 2 processes (nccl)" in run.stdout
-    for a, b in zip(train_records(one), train_records(two)):
+    for a, b in zip(train_records(one_gpu_run), train_records(two)):
         assert (a["loss"], a["norm"]) == (b["loss"], b["norm"]), (a, b)
-    assert model_path(two, STEPS).read_bytes() == model_path(one, STEPS).read_bytes()
+    assert model_path(two, STEPS).read_bytes() == model_path(one_gpu_run, STEPS).read_bytes()
