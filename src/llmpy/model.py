@@ -41,7 +41,8 @@ seed give the same bits (the cuDNN path depends on cuDNN's own backward; see tes
 
 A training step (`train_step`) on CUDA is one CUDA graph: after one eager warm-up step (which compiles
 every Triton kernel and fills the fused-attention ops' state), forward + backward of every micro-step,
-the global norm, the clip scale and AdamW are captured once; each later step copies its batches into
+the global norm, the clip scale and AdamW (with several ranks, NCCL's collectives too) are captured
+once; each later step copies its batches into
 static device buffers, writes the step's hyper-parameters (learning rate, bias corrections) into device
 memory, and replays.
 """

@@ -159,7 +159,7 @@ EXTRA_FLAGS = [  # long-only flags
     ("--attention", "attention", str, "GPU attention: auto, classic, flash, cudnn or torch-flash"),
     ("--cuda-graph", "cuda_graph", int, "1: capture the whole step in a CUDA graph (GPU)"),
     ("--overlap-reduction", "overlap_reduction", int, "several processes: 1 reduces finished layers during the "
-                                                      "backward (eager step), 0 after it (CUDA graph)"),
+                                                      "backward, 0 after it"),
     ("--engine", "engine", str, "auto, kernels (the Triton model; on the CPU under TRITON_INTERPRET=1, slow) "
                                 "or reference (the CPU oracle)"),
     ("--shuffle", "shuffle", int, "1: shuffle shards and batches each epoch"),
