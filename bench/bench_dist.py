@@ -35,6 +35,9 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the timed steps, this many more under torch.profiler (rank 0): kernel time by "
+                         "group, NCCL's included, to see what a second GPU costs the step")
     ap.add_argument("--nccl-env", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
                     help="also run -z 0 and -z 1 (overlapped) under these NCCL variables, e.g. NCCL_MAX_CTAS=4 "
                          "(fewer NCCL blocks beside the backward's kernels); repeatable")
@@ -64,7 +67,8 @@ def worker(args) -> None:
            "losses": [], "norms": [],
            "describe": model.describe()}
     torch.cuda.reset_peak_memory_stats()
-    for step in range(1, args.steps + 1):
+
+    def step(i):
         # the step's global batch (every rank draws all of it, so all agree), this rank's micro-batches
         buf = torch.randint(0, config.vocab_size, (rows, args.B * args.T + 1), generator=g)
         mine = [rank] if world > 1 else list(range(args.accum))
@@ -72,19 +76,43 @@ def worker(args) -> None:
         if dp:
             dp.barrier()
         t0 = time.perf_counter()
-        loss, norm = model.train_step(batches, args.lr, step, 0.1, 1.0)
+        loss, norm = model.train_step(batches, args.lr, i, 0.1, 1.0)
         torch.cuda.synchronize()
-        res["step_ms"].append((time.perf_counter() - t0) * 1e3)
+        return loss, norm, (time.perf_counter() - t0) * 1e3
+
+    for i in range(1, args.steps + 1):
+        loss, norm, ms = step(i)
+        res["step_ms"].append(ms)
         res["losses"].append(loss)
         res["norms"].append(norm)
-        if rank == 0 and (step <= 3 or step % 10 == 0):
-            print(f"[{world} GPU z{args.zero} a{args.accum}] step {step:3d} | loss {loss:.6f} | norm {norm:.4f} | "
-                  f"{res['step_ms'][-1]:.1f} ms", flush=True)
+        if rank == 0 and (i <= 3 or i % 10 == 0):
+            print(f"[{world} GPU z{args.zero} a{args.accum}] step {i:3d} | loss {loss:.6f} | norm {norm:.4f} | "
+                  f"{ms:.1f} ms", flush=True)
+    if args.profile_steps > 0:
+        res["profile"] = profile_steps(step, args.steps + 1, args.profile_steps)
     res["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     if rank == 0 and args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(res, f)
     shutdown()
+
+
+def profile_steps(step, first: int, count: int) -> dict:
+    """`count` more steps under torch.profiler: kernel ms a step by group (bench.profile_step's classes,
+    NCCL's kernels as "communication") and the top kernels; the steps' wall times beside them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from bench.profile_step import _kernel_events, aggregate
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(first, first + count):
+            walls.append(step(i)[2])
+    torch.cuda.synchronize()
+    events, _ = _kernel_events(prof)
+    agg = aggregate(events, count, statistics.median(walls))
+    return {"wall_ms": agg["wall_ms"], "kernel_ms": agg["kernel_ms"],
+            "groups": {g: round(v["ms"], 3) for g, v in agg["groups"].items()},
+            "top": [{k: r[k] for k in ("name", "group", "calls", "ms")} for r in agg["rows"][:12]]}
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -103,7 +131,8 @@ def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overla
     out = f"/tmp/bench_dist_{tag}_{os.getpid()}.json"
     common = ["-m", "bench.bench_dist", "--worker", "--model", args.model, "--B", str(args.B), "--T", str(args.T),
               "--steps", str(steps), "--recompute", str(args.recompute), "--lr", str(args.lr), "--zero", str(zero),
-              "--accum", str(accum), "--overlap", str(overlap), "--result-file", out]
+              "--accum", str(accum), "--overlap", str(overlap), "--result-file", out,
+              "--profile-steps", str(args.profile_steps if steps == args.steps else 0)]
     if nproc == 1:
         cmd = [sys.executable, *common]
     else:
@@ -146,6 +175,14 @@ def report(runs: list[dict], args) -> tuple[list[str], dict]:
     if pooled:
         lines.append(f"1-GPU baseline: median {statistics.median(pooled):.1f} ms over {len(pooled)} steps of the "
                      f"first and last runs")
+    profiled = [r for r in runs if r.get("profile")]
+    if profiled:
+        groups = list(profiled[0]["profile"]["groups"])
+        lines.append(f"kernel ms a step under the profiler ({args.profile_steps} steps, rank 0):")
+        lines.append(f"  {'run':24} {'wall':>6} " + " ".join(f"{g[:8]:>8}" for g in groups))
+        for r in profiled:
+            p = r["profile"]
+            lines.append(f"  {r['tag']:24} {p['wall_ms']:6.1f} " + " ".join(f"{p['groups'].get(g, 0):8.2f}" for g in groups))
     by_tag = {r["tag"]: r for r in runs}
     z0, z1, acc = by_tag.get(f"{N}gpu_z0", {}), by_tag.get(f"{N}gpu_z1", {}), by_tag.get(f"1gpu_accum{N}", {})
     k = args.exact_steps

@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 # so order matters (e.g. fmha_cutlassF is attention although it says "cutlass"). Extend here.
 
 CLASSES: list[tuple[str, str]] = [
+    # communication: NCCL's kernels (several GPUs); first, so that their copies are not read as memory-bound
+    ("communication", r"nccl"),
     # optimizer: our AdamW / norm / clip kernels, torch's fused/foreach Adam
     ("optimizer", r"adamw|global_norm|clip_scale|init_from_master|multi_tensor_apply|fused_adam"),
     # attention before matrix: cuDNN's and torch's fused attention names contain gemm-ish words
@@ -53,7 +55,7 @@ CLASSES: list[tuple[str, str]] = [
 ]
 _COMPILED = [(g, re.compile(p, re.IGNORECASE)) for g, p in CLASSES]
 
-GROUPS = ("matrix", "attention", "memory-bound", "optimizer", "other")
+GROUPS = ("matrix", "attention", "memory-bound", "optimizer", "communication", "other")
 
 # floors for one GPT-2 124M step at B=64, T=1024 on an H200 (shared/ANCHORS.md), ms: (low, high)
 FLOORS: dict[str, tuple[float, float] | None] = {
@@ -61,6 +63,7 @@ FLOORS: dict[str, tuple[float, float] | None] = {
     "attention": (16.2, 16.2),     # cuDNN causal attention fwd+bwd, 12 layers
     "memory-bound": (5.0, 8.0),    # ~20-30 GB of traffic at full bandwidth
     "optimizer": (1.0, 1.0),       # AdamW over 124 M parameters, roughly
+    "communication": None,         # one GPU: none; several: overlapped with the backward where it can be
     "other": None,
     "gaps": None,
 }

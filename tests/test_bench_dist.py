@@ -42,3 +42,19 @@ def test_nccl_env_variants_parse_and_refuse_other_variables():
     for bad in ("MAX_CTAS=4", "NCCL_MAX_CTAS"):
         with pytest.raises(SystemExit, match="--nccl-env"):
             parse_env(bad)
+
+
+def test_profiled_runs_get_a_line_of_group_times_each():
+    args = parse_args(["--nproc", "2", "--profile-steps", "3"])
+    same = [10.0 + i for i in range(40)]
+    groups = {"matrix": 66.0, "attention": 20.0, "memory-bound": 18.0, "optimizer": 1.0, "communication": 0.0,
+              "other": 0.0, "gaps": 3.0}
+    one, two = run("1gpu", 1, 100.0, same), run("2gpu_z0", 2, 102.0, same)
+    one["profile"] = {"wall_ms": 108.0, "kernel_ms": 105.0, "groups": groups, "top": []}
+    two["profile"] = {"wall_ms": 111.5, "kernel_ms": 109.0, "groups": {**groups, "communication": 2.75}, "top": []}
+    lines, _ = report([one, two, run("2gpu_z1", 2, 101.0, same)], args)
+    header = next(i for i, l in enumerate(lines) if l.startswith("kernel ms a step under the profiler (3 steps"))
+    assert "communic" in lines[header + 1] and "matrix" in lines[header + 1]
+    assert lines[header + 2].split()[:3] == ["1gpu", "108.0", "66.00"]
+    assert lines[header + 3].split()[0] == "2gpu_z0" and "2.75" in lines[header + 3].split()
+    assert not any(l.split()[:1] == ["2gpu_z1"] and "66.00" in l for l in lines)  # not profiled: no line
