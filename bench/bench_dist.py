@@ -182,7 +182,8 @@ def report(runs: list[dict], args) -> tuple[list[str], dict]:
         lines.append(f"  {'run':24} {'wall':>6} " + " ".join(f"{g[:8]:>8}" for g in groups))
         for r in profiled:
             p = r["profile"]
-            lines.append(f"  {r['tag']:24} {p['wall_ms']:6.1f} " + " ".join(f"{p['groups'].get(g, 0):8.2f}" for g in groups))
+            cells = " ".join(f"{p['groups'].get(g, 0):8.2f}" for g in groups)
+            lines.append(f"  {r['tag']:24} {p['wall_ms']:6.1f} {cells}")
     by_tag = {r["tag"]: r for r in runs}
     z0, z1, acc = by_tag.get(f"{N}gpu_z0", {}), by_tag.get(f"{N}gpu_z1", {}), by_tag.get(f"1gpu_accum{N}", {})
     k = args.exact_steps
@@ -191,7 +192,8 @@ def report(runs: list[dict], args) -> tuple[list[str], dict]:
     checks = {"z0 == z1 (losses, norms, all steps)": same(z0, z1),
               f"{N} GPUs == 1 GPU x {N} accumulation (first {k} steps)": bool(acc.get("losses")) and same(z0, acc, k)}
     for r in runs:  # every other N-GPU run (after the backward, other NCCL settings) must match -z 0
-        if r.get("world", N) > 1 and r["tag"] not in (z0.get("tag"), z1.get("tag")) and r["tag"].startswith(f"{N}gpu"):
+        other = r["tag"].startswith(f"{N}gpu") and r["tag"] not in (z0.get("tag"), z1.get("tag"))
+        if other:
             checks[f"{r['tag']} == z0"] = same(r, z0)
     lines += [f"bitwise {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
     return lines, checks
