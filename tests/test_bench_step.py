@@ -1,0 +1,28 @@
+"""bench/bench_step.py's loss comparison on made-up runs (the runs themselves need a GPU)."""
+import math
+import random
+
+from bench.bench_step import format_losses
+
+
+def runs(n, offset_at=None, offset=0.0, bad_at=None):
+    rng = random.Random(n)
+    ref = [10.0 - 0.05 * i + rng.random() * 1e-3 for i in range(n)]
+    other = [x + 1e-5 * rng.random() for x in ref]
+    if offset_at is not None:
+        other[offset_at] += offset
+    if bad_at is not None:
+        other[bad_at] = math.nan
+    return {"torch-compile": {"losses": ref, "norms": [1.0] * n}, "llmpy": {"losses": other, "norms": [1.0] * n}}
+
+
+def test_the_difference_covers_every_step_not_only_the_printed_ones():
+    text = format_losses(runs(40, offset_at=33, offset=3e-3), 10)
+    last = text.splitlines()[-1]
+    assert "over steps 1..40" in last and "at step 34" in last and last.split(": ")[1].startswith("3.0")
+    assert len(text.splitlines()) == 1 + 10 + 1  # header, the 10 printed steps, the comparison
+
+
+def test_a_nonfinite_loss_is_named_with_its_step():
+    last = format_losses(runs(40, bad_at=20), 10).splitlines()[-1]
+    assert last.endswith("not finite from step 21")
