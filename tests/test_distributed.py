@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmpy.data import write_shard
+from llmpy import distributed
 from llmpy.distributed import shard_bounds
 from llmpy.errors import LlmpyError
 from llmpy.trainer import TrainOptions, train
@@ -173,6 +174,33 @@ def test_bucket_plan_covers_the_buffer_once(monkeypatch, bucket_bytes):
         for a, b in ranges:
             covered[a:b] += 1
     assert bool((covered == 1).all())
+
+
+class _GraphOwner:
+    def __init__(self, fail=False):
+        self.released, self.fail = 0, fail
+
+    def release_graphs(self):
+        self.released += 1
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_shutdown_releases_captured_graphs_first_and_survives_a_failing_release():
+    """Graphs that captured NCCL work must go before the communicator; on the way out of an error the
+    release may fail, and that must not replace the error being reported."""
+    kept, failing = _GraphOwner(), _GraphOwner(fail=True)
+    distributed.release_before_shutdown(failing.release_graphs)
+    distributed.release_before_shutdown(kept.release_graphs)
+    gone = _GraphOwner()
+    distributed.release_before_shutdown(gone.release_graphs)
+    del gone  # held weakly: a freed model is skipped
+    distributed.shutdown()
+    assert failing.released == 1 and kept.released == 0  # the failure stops the releases, not shutdown
+    distributed.release_before_shutdown(kept.release_graphs)
+    distributed.shutdown()
+    distributed.shutdown()  # the list is emptied: nothing is released twice
+    assert kept.released == 1
 
 
 @pytest.fixture(scope="module")

@@ -148,12 +148,15 @@ def release_before_shutdown(method) -> None:
 
 def shutdown():
     import torch.distributed as dist
-    for ref in _release_before_shutdown:
-        method = ref()
-        if method is not None:
-            method()
+    try:  # on the way out of an error the device may be unusable: the error already raised is the one to see
+        for ref in _release_before_shutdown:
+            method = ref()
+            if method is not None:
+                method()
+        if dist.is_available() and dist.is_initialized() and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    except RuntimeError:
+        pass
     _release_before_shutdown.clear()
     if dist.is_available() and dist.is_initialized():
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
         dist.destroy_process_group()
