@@ -1,9 +1,9 @@
 """Data-parallel scaling on one node: GPT-2 124M (d12) from llm.c's init, B=64, T=1024 a GPU, the same
 number of steps on 1 GPU and on N GPUs under torchrun (-z 0 and -z 1, the reduction overlapped with the
-backward or after it; optionally under other NCCL settings, --nccl-env), in one call. The 1-GPU run
-comes first and last, because the card's clocks drift by a few % between runs (the H200 x2 medians of
-one tree once read 113.8 and 118.4 ms at the same minimum): the scaling is the N-GPU throughput over
-the 1-GPU throughput of both runs' steps pooled.
+backward or after it; optionally under other NCCL settings, --nccl-env, or other bucket sizes,
+--bucket-mb), in one call. The 1-GPU run comes first and last, because the card's clocks drift by a few
+% between runs (the H200 x2 medians of one tree once read 113.8 and 118.4 ms at the same minimum): the
+scaling is the N-GPU throughput over the 1-GPU throughput of both runs' steps pooled.
 
 Every step draws a global batch of N*B fresh random rows; rank r trains on rows [r*B, (r+1)*B). A last
 run on 1 GPU takes the same global batches as N accumulation steps of B rows: its losses must equal
@@ -41,12 +41,16 @@ def parse_args(argv=None):
     ap.add_argument("--nccl-env", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
                     help="also run -z 0 and -z 1 (overlapped) under these NCCL variables, e.g. NCCL_MAX_CTAS=4 "
                          "(fewer NCCL blocks beside the backward's kernels); repeatable")
+    ap.add_argument("--bucket-mb", action="append", type=float, default=[], metavar="MB",
+                    help="also run -z 0 and -z 1 (overlapped) with reduction buckets of about MB megabytes (the "
+                         "model's BUCKET_BYTES, 16: two layers a bucket): fewer, larger NCCL calls; repeatable")
     # worker side (one process of one run)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--overlap", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bucket-bytes", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -62,6 +66,8 @@ def worker(args) -> None:
     config = parse_descriptor(args.model)
     model = GPT2Model(config, init_parameters(config, 42), args.B, args.T, device="cuda", dtype=torch.bfloat16,
                       recompute=args.recompute, data_parallel=dp, overlap_reduction=bool(args.overlap))
+    if args.bucket_bytes:
+        model.BUCKET_BYTES = args.bucket_bytes  # read when the first step plans the buckets
     g = torch.Generator().manual_seed(1337)
     res = {"world": world, "zero": args.zero, "accum": args.accum, "overlap": args.overlap, "step_ms": [],
            "losses": [], "norms": [],
@@ -127,12 +133,13 @@ def parse_env(text: str) -> dict[str, str]:
 
 
 def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overlap: int = 1,
-           extra_env: dict | None = None) -> dict:
+           extra_env: dict | None = None, bucket_bytes: int = 0) -> dict:
     out = f"/tmp/bench_dist_{tag}_{os.getpid()}.json"
     common = ["-m", "bench.bench_dist", "--worker", "--model", args.model, "--B", str(args.B), "--T", str(args.T),
               "--steps", str(steps), "--recompute", str(args.recompute), "--lr", str(args.lr), "--zero", str(zero),
               "--accum", str(accum), "--overlap", str(overlap), "--result-file", out,
-              "--profile-steps", str(args.profile_steps if steps == args.steps else 0)]
+              "--profile-steps", str(args.profile_steps if steps == args.steps else 0),
+              "--bucket-bytes", str(bucket_bytes)]
     if nproc == 1:
         cmd = [sys.executable, *common]
     else:
@@ -214,6 +221,9 @@ def main(argv=None) -> int:
             launch(args, N, 1, 1, args.steps, f"{N}gpu_z1_after", overlap=0)]
     for text, env in variants:
         runs += [launch(args, N, zero, 1, args.steps, f"{N}gpu_z{zero}_{text}", extra_env=env) for zero in (0, 1)]
+    for mb in args.bucket_mb:
+        runs += [launch(args, N, zero, 1, args.steps, f"{N}gpu_z{zero}_bucket{mb:g}MB", bucket_bytes=int(mb * 2**20))
+                 for zero in (0, 1)]
     runs.append(launch(args, 1, 0, 1, args.steps, "1gpu_last"))
     lines, checks = report(runs, args)
     print("\n" + "\n".join(lines))

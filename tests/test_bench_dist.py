@@ -17,13 +17,15 @@ def test_scaling_against_both_one_gpu_runs_pooled_and_bitwise_checks():
     last["step_ms"][:25] = [98.0] * 25  # 15 of its 30 timed steps at 98, 15 at 104: pooled median 100
     runs = [first, run("2gpu_z0", 2, 102.0, same), run("2gpu_z1", 2, 101.0, same),
             run("1gpu_accum2", 1, 200.0, same[:10], accum=2), run("2gpu_z0_after", 2, 101.5, same),
-            run("2gpu_z1_after", 2, 101.5, same), run("2gpu_z0_NCCL_MAX_CTAS=4", 2, 100.5, same), last]
+            run("2gpu_z1_after", 2, 101.5, same), run("2gpu_z0_NCCL_MAX_CTAS=4", 2, 100.5, same),
+            run("2gpu_z1_bucket64MB", 2, 100.8, same), last]
     lines, checks = report(runs, args)
     assert abs(runs[1]["scaling"] - 2 * 100 / 102) < 1e-9 and abs(runs[2]["scaling"] - 2 * 100 / 101) < 1e-9
     assert abs(runs[3]["scaling"] - 1.0) < 1e-9  # 2 micro-steps of B on one GPU: the 1-GPU throughput
     assert set(checks) == {"z0 == z1 (losses, norms, all steps)", "2 GPUs == 1 GPU x 2 accumulation (first 10 steps)",
-                           "2gpu_z0_after == z0", "2gpu_z1_after == z0", "2gpu_z0_NCCL_MAX_CTAS=4 == z0"}
-    assert all(checks.values()) and sum("yes" in l for l in lines) == 5
+                           "2gpu_z0_after == z0", "2gpu_z1_after == z0", "2gpu_z0_NCCL_MAX_CTAS=4 == z0",
+                           "2gpu_z1_bucket64MB == z0"}
+    assert all(checks.values()) and sum("yes" in l for l in lines) == 6
     assert any("1-GPU baseline: median 100.0 ms over 60 steps" in l for l in lines)
 
 
@@ -58,3 +60,8 @@ def test_profiled_runs_get_a_line_of_group_times_each():
     assert lines[header + 2].split()[:3] == ["1gpu", "108.0", "66.00"]
     assert lines[header + 3].split()[0] == "2gpu_z0" and "2.75" in lines[header + 3].split()
     assert not any(l.split()[:1] == ["2gpu_z1"] and "66.00" in l for l in lines)  # not profiled: no line
+
+
+def test_variant_flags_repeat():
+    args = parse_args(["--bucket-mb", "64", "--bucket-mb", "0.5", "--nccl-env", "NCCL_MAX_CTAS=4"])
+    assert args.bucket_mb == [64.0, 0.5] and args.nccl_env == ["NCCL_MAX_CTAS=4"]
