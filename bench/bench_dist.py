@@ -95,7 +95,12 @@ def worker(args) -> None:
             print(f"[{world} GPU z{args.zero} a{args.accum}] step {i:3d} | loss {loss:.6f} | norm {norm:.4f} | "
                   f"{ms:.1f} ms", flush=True)
     if args.profile_steps > 0:
-        res["profile"] = profile_steps(step, args.steps + 1, args.profile_steps)
+        try:  # the timed steps are what this run is for: a profiler failure must not lose them
+            res["profile"] = profile_steps(step, args.steps + 1, args.profile_steps)
+        except Exception as e:  # noqa: BLE001
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            res["profile_error"] = f"{type(e).__name__}: {first}"
+            print(f"[{world} GPU] profiling failed: {res['profile_error']}", flush=True)
     res["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     if rank == 0 and args.result_file:
         with open(args.result_file, "w") as f:
@@ -151,7 +156,7 @@ def launch(args, nproc: int, zero: int, accum: int, steps: int, tag: str, overla
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
-    res = {"tag": tag, "rc": rc, "wall_s": time.time() - t, "env": extra_env or {}}
+    res = {"tag": tag, "nproc": nproc, "rc": rc, "wall_s": time.time() - t, "env": extra_env or {}}
     if os.path.exists(out):
         with open(out) as f:
             res.update(json.load(f))
@@ -199,7 +204,7 @@ def report(runs: list[dict], args) -> tuple[list[str], dict]:
     checks = {"z0 == z1 (losses, norms, all steps)": same(z0, z1),
               f"{N} GPUs == 1 GPU x {N} accumulation (first {k} steps)": bool(acc.get("losses")) and same(z0, acc, k)}
     for r in runs:  # every other N-GPU run (after the backward, other NCCL settings) must match -z 0
-        other = r["tag"].startswith(f"{N}gpu") and r["tag"] not in (z0.get("tag"), z1.get("tag"))
+        other = N > 1 and r.get("nproc") == N and r["tag"] not in (z0.get("tag"), z1.get("tag"))
         if other:
             checks[f"{r['tag']} == z0"] = same(r, z0)
     lines += [f"bitwise {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]

@@ -5,8 +5,8 @@ from bench.bench_dist import parse_args, parse_env, report
 
 
 def run(tag, world, ms, losses, accum=1, rc=0):
-    return {"tag": tag, "world": world, "accum": accum, "rc": rc, "step_ms": [ms] * 40, "losses": losses,
-            "norms": [1.0] * len(losses), "peak_allocated_bytes": 24e9}
+    return {"tag": tag, "nproc": world, "world": world, "accum": accum, "rc": rc, "step_ms": [ms] * 40,
+            "losses": losses, "norms": [1.0] * len(losses), "peak_allocated_bytes": 24e9}
 
 
 def test_scaling_against_both_one_gpu_runs_pooled_and_bitwise_checks():
@@ -31,9 +31,9 @@ def test_scaling_against_both_one_gpu_runs_pooled_and_bitwise_checks():
 
 def test_a_failed_or_different_run_reads_no_and_nan():
     args = parse_args(["--nproc", "2"])
-    runs = [run("1gpu", 1, 100.0, [9.0] * 40), {"tag": "2gpu_z0", "rc": 1},
-            run("2gpu_z1", 2, 101.0, [1.0] * 40), {"tag": "1gpu_accum2", "rc": "timeout"},
-            run("2gpu_z1_after", 2, 101.0, [2.0] * 40), {"tag": "2gpu_z0_NCCL_MAX_CTAS=4", "rc": "timeout"}]
+    runs = [run("1gpu", 1, 100.0, [9.0] * 40), {"tag": "2gpu_z0", "nproc": 2, "rc": 1},
+            run("2gpu_z1", 2, 101.0, [1.0] * 40), {"tag": "1gpu_accum2", "nproc": 1, "rc": "timeout"},
+            run("2gpu_z1_after", 2, 101.0, [2.0] * 40), {"tag": "2gpu_z0_NCCL_MAX_CTAS=4", "nproc": 2, "rc": "timeout"}]
     lines, checks = report(runs, args)
     assert not any(checks.values()) and len(checks) == 4
     assert any("2gpu_z0" in l and "nan" in l and "rc=1" in l for l in lines)
@@ -65,3 +65,15 @@ def test_profiled_runs_get_a_line_of_group_times_each():
 def test_variant_flags_repeat():
     args = parse_args(["--bucket-mb", "64", "--bucket-mb", "0.5", "--nccl-env", "NCCL_MAX_CTAS=4"])
     assert args.bucket_mb == [64.0, 0.5] and args.nccl_env == ["NCCL_MAX_CTAS=4"]
+
+
+def test_one_process_smoke_run_makes_no_cross_run_checks():
+    """--nproc 1 (a smoke run on one GPU): every run is a 1-GPU run; only the two fixed checks remain."""
+    args = parse_args(["--nproc", "1", "--steps", "4", "--median-from", "2", "--exact-steps", "2"])
+    same = [10.0, 9.9, 9.8, 9.7]
+    runs = [run("1gpu", 1, 15.3, same), run("1gpu_z0", 1, 15.1, same), run("1gpu_z1", 1, 15.5, same),
+            run("1gpu_accum1", 1, 32.9, same[:2]), run("1gpu_z0_after", 1, 15.0, same), run("1gpu_last", 1, 15.1, same)]
+    for r in runs:
+        r["step_ms"] = r["step_ms"][:len(r["losses"])]
+    _, checks = report(runs, args)
+    assert len(checks) == 2 and all(checks.values())
