@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmpy.data import write_shard
 from llmpy import distributed
+from llmpy.data import write_shard
 from llmpy.distributed import shard_bounds
 from llmpy.errors import LlmpyError
 from llmpy.trainer import TrainOptions, train
