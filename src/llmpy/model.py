@@ -42,9 +42,8 @@ seed give the same bits (the cuDNN path depends on cuDNN's own backward; see tes
 A training step (`train_step`) on CUDA is one CUDA graph: after one eager warm-up step (which compiles
 every Triton kernel and fills the fused-attention ops' state), forward + backward of every micro-step,
 the global norm, the clip scale and AdamW (with several ranks, NCCL's collectives too) are captured
-once; each later step copies its batches into
-static device buffers, writes the step's hyper-parameters (learning rate, bias corrections) into device
-memory, and replays.
+once; each later step copies its batches into static device buffers, writes the step's hyper-parameters
+(learning rate, bias corrections) into device memory, and replays.
 """
 from __future__ import annotations
 
@@ -403,9 +402,8 @@ class GPT2Model:
         self._acc32 = None
         self._reduce_bufs: dict = {}
         self._update_grads = self.grads_memory  # what the next AdamW reads (set by _reduce_norm_clip)
-        # several ranks: reduce buckets of finished layers during the last micro-step's backward (the step
-        # then runs eagerly: the collectives are issued between the layers' kernels), or all at once after
-        # it (the micro-steps in a CUDA graph)
+        # several ranks: reduce buckets of finished layers during the last micro-step's backward (the
+        # collectives are issued between the layers' kernels), or all at once after it
         self.overlap_reduction = bool(overlap_reduction) and self.world_size > 1
         self._buckets: list = []  # _bucket_plan(), made by _prepare (it needs the gradient views)
         self._pending: list = []  # (work, my part [x, y), its receive buffer) of the buckets in flight
@@ -443,6 +441,8 @@ class GPT2Model:
         self._have_dlogits = False
         self._norm_fresh = False     # _norm_sq holds the norm of the current gradients
         self._graphs: dict = {}      # key -> (main graph, update graph or None)
+        if self.world_size > 1:  # the graphs will hold NCCL work: free them before the group goes
+            release_before_shutdown(self.release_graphs)
         self._warmed: set = set()
         self._staging: dict = {}     # accum -> (device inputs, device targets, pinned host buffer)
         self._micro_losses: dict = {}  # accum -> (accum,) fp32: each micro-step's loss sum
@@ -1174,8 +1174,6 @@ class GPT2Model:
                 with torch.cuda.graph(upd, pool=main.pool(), capture_error_mode=mode):
                     self._adamw()
             self._graphs[key] = (main, upd)
-            if self.world_size > 1:
-                release_before_shutdown(self.release_graphs)
         main, upd = self._graphs[key]
         self._stage(batches)
         if upd is None:

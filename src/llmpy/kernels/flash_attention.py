@@ -23,8 +23,8 @@ kernels are that fused kernel, written in Triton:
 * TMA on sm_90: the tiles the loops stream (keys and values in the forward and in the backward's dq
   half, queries and dout in its dk/dv half) can come through TMA descriptors (configs "fwd_tma",
   "bwd_tma"; when the head size is a power of two and the rows are 16-byte aligned), which the pipeliner
-  loads asynchronously. The forward uses them by default at head size 64; the backward's are not yet
-  timed on the GPU.
+  loads asynchronously. The forward uses them by default at head size 64; the backward's pass the GPU
+  tests but await a clean timing (bench/RESULTS.md, run K).
 
 Both read q, k, v through the row stride 3C (no permute pass) and write dq, dk, dv into the (B, T, 3C)
 gradient the QKV matmul's backward consumes. Head sizes need not be powers of two: the head dimension is
