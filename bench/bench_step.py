@@ -84,6 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recompute", type=int, default=None, help="llmpy: llm.c's -r (0, 1, 2)")
     ap.add_argument("--gelu-fusion", type=int, default=None, help="llmpy: llm.c's -ge (0, 1, 2)")
     ap.add_argument("--attention", default="auto", help="llmpy: attention path")
+    ap.add_argument("--untuned", action="store_true",
+                    help="llmpy: every cuBLASLt product with its first-ranked algorithm (empty TUNED_ALGOS)")
+    ap.add_argument("--cublaslt", default=None, choices=("on", "off"),
+                    help="llmpy: -ge 1/2's epilogues and the tuned products through cuBLASLt (default: where it binds)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
     ap.add_argument("--flash-config", default=None,
                     help='llmpy: JSON of flash attention tile fields to override, e.g. \'{"bwd_schedule": "fused"}\'')
@@ -115,6 +119,8 @@ def llmpy_options(args) -> dict:
         opts["recompute"] = args.recompute
     if args.gelu_fusion is not None:
         opts["gelu_fusion"] = args.gelu_fusion
+    if args.cublaslt is not None:
+        opts["use_cublaslt"] = args.cublaslt == "on"
     return opts
 
 
@@ -170,6 +176,9 @@ def _build_llmpy(args, config, flat):
     import torch
     from llmpy.model import GPT2Model
     set_flash_config(args.flash_config, config)
+    if args.untuned:
+        from llmpy.kernels.matmul import TUNED_ALGOS
+        TUNED_ALGOS.clear()
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

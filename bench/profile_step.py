@@ -234,6 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recompute", type=int, default=0, help="llm.c's -r (0, 1, 2)")
     ap.add_argument("--attention", default="auto", help="auto, classic, flash, cudnn, torch-flash")
     ap.add_argument("--gelu-fusion", type=int, default=None, help="llm.c's -ge; model default if not given")
+    ap.add_argument("--cublaslt", default=None, choices=("on", "off"), help="use_cublaslt; model default if not given")
     ap.add_argument("--classifier-chunks", type=int, default=None, help="model default (None) if not given")
     ap.add_argument("--flash-config", default=None, help="JSON of flash attention tile fields to override")
     ap.add_argument("--warmup", type=int, default=5, help="eager steps before profiling")
@@ -261,6 +262,8 @@ def _model_options(args, cuda_graph: bool) -> dict:
             "recompute": args.recompute, "classifier_chunks": args.classifier_chunks}
     if args.gelu_fusion is not None:
         opts["gelu_fusion"] = args.gelu_fusion
+    if args.cublaslt is not None:
+        opts["use_cublaslt"] = args.cublaslt == "on"
     return opts
 
 
@@ -323,7 +326,7 @@ def profile_eager(args) -> dict:
     agg = aggregate(events, args.steps, sum(walls) / len(walls))
     agg.update(wall_ms_each=walls, device_span_ms=span_us / 1e3 / args.steps, losses=losses,
                attention_impl=model.attention, classifier_chunks=model.classifier_chunks,
-               gelu_fusion=model.gelu_fusion, recompute=model.recompute)
+               gelu_fusion=model.gelu_fusion, recompute=model.recompute, use_cublaslt=model.use_cublaslt)
     if not events:
         print("warning: the profiler recorded no device events (CUPTI unavailable?)", file=sys.stderr)
     model = None  # not del: step() closes over it; this frees the buffers before the graphed model's
@@ -381,14 +384,16 @@ def main(argv=None) -> int:
     print(f"=== eager profile: {args.warmup} warm-up + {args.steps} profiled steps, B={args.B} T={args.T}, "
           f"model {args.model}", flush=True)
     agg = profile_eager(args)
-    meta.update({k: agg[k] for k in ("attention_impl", "classifier_chunks", "gelu_fusion", "recompute")})
+    meta.update({k: agg[k] for k in ("attention_impl", "classifier_chunks", "gelu_fusion", "recompute",
+                                     "use_cublaslt")})
     graph = None
     if not args.no_graph_compare:
         print(f"=== CUDA graph: {args.graph_steps} timed steps", flush=True)
         graph = time_graphed(args)
         meta["graph_median_ms"] = graph["median_ms"]
     print(f"\nresolved: attention {agg['attention_impl']}, classifier chunks {agg['classifier_chunks']}, "
-          f"gelu fusion {agg['gelu_fusion']}, recompute {agg['recompute']}; losses {agg['losses']}")
+          f"gelu fusion {agg['gelu_fusion']}, cuBLASLt {int(agg['use_cublaslt'])}, recompute {agg['recompute']}; "
+          f"losses {agg['losses']}")
     print(f"\n=== kernels (per step, mean of {args.steps} eager profiled steps)")
     print(format_kernels(agg, top=args.top or None))
     print("\n=== groups (floors: shared/ANCHORS.md, H200, B=64 T=1024 GPT-2 124M)")

@@ -455,6 +455,9 @@ GPU_CONFIGS = {
     "ge0": dict(gelu_fusion=0),
     "ge1": dict(gelu_fusion=1),
     "ge2": dict(gelu_fusion=2),
+    # the GELU epilogues in our Triton GEMM, where the default picks cuBLASLt's
+    "ge1-triton": dict(gelu_fusion=1, use_cublaslt=False),
+    "ge2-triton": dict(gelu_fusion=2, use_cublaslt=False),
     "classic": dict(attention="classic", gelu_fusion=-1),
     "flash": dict(attention="flash", gelu_fusion=-1),
     "cudnn": dict(attention="cudnn", gelu_fusion=-1),
@@ -510,8 +513,9 @@ def _d12_steps(cfg, params, batches, steps, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("skip,accum,chunks", [(False, 1, 1), (True, 1, 1), (False, 2, 1), (False, 2, 8)])
-def test_gpu_cuda_graph_bitwise(d12, skip, accum, chunks):
+@pytest.mark.parametrize("skip,accum,chunks,ge", [(False, 1, 1, -1), (True, 1, 1, -1), (False, 2, 1, -1),
+                                                  (False, 2, 8, -1), (False, 1, 1, 2)])
+def test_gpu_cuda_graph_bitwise(d12, skip, accum, chunks, ge):
     """The graphed step (whole step; or two graphs around a skip decision; with gradient accumulation)
     gives the eager step's bits. The flash kernel: cuDNN's backward need not be reproducible."""
     cfg, params = d12
@@ -519,7 +523,7 @@ def test_gpu_cuda_graph_bitwise(d12, skip, accum, chunks):
     decide = (lambda loss, norm: False) if skip else None
     results = []
     for graph in (False, True):
-        model = GPT2Model(cfg, params, D12_B, 64, device="cuda", attention="flash", gelu_fusion=-1,
+        model = GPT2Model(cfg, params, D12_B, 64, device="cuda", attention="flash", gelu_fusion=ge,
                           cuda_graph=graph, classifier_chunks=chunks)
         steps = [model.train_step([batches[(s + k) % 3] for k in range(accum)], LR, s + 1, WD, CLIP, skip=decide)
                  for s in range(5)]
@@ -542,14 +546,15 @@ def test_gpu_skip_leaves_parameters(d12):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["flash", "classic", "cudnn"])
-def test_gpu_same_seed_same_bits(d12, attention):
+@pytest.mark.parametrize("attention,ge", [("flash", -1), ("classic", -1), ("cudnn", -1), ("flash", 2)])
+def test_gpu_same_seed_same_bits(d12, attention, ge):
+    """Two runs from the same seed, the same bits (ge 2: with cuBLASLt's GELU epilogues)."""
     cfg, params = d12
     batches = [make_batch(cfg, D12_B, 64, seed=200 + i) for i in range(2)]
-    a, ma = _d12_steps(cfg, params, batches, 4, attention=attention)
+    a, ma = _d12_steps(cfg, params, batches, 4, attention=attention, gelu_fusion=ge)
     pa = ma.params_memory.clone()
     del ma
-    b, mb = _d12_steps(cfg, params, batches, 4, attention=attention)
+    b, mb = _d12_steps(cfg, params, batches, 4, attention=attention, gelu_fusion=ge)
     same = a == b and torch.equal(pa.view(torch.int16), mb.params_memory.view(torch.int16))
     if not same and attention == "cudnn":
         pytest.xfail(f"cuDNN's attention backward is not bitwise reproducible here: {a} vs {b}")

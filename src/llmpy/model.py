@@ -19,8 +19,11 @@ mean/rstd.
 GELU fusion (llm.c's -ge): 0 runs GELU outside the matrix products: cuBLASLt fc GEMM + the GELU kernel
 forward; backward, cuBLAS fcproj dinp then ONE pass that applies GELU's derivative in place and sums the
 result's columns for fc's bias gradient (kernels.matmul.bias_gelu_backward). 1 moves the forward GELU
-into the epilogue of our Triton GEMM (GELU_AUX: writes pre-activation and activation); 2 also the
-backward's (DGELU epilogue, then fc's bias gradient in a separate reduction), as llm.c's -ge 2.
+into the fc product's epilogue (GELU_AUX_BIAS: writes pre-activation and activation); 2 also the
+backward's (DGELU epilogue, then fc's bias gradient in a separate reduction), as llm.c's -ge 2. The
+epilogues are cuBLASLt's on CUDA (kernels/cublaslt.py, as llm.c), our Triton GEMM's elsewhere or with
+use_cublaslt=False; with cuBLASLt, the few products of kernels.matmul.TUNED_ALGOS also run its
+algorithm tuned for them.
 
 Classifier chunks (classifier_chunks, default `default_classifier_chunks`): the (B*T, Vp) logits are
 the largest activation (6.6 GB at GPT-2 124M, B=64, T=1024, bf16), and they are only needed a row at a
@@ -93,12 +96,13 @@ _ALIGN_BYTES = 256
 _LCG_A, _LCG_C, _LCG_M = 1103515245, 12345, 1 << 31
 
 
-def default_gelu_fusion(device) -> int:
-    """What `-ge -1` means here: 0. llm.c fuses GELU into cuBLASLt's epilogue on sm_90; torch exposes no
-    epilogue that also writes the pre-activation, and our Triton GEMMs with those epilogues measured no
-    faster than cuBLAS + the GELU passes on an H200 at B=64, T=1024 (best persistent TMA kernel: fc
-    forward 0.693 ms against 0.691, fcproj dinp + dGELU 0.817 ms against 0.772; bench/RESULTS.md, third
-    kernel run), so fusion stays opt-in (-ge 1, 2) until it wins."""
+def default_gelu_fusion(device, use_cublaslt: bool) -> int:
+    """What `-ge -1` means here. 2 with cuBLASLt's epilogues on sm_90 and later, as llm.c: on an H200 at
+    B=64, T=1024 the whole step took 2.8 ms less at -ge 2 and 2.4 ms less at -ge 1 than at -ge 0
+    (bench/RESULTS.md, run L). 0 elsewhere: our Triton GEMM's epilogues measured no faster than cuBLAS +
+    the GELU passes (third kernel run), and nothing else has them."""
+    if use_cublaslt and torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+        return 2
     return 0
 
 
@@ -338,9 +342,10 @@ class GPT2Model:
 
     def __init__(self, config: GPT2Config, params: torch.Tensor, B: int, T: int, *, device="cuda",
                  dtype: torch.dtype = torch.bfloat16, master_weights: bool = True, recompute: int = 1,
-                 gelu_fusion: int = 0, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
+                 gelu_fusion: int = -1, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
                  stochastic_rounding: bool = True, classifier_chunks: int | None = None,
-                 data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True):
+                 data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True,
+                 use_cublaslt: bool | None = None):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -353,8 +358,10 @@ class GPT2Model:
             raise LlmpyError(f"-t {T}: longer than the model's context of {config.max_seq_len} tokens")
         if recompute not in RECOMPUTE_LEVELS:
             raise LlmpyError(f"-r {recompute}: must be one of 0, 1, 2")
+        # -ge 1 / 2's epilogues and the tuned products through cuBLASLt (None: where it binds)
+        self.use_cublaslt = kmm.resolve_cublaslt(use_cublaslt, self.device)
         if gelu_fusion == -1:
-            gelu_fusion = default_gelu_fusion(self.device)
+            gelu_fusion = default_gelu_fusion(self.device, self.use_cublaslt)
         if gelu_fusion not in GELU_FUSION_LEVELS:
             raise LlmpyError(f"-ge {gelu_fusion}: must be -1 (per GPU) or one of 0, 1, 2")
         if params.numel() != config.num_parameters:
@@ -477,7 +484,7 @@ class GPT2Model:
     def describe(self) -> str:
         return (f"GPT2Model {self.config.describe()} | B={self.B} T={self.T} | {str(self.dtype).split('.')[-1]} | "
                 f"master weights {int(self.master_weights)} | recompute {self.recompute} | "
-                f"gelu fusion {self.gelu_fusion} | attention {self.attention} | "
+                f"gelu fusion {self.gelu_fusion} | cuBLASLt {int(self.use_cublaslt)} | attention {self.attention} | "
                 f"classifier chunks {self.classifier_chunks} | "
                 f"cuda graph {int(self.cuda_graph)} | {self._describe_parallel()}memory {format_memory(self._plan)}")
 
@@ -616,6 +623,7 @@ class GPT2Model:
         classifier_chunks > 1: the logits exist one chunk at a time; a training forward also runs the
         classifier's backward (dlnf, and dwte ACCUMULATED: zero_grad() comes before it, not between it and
         backward()), and a forward without targets stops at lnf (logits_last computes its rows)."""
+        lt = self.use_cublaslt
         cfg, p, a = self.config, self.params, self.acts
         NH, L = cfg.num_heads, cfg.num_layers
         if dloss is not None and targets is None:
@@ -631,19 +639,19 @@ class GPT2Model:
             b = self._layer_buffers(l)
             # attention block
             qkv = b["qkv"] if self.attention != "classic" else self._qkv_scratch()
-            kmm.matmul_forward(qkv, b["ln1"], p["qkvw"][l], p["qkvb"][l])
+            kmm.matmul_forward(qkv, b["ln1"], p["qkvw"][l], p["qkvb"][l], use_cublaslt=lt)
             if self.attention == "classic":
                 # no att @ v scratch given: it goes into qkv, which is dead by then
                 kattn.attention_forward_any("classic", b["atty"], qkv, NH, qkvr=b["qkvr"], att=b["att"])
             else:
                 kattn.attention_forward_any(self.attention, b["atty"], qkv, NH, lse=b["lse"])
-            kmm.matmul_forward(proj, b["atty"], p["attprojw"][l], p["attprojb"][l])
+            kmm.matmul_forward(proj, b["atty"], p["attprojw"][l], p["attprojb"][l], use_cublaslt=lt)
             kln.fused_residual_forward(b["residual2"], b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual"], proj,
                                        p["ln2w"][l], p["ln2b"][l])
             # MLP block
             kmm.matmul_forward(b["fch_gelu"], b["ln2"], p["fcw"][l], p["fcb"][l], pre_gelu=b["fch"],
-                               gelu_epilogue=self.gelu_fusion >= 1)
-            kmm.matmul_forward(proj, b["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])
+                               gelu_epilogue=self.gelu_fusion >= 1, use_cublaslt=lt)
+            kmm.matmul_forward(proj, b["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l], use_cublaslt=lt)
             # the residual add across the block boundary, fused with the next layernorm
             if l + 1 < L:
                 nb = self._layer_buffers(l + 1)
@@ -658,7 +666,7 @@ class GPT2Model:
                 self._have_dlogits = dloss is not None
             return
         logits = self.logits_view()
-        kmm.matmul_forward(logits, a["lnf"], p["wte"])
+        kmm.matmul_forward(logits, a["lnf"], p["wte"], use_cublaslt=lt)
         if targets is not None:
             tgt = self._device_ids(targets, self.targets, "targets")
             fused_classifier(logits, a["losses"], 0.0 if dloss is None else dloss, tgt, cfg.vocab_size,
@@ -674,19 +682,20 @@ class GPT2Model:
     def _chunked_classifier(self, tgt: torch.Tensor, dloss: float | None):
         """The classifier chunk by chunk of rows, in a fixed order (see the module docstring). Views only:
         nothing is allocated (CUDA graphs)."""
+        lt = self.use_cublaslt
         cfg, p, g, a = self.config, self.params, self.grads, self.acts
         Vp, C = cfg.padded_vocab_size, cfg.channels
         lnf, losses, tgt = a["lnf"].view(-1, C), a["losses"].view(-1), tgt.view(-1)
         dlnf = self._dlnf().view(-1, C) if dloss is not None else None
         for r0, r1 in self._chunk_bounds:
             logits = self._output((r1 - r0) * Vp).view(r1 - r0, Vp)
-            kmm.matmul_forward(logits, lnf[r0:r1], p["wte"])
+            kmm.matmul_forward(logits, lnf[r0:r1], p["wte"], use_cublaslt=lt)
             fused_classifier(logits, losses[r0:r1], 0.0 if dloss is None else dloss, tgt[r0:r1], cfg.vocab_size,
                              write_dlogits=dloss is not None)
             if dloss is not None:
                 # the lm_head backward of these rows while their logit gradient is here: dlnf rows
                 # overwritten, dwte accumulated chunk after chunk (one more rounding a chunk in bf16)
-                kmm.matmul_backward(dlnf[r0:r1], g["wte"], None, logits, lnf[r0:r1], p["wte"])
+                kmm.matmul_backward(dlnf[r0:r1], g["wte"], None, logits, lnf[r0:r1], p["wte"], use_cublaslt=lt)
 
     def loss(self) -> float:
         """Mean loss of the last forward with targets (one host sync)."""
@@ -717,6 +726,7 @@ class GPT2Model:
         tokens: a list of ids, a 1-D tensor, or (b, t) with b <= B; the context is cropped to the last T
         tokens. The rows go into a (B, T) batch padded with token 0 (causal attention: the padding after
         a row's last token does not change that token's logits), as llm.c samples."""
+        lt = self.use_cublaslt
         x = torch.as_tensor(tokens, dtype=torch.int64)
         if x.dim() == 1:
             x = x[None]
@@ -738,7 +748,7 @@ class GPT2Model:
         for r0 in range(0, rows.shape[0], step):
             piece = rows[r0:r0 + step]
             logits = self._output(piece.shape[0] * Vp).view(piece.shape[0], Vp)
-            kmm.matmul_forward(logits, piece, self.params["wte"])
+            kmm.matmul_forward(logits, piece, self.params["wte"], use_cublaslt=lt)
             # a copy: the next piece reuses the buffer (.float().cpu() of fp32 on the CPU is a view)
             out.append(logits[:, :self.config.vocab_size].to("cpu", torch.float32, copy=True))
         return torch.cat(out)
@@ -777,6 +787,7 @@ class GPT2Model:
         (train_step does, by global micro-step). on_layer_done(l), if given, is called (host side, in
         launch order) once layer l's gradients are all launched, and with l = -1 after the encoder's:
         the data-parallel reduction starts on the finished layers while the rest of the backward runs."""
+        lt = self.use_cublaslt
         if not self._have_dlogits:
             raise RuntimeError("backward() needs a forward(inputs, targets, dloss=...) just before it")
         self._have_dlogits = False
@@ -796,7 +807,7 @@ class GPT2Model:
         # classifier matmul: dlnf = dlogits @ wte, dwte += dlogits^T @ lnf (chunked: the forward did it)
         dlnf = self._dlnf()
         if self.classifier_chunks == 1:
-            kmm.matmul_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"])
+            kmm.matmul_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"], use_cublaslt=lt)
         kln.layernorm_backward(dresidual, g["lnfw"], g["lnfb"], ln_scratch, dlnf, a["residual3"][L - 1], p["lnfw"],
                                a["lnf_mean"], a["lnf_rstd"], seed=self._seed(1))
         dqkv = bt4c_flat[:B * T * 3 * C].view(B, T, 3 * C)
@@ -808,27 +819,28 @@ class GPT2Model:
                 gelu_forward(b["fch_gelu"], b["fch"])
             # fcproj, then the GELU: dl_bt4c becomes the gradient of fch
             if gf == 2:
-                # llm.c's DGELU epilogue in the Triton GEMM; fc's bias gradient in its own reduction below
+                # llm.c's DGELU epilogue (cuBLASLt's or our Triton GEMM's); fc's bias gradient in its own
+                # reduction below
                 kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
                                     p["fcprojw"][l], scratch=bias_scratch, pre_gelu=b["fch"], dgelu_epilogue=True,
-                                    seed=seed(5))
+                                    seed=seed(5), use_cublaslt=lt)
                 fc_dbias = g["fcb"][l]
             else:
                 # dgelu fused with fc's bias gradient: one pass over the (B, T, 4C) gradient
                 kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
-                                    p["fcprojw"][l], scratch=bias_scratch, seed=seed(5))
+                                    p["fcprojw"][l], scratch=bias_scratch, seed=seed(5), use_cublaslt=lt)
                 kmm.bias_gelu_backward(g["fcb"][l], bias_scratch, dl_bt4c, b["fch"], seed=seed(4))
                 fc_dbias = None
             if self.recompute >= 2:
                 kln.layernorm_forward(b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual2"], p["ln2w"][l],
                                       p["ln2b"][l])
             kmm.matmul_backward(dl_btc, g["fcw"][l], fc_dbias, dl_bt4c, b["ln2"], p["fcw"][l], scratch=bias_scratch,
-                                seed=seed(4))
+                                seed=seed(4), use_cublaslt=lt)
             # ln2: dresidual becomes the gradient of residual2 (the MLP branch added to the skip path)
             kln.layernorm_backward(dresidual, g["ln2w"][l], g["ln2b"][l], ln_scratch, dl_btc, b["residual2"],
                                    p["ln2w"][l], b["ln2_mean"], b["ln2_rstd"], seed=seed(1))
             kmm.matmul_backward(dl_btc, g["attprojw"][l], g["attprojb"][l], dresidual, b["atty"], p["attprojw"][l],
-                                scratch=bias_scratch, seed=seed(3))
+                                scratch=bias_scratch, seed=seed(3), use_cublaslt=lt)
             if self.attention == "classic":
                 # dead by now: fch (4C >= 3C) holds dq, dk, dv head-major; atty holds dout head-major;
                 # the logits buffer (spent) holds datt when it is large enough
@@ -843,7 +855,7 @@ class GPT2Model:
             if self.recompute >= 2:
                 kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"], p["ln1w"][l], p["ln1b"][l])
             kmm.matmul_backward(dl_btc, g["qkvw"][l], g["qkvb"][l], dqkv, b["ln1"], p["qkvw"][l], scratch=bias_scratch,
-                                seed=seed(2))
+                                seed=seed(2), use_cublaslt=lt)
             # ln1: dresidual becomes the gradient of this layer's input residual
             kln.layernorm_backward(dresidual, g["ln1w"][l], g["ln1b"][l], ln_scratch, dl_btc, b["residual"],
                                    p["ln1w"][l], b["ln1_mean"], b["ln1_rstd"], seed=seed(0))

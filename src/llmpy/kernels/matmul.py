@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import LlmpyError
+from . import cublaslt
 from .common import DOT_UPCAST, cdiv, interpreting, round_to, store_rounded, tma_descriptor_class, tma_usable
 from .gelu import gelu_backward_inplace, gelu_forward, gelu_fp32, gelu_grad_fp32
 
@@ -351,12 +353,41 @@ def triton_matmul(c, a, b, bias=None, aux=None, epilogue: int = EPILOGUE_NONE, c
     return c
 
 
-def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bool = False):
+def resolve_cublaslt(use: bool | None, device) -> bool:
+    """Whether the model's products go through kernels/cublaslt.py where it helps: the GELU epilogues of
+    -ge 1 / 2 (cuBLASLt's GELU_AUX_BIAS and DGELU, as llm.c; else our Triton GEMM's) and the products of
+    TUNED_ALGOS. None: wherever it binds (a CUDA device and torch's libcublasLt)."""
+    on_cuda = torch.device(device).type == "cuda" and not interpreting()
+    if use and not (on_cuda and cublaslt.available()):
+        raise LlmpyError("cuBLASLt: needs a CUDA device and the libcublasLt that torch loads")
+    return bool(on_cuda and cublaslt.available()) if use is None else bool(use)
+
+
+# Products whose cuBLASLt algorithm of this rank in the heuristic's list beat torch's cuBLAS choice (and
+# cuBLASLt's first) on an H200, cuBLAS 13, at GPT-2 124M B=64 T=1024 (bench/kernels/bench_cublaslt.py,
+# bench/RESULTS.md run L). Keyed by (product, rows, inner, outer, GPU capability). A fixed rank, not a
+# timed choice at run time: the same problem always gets the same kernel, so the same bits.
+TUNED_ALGOS = {
+    ("fwd", 8192, 768, 50304, (9, 0)): 5,         # lm_head, a chunk of 8192 rows: 0.86 ms against 1.00-1.13
+    ("gelu_aux_bias", 65536, 768, 3072, (9, 0)): 4,  # fc: 0.54-0.61 ms against 0.59-0.64 for rank 0
+    ("dinp", 65536, 768, 768, (9, 0)): 5,         # attproj input gradient: 0.117 ms against 0.152
+    ("dweight", 65536, 2304, 768, (9, 0)): 5,     # qkv weight gradient: 0.36-0.38 ms against 0.40-0.47
+}
+
+
+def _tuned(product: str, rows: int, inner: int, outer: int, device) -> int | None:
+    cap = torch.cuda.get_device_capability(device)
+    return TUNED_ALGOS.get((product, rows, inner, outer, cap))
+
+
+def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bool = False,
+                   use_cublaslt: bool = False):
     """out (..., OC) = inp (..., C) @ weight (OC, C).T + bias (OC) (llm.c's matmul_forward_cublaslt).
 
     With pre_gelu (the fc layer): pre_gelu = inp @ weight.T + bias and out = gelu(pre_gelu), both written.
-    gelu_epilogue False: cuBLASLt addmm into pre_gelu, then the gelu kernel (kernels/gelu.py); True: the
-    Triton GEMM with the bias + GELU epilogue writes both at once.
+    gelu_epilogue False: cuBLASLt addmm into pre_gelu, then the gelu kernel (kernels/gelu.py); True: one
+    product writes both (use_cublaslt: cuBLASLt's GELU_AUX_BIAS; else our Triton GEMM).
+    use_cublaslt: also the products of TUNED_ALGOS through cuBLASLt with their tuned algorithm.
     """
     OC, C = weight.shape
     inp2 = _rows(inp, C)
@@ -365,14 +396,20 @@ def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bo
     if bias is not None:
         assert bias.shape == (OC,) and bias.dtype == out.dtype
     if pre_gelu is None:
-        if bias is not None:
+        rank = _tuned("fwd_bias" if bias is not None else "fwd", *inp2.shape, OC, out.device) if use_cublaslt else None
+        if rank is not None:
+            cublaslt.linear_forward(out2, inp2, weight, bias, algo_index=rank)
+        elif bias is not None:
             torch.addmm(bias, inp2, weight.t(), out=out2)  # cuBLASLt BIAS epilogue
         else:
             torch.mm(inp2, weight.t(), out=out2)
         return out
     pre2 = _rows(pre_gelu, OC)
     assert pre2.shape == out2.shape and pre_gelu.dtype == out.dtype
-    if gelu_epilogue:
+    if gelu_epilogue and use_cublaslt:
+        rank = _tuned("gelu_aux_bias" if bias is not None else "gelu_aux", *inp2.shape, OC, out.device)
+        cublaslt.linear_forward(out2, inp2, weight, bias, pre_gelu=pre2, algo_index=rank or 0)
+    elif gelu_epilogue:
         triton_matmul(out2, inp2, weight.t(), bias, aux=pre2, epilogue=EPILOGUE_GELU_AUX)
     else:
         if bias is not None:
@@ -479,7 +516,7 @@ def bias_gelu_backward(dbias, scratch, d_in_out, pre_gelu, seed=None, num_chunks
 
 
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_gelu=None,
-                    dgelu_epilogue: bool = False, seed=None):
+                    dgelu_epilogue: bool = False, seed=None, use_cublaslt: bool = False):
     """Backward of out = inp @ weight.T + bias (llm.c's matmul_backward).
 
     dinp (..., C) = dout (..., OC) @ weight: OVERWRITTEN (None skips it).
@@ -488,7 +525,8 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
     scratch / seed as in matmul_backward_bias.
     pre_gelu (..., C): this layer's input was gelu(pre_gelu) (fcproj), so dinp is turned into the
     gradient w.r.t. pre_gelu: by gelu_backward_inplace of kernels/gelu.py after the GEMM, or with
-    dgelu_epilogue in the epilogue of the Triton GEMM (llm.c's DGELU).
+    dgelu_epilogue in the GEMM's epilogue (llm.c's DGELU: cuBLASLt's with use_cublaslt, else our Triton
+    GEMM's). use_cublaslt: also the products of TUNED_ALGOS through cuBLASLt with their tuned algorithm.
     """
     OC, C = weight.shape
     dout2 = _rows(dout, OC)
@@ -499,14 +537,25 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
         assert dinp2.shape == inp2.shape and dinp.dtype == dout.dtype
         if pre_gelu is not None:
             assert pre_gelu.shape == dinp.shape and pre_gelu.dtype == dinp.dtype
-        if pre_gelu is not None and dgelu_epilogue:
+        dgelu = pre_gelu is not None and dgelu_epilogue
+        rank = _tuned("dinp_dgelu" if dgelu else "dinp", *dout2.shape, C, dout.device) if use_cublaslt else None
+        if dgelu and use_cublaslt:
+            cublaslt.linear_input_grad(dinp2, dout2, weight, pre_gelu=_rows(pre_gelu, C), algo_index=rank or 0)
+        elif dgelu:
             triton_matmul(dinp2, dout2, weight, aux=_rows(pre_gelu, C), epilogue=EPILOGUE_DGELU)
         else:
-            torch.mm(dout2, weight, out=dinp2)
+            if rank is not None:
+                cublaslt.linear_input_grad(dinp2, dout2, weight, algo_index=rank)
+            else:
+                torch.mm(dout2, weight, out=dinp2)
             if pre_gelu is not None:
                 gelu_backward_inplace(dinp, pre_gelu)
     assert dweight.shape == (OC, C) and dweight.dtype == dout.dtype and dweight.is_contiguous()
-    dweight.addmm_(dout2.t(), inp2)  # beta = 1: cuBLAS accumulates into dweight in the GEMM
+    rank = _tuned("dweight", *dout2.shape, C, dout.device) if use_cublaslt else None
+    if rank is not None:
+        cublaslt.linear_weight_grad(dweight, dout2, inp2, algo_index=rank)  # accumulated (beta = 1) as well
+    else:
+        dweight.addmm_(dout2.t(), inp2)  # beta = 1: cuBLAS accumulates into dweight in the GEMM
     if dbias is not None:
         _bias_reduce(dbias, scratch, dout2, None, seed, None)
     return dinp, dweight, dbias

@@ -1,0 +1,148 @@
+"""Benchmark: every matrix product of a GPT-2 124M step (bench_blas.PRODUCTS: B=64, T=1024, 8 classifier
+chunks, bf16) through torch as the model's "torch" backend calls it, and through kernels/cublaslt.py
+with each of the first --algos algorithms cuBLASLt's heuristic ranks (0 is what the "cublaslt" backend
+runs); then the fused epilogues against what they replace:
+
+  fc fwd           GELU_AUX_BIAS      vs  addmm (BIAS) + gelu_forward
+  fcproj dinp      DGELU              vs  mm + gelu_backward_inplace, and vs mm + bias_gelu_backward
+                                          (dGELU + fc's bias gradient, what -ge 0 runs; -ge 2 adds that
+                                          bias gradient as its own reduction: "bias 3072" below)
+
+A time is a call's share of 20 calls back to back between two CUDA events (so the host's launch cost,
+larger for the ctypes path than for torch's, hides behind the GPU's work as it does in the model's CUDA
+graph), the best of 5 such rounds after warm-up; "step" totals are times x calls a step.
+
+    PYTHONPATH=src:. python -m bench.kernels.bench_cublaslt [--algos 6] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bench.kernels.bench_blas import PRODUCTS
+
+
+def _median_ms(fn, calls=20, rounds=5):
+    import torch
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return min(times)
+
+
+def _try(fn):
+    """Median ms of fn, or None where cuBLASLt has no such algorithm."""
+    from llmpy.kernels import cublaslt as lt
+    try:
+        return _median_ms(fn)
+    except lt.CublasLtError:
+        return None
+
+
+def run(algos: int) -> dict:
+    import torch
+    from llmpy.kernels import cublaslt as lt
+    from llmpy.kernels import matmul as mm
+    from llmpy.kernels.gelu import gelu_backward_inplace, gelu_forward
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf, f32 = torch.bfloat16, torch.float32
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(bf)
+
+    rows = []
+    for name, calls, kind, M, K, N in PRODUCTS:
+        row = dict(name=name, calls=calls, lt={})
+        if kind in ("bias", "fwd"):  # out (M, N) = x (M, K) @ w (N, K).T (+ bias)
+            x, w, out = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, N)
+            bias = randn(N, scale=0.1) if kind == "bias" else None
+            row["torch"] = _median_ms(lambda: torch.addmm(bias, x, w.t(), out=out) if bias is not None
+                                      else torch.mm(x, w.t(), out=out))
+            for i in range(algos):
+                row["lt"][i] = _try(lambda: lt.linear_forward(out, x, w, bias, algo_index=i))
+            if name.startswith("fc "):
+                pre = randn(M, N)
+                row["torch+gelu"] = _median_ms(lambda: (torch.addmm(bias, x, w.t(), out=pre), gelu_forward(out, pre)))
+                row["gelu_aux_bias"] = {i: _try(lambda: lt.linear_forward(out, x, w, bias, pre_gelu=pre, algo_index=i))
+                                        for i in range(algos)}
+        elif kind == "dinp":  # dinp (M, N) = dout (M, K) @ w (K, N)
+            dout, w, dinp = randn(M, K), randn(K, N, scale=K ** -0.5), randn(M, N)
+            row["torch"] = _median_ms(lambda: torch.mm(dout, w, out=dinp))
+            for i in range(algos):
+                row["lt"][i] = _try(lambda: lt.linear_input_grad(dinp, dout, w, algo_index=i))
+            if name.startswith("fcproj "):
+                pre = randn(M, N)
+                dbias, scratch = torch.zeros(N, device="cuda", dtype=bf), torch.empty(
+                    mm.bias_scratch_numel(M, N, "cuda", gelu=True) + N, device="cuda", dtype=f32)
+                row["bias 3072"] = _median_ms(lambda: mm.matmul_backward_bias(dbias, dinp, scratch))
+                row["torch+dgelu"] = _median_ms(lambda: (torch.mm(dout, w, out=dinp), gelu_backward_inplace(dinp, pre)))
+                row["torch+dgelu+bias"] = _median_ms(lambda: (torch.mm(dout, w, out=dinp),
+                                                              mm.bias_gelu_backward(dbias, scratch, dinp, pre)))
+                row["dgelu"] = {i: _try(lambda: lt.linear_input_grad(dinp, dout, w, pre_gelu=pre, algo_index=i))
+                                for i in range(algos)}
+        else:  # acc: dw (M, N) += dout (K, M).T @ x (K, N)
+            dout, x, dw = randn(K, M), randn(K, N), randn(M, N)
+            row["torch"] = _median_ms(lambda: dw.addmm_(dout.t(), x))
+            for i in range(algos):
+                row["lt"][i] = _try(lambda: lt.linear_weight_grad(dw, dout, x, algo_index=i))
+        rows.append(row)
+        dw = dinp = out = None
+        torch.cuda.empty_cache()
+    return dict(rows=rows)
+
+
+def _fmt(v):
+    return f"{v:7.3f}" if v is not None else "      -"
+
+
+def report(result: dict, algos: int) -> None:
+    rows = result["rows"]
+    print(f"{'product':<16} {'calls':>5} {'torch':>7} " + " ".join(f"{'lt' + str(i):>7}" for i in range(algos)))
+    tot_torch = tot_lt0 = tot_best = 0.0
+    for r in rows:
+        lts = [r["lt"].get(i, r["lt"].get(str(i))) for i in range(algos)]
+        print(f"{r['name']:<16} {r['calls']:>5} {_fmt(r['torch'])} " + " ".join(_fmt(v) for v in lts))
+        tot_torch += r["calls"] * r["torch"]
+        tot_lt0 += r["calls"] * (lts[0] if lts[0] is not None else r["torch"])
+        tot_best += r["calls"] * min(v for v in lts + [r["torch"]] if v is not None)
+    print(f"step: torch {tot_torch:.2f} ms, cuBLASLt first algorithm {tot_lt0:.2f} ms, best of all {tot_best:.2f} ms")
+    print("\nfused epilogues (ms a call; lt<i> = heuristic's algorithm i) against the unfused pair:")
+    for r in rows:
+        for fused, unfused in (("gelu_aux_bias", "torch+gelu"), ("dgelu", "torch+dgelu")):
+            if fused in r:
+                vals = [r[fused].get(i, r[fused].get(str(i))) for i in range(algos)]
+                print(f"{r['name']:<16} {fused:<14} " + " ".join(_fmt(v) for v in vals)
+                      + f"   vs {unfused} {_fmt(r[unfused])}")
+        if "bias 3072" in r:
+            print(f"{'':<16} -ge 0's product + dGELU + fc bias {_fmt(r['torch+dgelu+bias'])}; "
+                  f"fc's bias reduction alone {_fmt(r['bias 3072'])}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--algos", type=int, default=6, help="how many of the heuristic's ranked algorithms to time")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("bench.kernels.bench_cublaslt needs a CUDA device", file=sys.stderr)
+        return 1
+    result = run(args.algos)
+    report(result, args.algos)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

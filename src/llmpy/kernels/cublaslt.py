@@ -1,0 +1,303 @@
+"""cuBLASLt's matrix products with the epilogues llm.c uses, called directly (ctypes) in the library
+PyTorch already loaded.
+
+Why not torch: torch.addmm reaches cuBLASLt's BIAS epilogue, but no torch op asks cuBLASLt for GELU_AUX_BIAS
+(write the pre-activation AND its GELU) or DGELU (apply GELU's derivative in the epilogue of the
+input-gradient product). Those are what llm.c's matmul_cublaslt does on sm_90 (-ge 1, 2), and they take
+a pass over a (B*T, 4C) tensor out of the step each. (The bias-gradient epilogues, BGRADB and
+DGELU_BGRAD, are not here: on an H200 with cuBLAS 13 there is no algorithm for them with fp32 sums of
+bf16 products, and DGELU_BGRAD with bf16 sums took 1.7 ms where the product and our fused dGELU + bias
+pass take 0.8; bench/RESULTS.md, run L.)
+
+The binding is small: one handle and one workspace per device, and per distinct problem (shapes,
+layouts, epilogue, pointer alignments) a cached plan - the operation descriptor, four matrix layouts
+and the algorithm cuBLASLt's heuristic ranks first. The first-ranked algorithm is a pure function of the
+problem, so the same run gives the same kernels and the same bits every time (no timing-based choice);
+tests/test_cublaslt.py checks results against torch and repeats bitwise. Everything is enqueued on
+torch's current stream, so it is captured by CUDA graphs like any other kernel.
+
+Row-major tensors, as everywhere in llmpy: a row-major (R, C) matrix is cuBLAS's column-major (C, R), so
+out = inp @ weight.T is computed as out^T = weight^T' @ inp^T in cuBLAS's terms (the helpers below do
+the bookkeeping; `linear_*` are the three products of a linear layer).
+
+GELU here is cuBLASLt's, the tanh form of GPT-2 (not bitwise kernels/gelu.py's: the GELU-fused path is
+tested against the reference within bf16 tolerance, like every other kernel).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+
+import torch
+
+from ..errors import LlmpyError
+
+# cudaDataType_t, cublasComputeType_t, cublasOperation_t
+_CUDA_R_32F, _CUDA_R_16BF = 0, 14
+_COMPUTE_32F = 68
+_OP_N, _OP_T = 0, 1
+_DTYPES = {torch.float32: _CUDA_R_32F, torch.bfloat16: _CUDA_R_16BF}
+
+# cublasLtMatmulDescAttributes_t
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
+# cublasLtMatmulPreferenceAttributes_t
+_PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D bytes
+
+# cublasLtEpilogue_t
+EPILOGUE_DEFAULT = 1
+EPILOGUE_BIAS = 4
+EPILOGUE_GELU_AUX = 160
+EPILOGUE_GELU_AUX_BIAS = 164
+EPILOGUE_DGELU = 192
+_WITH_BIAS = (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS)
+_WITH_AUX = (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU)
+
+# llm.c's cuBLASLt workspace on sm_90 (32 MiB)
+WORKSPACE_BYTES = 32 << 20
+_HEURISTIC_RESULT_BYTES = 96  # cublasLtMatmulHeuristicResult_t: algo (64) + workspace size, state, waves, 4 reserved
+
+
+class CublasLtError(LlmpyError):
+    """cuBLASLt refused a problem (no algorithm, a bad status): the caller may fall back to torch."""
+
+
+def _find_library() -> str | None:
+    """The libcublasLt torch loaded (it is in this process after torch's first CUDA product), else the one
+    in the pip packages of NVIDIA's CUDA libraries next to torch."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if "libcublasLt.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    roots = {os.path.dirname(os.path.dirname(torch.__file__))}
+    for root in roots:
+        for pattern in ("nvidia/cu*/lib/libcublasLt.so*", "nvidia/cublas/lib/libcublasLt.so*"):
+            hits = sorted(glob.glob(os.path.join(root, pattern)))
+            if hits:
+                return hits[-1]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _lib():
+    if not torch.cuda.is_available():
+        raise CublasLtError("cuBLASLt: no CUDA device")
+    # make torch load its cuBLAS(Lt) first, so that we bind to the very same library
+    a = torch.ones(8, 8, device="cuda", dtype=torch.float32)
+    torch.mm(a, a)
+    torch.cuda.synchronize()
+    path = _find_library()
+    if path is None:
+        raise CublasLtError("cuBLASLt: libcublasLt not found next to torch")
+    lib = ctypes.CDLL(path)
+    vp, sz, i32, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int64
+    pvp = ctypes.POINTER(vp)
+    sigs = {
+        "cublasLtCreate": [pvp],
+        "cublasLtMatmulDescCreate": [pvp, i32, i32],
+        "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatrixLayoutCreate": [pvp, i32, ctypes.c_uint64, ctypes.c_uint64, i64],
+        "cublasLtMatmulPreferenceCreate": [pvp],
+        "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, vp, ctypes.POINTER(i32)],
+        "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def _check(status: int, what: str):
+    if status != 0:
+        raise CublasLtError(f"cuBLASLt: {what} returned status {status}")
+
+
+def available() -> bool:
+    """True when the binding can run here (a CUDA device and torch's libcublasLt)."""
+    try:
+        _lib()
+        return True
+    except (CublasLtError, OSError, AttributeError, RuntimeError):
+        return False
+
+
+class _Device:
+    """One handle and one workspace per device."""
+
+    def __init__(self, device: torch.device):
+        lib = _lib()
+        self.handle = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+_devices: dict = {}
+_plans: dict = {}
+
+
+def _device_state(device: torch.device) -> _Device:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _devices:
+        _devices[index] = _Device(torch.device("cuda", index))
+    return _devices[index]
+
+
+def _alignment(ptr: int) -> int:
+    """The largest power of two up to 256 dividing ptr (a plan is only valid for pointers this aligned)."""
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+def _set(lib, setter, obj, attr: int, value, ctype):
+    v = ctype(value)
+    _check(setter(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), f"set attribute {attr}")
+
+
+class _Plan:
+    """Descriptor, layouts and first-ranked algorithm of one problem."""
+
+    def __init__(self, state: _Device, key):
+        (_, m, n, k, transa, transb, lda, ldb, ldd, dtype, epilogue, _aux_ld, aligns, algo_index, pointers) = key
+        lib = _lib()
+        self.desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
+        dset = lib.cublasLtMatmulDescSetAttribute
+        _set(lib, dset, self.desc, _DESC_TRANSA, _OP_T if transa else _OP_N, ctypes.c_int32)
+        _set(lib, dset, self.desc, _DESC_TRANSB, _OP_T if transb else _OP_N, ctypes.c_int32)
+        _set(lib, dset, self.desc, _DESC_EPILOGUE, epilogue, ctypes.c_uint32)
+        self.layouts = []
+        t = _DTYPES[dtype]
+        a_rows, a_cols = (k, m) if transa else (m, k)
+        b_rows, b_cols = (n, k) if transb else (k, n)
+        for rows, cols, ld in ((a_rows, a_cols, lda), (b_rows, b_cols, ldb), (m, n, ldd)):
+            layout = ctypes.c_void_p()
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), t, rows, cols, ld), "MatrixLayoutCreate")
+            self.layouts.append(layout)
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+        pset = lib.cublasLtMatmulPreferenceSetAttribute
+        _set(lib, pset, pref, _PREF_MAX_WORKSPACE_BYTES, WORKSPACE_BYTES, ctypes.c_uint64)
+        for attr, align in zip(_PREF_MIN_ALIGNMENT, aligns[:4]):
+            _set(lib, pset, pref, attr, align, ctypes.c_uint32)
+        # the heuristic reads the epilogue pointers' alignment from the descriptor
+        self.set_pointers(pointers[0], pointers[1], _aux_ld)
+        wanted = algo_index + 1
+        results = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES * wanted)
+        count = ctypes.c_int32(0)
+        a, b, d = self.layouts
+        status = lib.cublasLtMatmulAlgoGetHeuristic(state.handle, self.desc, a, b, d, d, pref, wanted, results,
+                                                    ctypes.byref(count))
+        if status != 0 or count.value < wanted:
+            raise CublasLtError(f"cuBLASLt: no algorithm {algo_index} for m={m} n={n} k={k} epilogue={epilogue} "
+                                f"(status {status}, {count.value} found)")
+        mine = results.raw[_HEURISTIC_RESULT_BYTES * algo_index:_HEURISTIC_RESULT_BYTES * wanted]
+        self.algo = ctypes.create_string_buffer(mine[:64], 64)
+        self.workspace_bytes = int.from_bytes(mine[64:72], "little")
+        if self.workspace_bytes > WORKSPACE_BYTES:
+            raise CublasLtError(f"cuBLASLt: algorithm wants {self.workspace_bytes} bytes of workspace")
+
+    def set_pointers(self, bias_ptr: int, aux_ptr: int, aux_ld: int):
+        lib = _lib()
+        dset = lib.cublasLtMatmulDescSetAttribute
+        if bias_ptr:
+            _set(lib, dset, self.desc, _DESC_BIAS_POINTER, bias_ptr, ctypes.c_void_p)
+        if aux_ptr:
+            _set(lib, dset, self.desc, _DESC_AUX_POINTER, aux_ptr, ctypes.c_void_p)
+            _set(lib, dset, self.desc, _DESC_AUX_LD, aux_ld, ctypes.c_int64)
+
+
+def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_DEFAULT, bias=None, aux=None,
+          aux_ld=0, accumulate=False, algo_index=0):
+    """cuBLAS column-major D (m, n) = op(A) @ op(B) (+ D when accumulate), with an epilogue. a, b, d, bias,
+    aux are tensors whose data pointers are used as they are. algo_index: which of the heuristic's ranked
+    algorithms (0, the first, everywhere but in benchmarks)."""
+    if (epilogue in _WITH_BIAS) != (bias is not None) or (epilogue in _WITH_AUX) != (aux is not None):
+        raise ValueError(f"cuBLASLt epilogue {epilogue}: bias/aux given {bias is not None}/{aux is not None}")
+    state = _device_state(d.device)
+    bias_ptr = bias.data_ptr() if bias is not None else 0
+    aux_ptr = aux.data_ptr() if aux is not None else 0
+    ptrs = (a.data_ptr(), b.data_ptr(), d.data_ptr(), d.data_ptr(), bias_ptr, aux_ptr)
+    aligns = tuple(_alignment(p) for p in ptrs)
+    if bias is not None and bias.dtype != d.dtype:
+        raise ValueError(f"cuBLASLt: bias {bias.dtype} for a {d.dtype} product")
+    key = (d.device.index, m, n, k, bool(transa), bool(transb), lda, ldb, ldd, d.dtype, epilogue, aux_ld, aligns,
+           algo_index, (bias_ptr, aux_ptr))
+    plan_key = key[:-1]
+    plan = _plans.get(plan_key)
+    if isinstance(plan, CublasLtError):  # refused before: refuse again without asking the heuristic
+        raise plan
+    if plan is None:
+        try:
+            plan = _plans[plan_key] = _Plan(state, key)
+        except CublasLtError as e:
+            _plans[plan_key] = e
+            raise
+    else:
+        plan.set_pointers(bias_ptr, aux_ptr, aux_ld)
+    lib = _lib()
+    alpha = ctypes.c_float(1.0)
+    beta = ctypes.c_float(1.0 if accumulate else 0.0)
+    la, lb, ld_ = plan.layouts
+    stream = torch.cuda.current_stream(d.device).cuda_stream
+    _check(lib.cublasLtMatmul(state.handle, plan.desc, ctypes.byref(alpha), ptrs[0], la, ptrs[1], lb,
+                              ctypes.byref(beta), ptrs[2], ld_, ptrs[3], ld_, plan.algo,
+                              state.workspace.data_ptr(), WORKSPACE_BYTES, stream), "cublasLtMatmul")
+
+
+def _check_rows(name: str, t: torch.Tensor):
+    if t.dim() != 2 or t.stride(1) != 1 or t.stride(0) < t.shape[1]:
+        raise ValueError(f"cuBLASLt: {name} must be a row-major 2-D matrix, got shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+
+
+def linear_forward(out, inp, weight, bias=None, pre_gelu=None, algo_index=0):
+    """out (M, OC) = inp (M, C) @ weight (OC, C).T + bias. With pre_gelu: pre_gelu = inp @ weight.T + bias
+    and out = gelu(pre_gelu), in the epilogue (GELU_AUX_BIAS). Rows may be strided (views)."""
+    for name, t in (("out", out), ("inp", inp), ("weight", weight)):
+        _check_rows(name, t)
+    M, C = inp.shape
+    OC = weight.shape[0]
+    if pre_gelu is not None:
+        _check_rows("pre_gelu", pre_gelu)
+        epilogue = EPILOGUE_GELU_AUX_BIAS if bias is not None else EPILOGUE_GELU_AUX
+    else:
+        epilogue = EPILOGUE_BIAS if bias is not None else EPILOGUE_DEFAULT
+    _gemm(out, weight, inp, OC, M, C, True, False, weight.stride(0), inp.stride(0), out.stride(0),
+          epilogue=epilogue, bias=bias, aux=pre_gelu, aux_ld=pre_gelu.stride(0) if pre_gelu is not None else 0,
+          algo_index=algo_index)
+    return out
+
+
+def linear_input_grad(dinp, dout, weight, pre_gelu=None, algo_index=0):
+    """dinp (M, C) = dout (M, OC) @ weight (OC, C), overwritten. With pre_gelu (this layer's input was
+    gelu(pre_gelu)): times gelu'(pre_gelu) in the epilogue (DGELU)."""
+    for name, t in (("dinp", dinp), ("dout", dout), ("weight", weight)):
+        _check_rows(name, t)
+    M, OC = dout.shape
+    C = weight.shape[1]
+    if pre_gelu is not None:
+        _check_rows("pre_gelu", pre_gelu)
+    _gemm(dinp, weight, dout, C, M, OC, False, False, weight.stride(0), dout.stride(0), dinp.stride(0),
+          epilogue=EPILOGUE_DGELU if pre_gelu is not None else EPILOGUE_DEFAULT, aux=pre_gelu,
+          aux_ld=pre_gelu.stride(0) if pre_gelu is not None else 0, algo_index=algo_index)
+    return dinp
+
+
+def linear_weight_grad(dweight, dout, inp, accumulate: bool = True, algo_index=0):
+    """dweight (OC, C) += dout (M, OC).T @ inp (M, C) (accumulate=False: =)."""
+    for name, t in (("dweight", dweight), ("dout", dout), ("inp", inp)):
+        _check_rows(name, t)
+    M, OC = dout.shape
+    C = inp.shape[1]
+    _gemm(dweight, inp, dout, C, OC, M, False, True, inp.stride(0), dout.stride(0), dweight.stride(0),
+          accumulate=accumulate, algo_index=algo_index)
+    return dweight

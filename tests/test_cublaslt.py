@@ -1,0 +1,284 @@
+"""kernels/cublaslt.py: the ctypes binding of cuBLASLt's products with llm.c's GELU epilogues, and where
+kernels/matmul.py uses it (use_cublaslt: the GELU epilogues and the tuned products).
+
+CPU: the row-major -> column-major bookkeeping of the three linear-layer products, with cuBLASLt's
+`_gemm` replaced by an emulator of its column-major semantics (read straight from the tensors' storage
+with the leading dimensions given, float64) - so a wrong transpose, leading dimension or bias length
+fails here, without a GPU; and the errors.
+GPU (marker gpu): every epilogue against the float64 reference (reference.py), on odd and GPT-2 shapes,
+in bf16 and fp32, poisoned outputs, strided row views, bitwise repeats, capture in a CUDA graph, and
+matmul_forward / matmul_backward with cuBLASLt's epilogues against our Triton GEMM's.
+"""
+import pytest
+import torch
+
+from llmpy import reference as ref
+from llmpy.errors import LlmpyError
+from llmpy.kernels import cublaslt as lt
+from llmpy.kernels import matmul as mm
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: the layout bookkeeping against an emulator of cuBLASLt's column-major product
+
+def _colmajor(t, rows, cols, ld):
+    """The column-major (rows, cols) matrix with leading dimension ld that starts at t's first element."""
+    return t.as_strided((rows, cols), (1, ld), t.storage_offset())
+
+
+def _gelu_grad64(x):
+    return ref.gelu_backward(x.double(), torch.ones_like(x, dtype=torch.float64))
+
+
+def fake_gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=lt.EPILOGUE_DEFAULT, bias=None,
+              aux=None, aux_ld=0, accumulate=False, algo_index=0):
+    """What cuBLASLt computes for these arguments (column-major, float64), written into d / bias / aux."""
+    A = _colmajor(a, *((k, m) if transa else (m, k)), lda).double()
+    B = _colmajor(b, *((n, k) if transb else (k, n)), ldb).double()
+    opA, opB = (A.t() if transa else A), (B.t() if transb else B)
+    D = _colmajor(d, m, n, ldd)
+    x = opA @ opB + (D.double() if accumulate else 0.0)
+    if epilogue in (lt.EPILOGUE_BIAS, lt.EPILOGUE_GELU_AUX_BIAS):
+        x = x + bias.double()[:, None]  # a bias per row of D
+    if epilogue in (lt.EPILOGUE_GELU_AUX, lt.EPILOGUE_GELU_AUX_BIAS):
+        _colmajor(aux, m, n, aux_ld).copy_(x)
+        x = ref.gelu_forward(x)
+    if epilogue == lt.EPILOGUE_DGELU:
+        x = x * _gelu_grad64(_colmajor(aux, m, n, aux_ld))
+    D.copy_(x)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(lt, "_gemm", fake_gemm)
+
+
+def _rand(g, *shape):
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _poison(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("M,C,OC", [(5, 8, 24), (33, 16, 8)])
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_forward_layout(emulated, M, C, OC, gelu, bias):
+    g = torch.Generator().manual_seed(M * 7 + OC)
+    inp, w = _rand(g, M, C), _rand(g, OC, C)
+    b = _rand(g, OC) if bias else None
+    wide = _poison(M, OC + 8)  # out as a strided view of a wider buffer: ld != OC
+    out = wide[:, :OC]
+    pre = _poison(M, OC) if gelu else None
+    lt.linear_forward(out, inp, w, b, pre_gelu=pre)
+    expected_pre = inp @ w.t() + (b if bias else 0.0)
+    if gelu:
+        assert torch.allclose(pre, expected_pre) and torch.allclose(out, ref.gelu_forward(expected_pre))
+    else:
+        assert torch.allclose(out, expected_pre)
+    assert torch.isnan(wide[:, OC:]).all(), "wrote outside the view"
+
+
+@pytest.mark.parametrize("M,C,OC", [(5, 8, 24), (33, 16, 8)])
+@pytest.mark.parametrize("dgelu", [False, True])
+def test_linear_input_grad_layout(emulated, M, C, OC, dgelu):
+    g = torch.Generator().manual_seed(M + C)
+    dout, w, pre = _rand(g, M, OC), _rand(g, OC, C), _rand(g, M, C)
+    dinp = _poison(M, C)
+    lt.linear_input_grad(dinp, dout, w, pre_gelu=pre if dgelu else None)
+    expected = dout @ w
+    if dgelu:
+        expected = ref.gelu_backward(pre, expected)
+    assert torch.allclose(dinp, expected)
+
+
+@pytest.mark.parametrize("M,C,OC", [(5, 8, 24), (33, 16, 8)])
+def test_linear_weight_grad_layout(emulated, M, C, OC):
+    g = torch.Generator().manual_seed(M * OC)
+    dout, inp, dw0 = _rand(g, M, OC), _rand(g, M, C), _rand(g, OC, C)
+    dw = dw0.clone()
+    lt.linear_weight_grad(dw, dout, inp)
+    assert torch.allclose(dw, dw0 + dout.t() @ inp)  # accumulated
+    lt.linear_weight_grad(dw, dout, inp, accumulate=False)
+    assert torch.allclose(dw, dout.t() @ inp)
+
+
+def test_epilogue_arguments_checked():
+    with pytest.raises(ValueError, match="bias/aux given"):
+        lt._gemm(torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8), 8, 8, 8, False, False, 8, 8, 8,
+                 epilogue=lt.EPILOGUE_GELU_AUX_BIAS, bias=torch.zeros(8))
+    with pytest.raises(ValueError, match="row-major"):
+        lt.linear_forward(torch.zeros(8, 4).t(), torch.zeros(4, 8), torch.zeros(8, 8))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the no-GPU answers")
+def test_resolve_without_cuda():
+    assert mm.resolve_cublaslt(None, "cpu") is False and mm.resolve_cublaslt(False, "cpu") is False
+    assert not lt.available()
+    with pytest.raises(LlmpyError, match="cuBLASLt: needs a CUDA device"):
+        mm.resolve_cublaslt(True, "cpu")
+
+
+def test_alignment():
+    assert lt._alignment(0x1000) == 256 and lt._alignment(0x1010) == 16 and lt._alignment(0x1002) == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: the real library
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+GPU_SHAPES = [(40, 24, 56), (1000, 64, 200), (4096, 768, 3072), (4096, 3072, 768)]
+
+
+def rel_err(out, expected):
+    out, expected = out.double(), expected.double()
+    return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def _dev(g, dtype, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to("cuda", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,C,OC", GPU_SHAPES)
+def test_gpu_forward_epilogues(dtype, M, C, OC):
+    g = torch.Generator().manual_seed(M + C + OC)
+    inp, w, b = _dev(g, dtype, M, C), _dev(g, dtype, OC, C, scale=C ** -0.5), _dev(g, dtype, OC)
+    expected = inp.double() @ w.double().t() + b.double()
+    out = torch.full((M, OC), float("nan"), device="cuda", dtype=dtype)
+    lt.linear_forward(out, inp, w, b)
+    assert rel_err(out, expected) < TOL[dtype]
+    pre = torch.full_like(out, float("nan"))
+    act = torch.full_like(out, float("nan"))
+    lt.linear_forward(act, inp, w, b, pre_gelu=pre)
+    assert rel_err(pre, expected) < TOL[dtype]
+    assert rel_err(act, ref.gelu_forward(expected)) < TOL[dtype]
+    again = torch.empty_like(act)
+    lt.linear_forward(again, inp, w, b, pre_gelu=torch.empty_like(pre))
+    assert torch.equal(again, act), "two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,C,OC", GPU_SHAPES)
+def test_gpu_backward_epilogues(dtype, M, C, OC):
+    g = torch.Generator().manual_seed(3 * M + C)
+    dout, w, inp, pre = _dev(g, dtype, M, OC), _dev(g, dtype, OC, C, scale=OC ** -0.5), _dev(g, dtype, M, C), \
+        _dev(g, dtype, M, C)
+    for dgelu in (False, True):
+        dinp = torch.full((M, C), float("nan"), device="cuda", dtype=dtype)
+        lt.linear_input_grad(dinp, dout, w, pre_gelu=pre if dgelu else None)
+        expected = dout.double() @ w.double()
+        if dgelu:
+            expected = ref.gelu_backward(pre.double(), expected)
+        assert rel_err(dinp, expected) < TOL[dtype]
+        again = torch.empty_like(dinp)
+        lt.linear_input_grad(again, dout, w, pre_gelu=pre if dgelu else None)
+        assert torch.equal(again, dinp), "two runs differ"
+    dw0 = _dev(g, dtype, OC, C)
+    dw = dw0.clone()
+    lt.linear_weight_grad(dw, dout, inp)
+    assert rel_err(dw, dw0.double() + dout.double().t() @ inp.double()) < TOL[dtype]
+    dw2 = dw0.clone()
+    lt.linear_weight_grad(dw2, dout, inp)
+    assert torch.equal(dw2, dw), "two runs differ"
+
+
+@pytest.mark.gpu
+def test_gpu_strided_views_and_graph():
+    """Row views with a leading dimension wider than the row (the model's qkv slices), and a CUDA graph
+    replaying the products with the same results."""
+    g = torch.Generator().manual_seed(11)
+    bf = torch.bfloat16
+    wide = _dev(g, bf, 512, 3 * 256)
+    inp = wide[:, 256:512]  # ld 768, 256 columns
+    w, b = _dev(g, bf, 384, 256, scale=1 / 16), _dev(g, bf, 384)
+    out = torch.full((512, 384), float("nan"), device="cuda", dtype=bf)
+    lt.linear_forward(out, inp, w, b)
+    assert rel_err(out, inp.double() @ w.double().t() + b.double()) < 1e-2
+    eager = out.clone()
+    out.fill_(float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        lt.linear_forward(out, inp, w, b)  # plan made outside the capture
+        out.fill_(float("nan"))
+        with torch.cuda.graph(graph, stream=stream):
+            lt.linear_forward(out, inp, w, b)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_matmul_epilogues_agree(dtype):
+    """matmul_forward with the GELU epilogue and matmul_backward with the DGELU epilogue: cuBLASLt's and our
+    Triton GEMM's against the reference (the GELUs differ in their last bits, not beyond bf16 rounding)."""
+    g = torch.Generator().manual_seed(5)
+    M, C, OC = 2048, 256, 768
+    inp, w, b = _dev(g, dtype, M, C), _dev(g, dtype, OC, C, scale=C ** -0.5), _dev(g, dtype, OC)
+    pre_ref = inp.double() @ w.double().t() + b.double()
+    w2, dout = _dev(g, dtype, C, OC, scale=OC ** -0.5), _dev(g, dtype, M, C)
+    for impl in (False, True):
+        out, pre = (torch.full((M, OC), float("nan"), device="cuda", dtype=dtype) for _ in range(2))
+        mm.matmul_forward(out, inp, w, b, pre_gelu=pre, gelu_epilogue=True, use_cublaslt=impl)
+        assert rel_err(pre, pre_ref) < TOL[dtype] and rel_err(out, ref.gelu_forward(pre_ref)) < TOL[dtype], impl
+        # fcproj's backward: dinp (M, OC) = dout @ w2 (C, OC), times gelu'(pre)
+        dinp = torch.full((M, OC), float("nan"), device="cuda", dtype=dtype)
+        dw = torch.zeros(C, OC, device="cuda", dtype=dtype)
+        mm.matmul_backward(dinp, dw, None, dout, out, w2, pre_gelu=pre, dgelu_epilogue=True, use_cublaslt=impl)
+        expected = ref.gelu_backward(pre.double(), dout.double() @ w2.double())
+        assert rel_err(dinp, expected) < TOL[dtype], impl
+        assert rel_err(dw, dout.double().t() @ out.double()) < TOL[dtype], impl
+
+
+@pytest.mark.gpu
+def test_gpu_resolve():
+    assert mm.resolve_cublaslt(None, "cuda") is True and lt.available()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", sorted(mm.TUNED_ALGOS, key=str))
+def test_gpu_tuned_products(key):
+    """Each product of TUNED_ALGOS, at its own shape, through the kmm call the model makes: the reference's
+    result within bf16 tolerance, and the same bits twice."""
+    product, rows, inner, outer, cap = key
+    if torch.cuda.get_device_capability() != cap:
+        pytest.skip(f"tuned for capability {cap}")
+    g = torch.Generator().manual_seed(rows + inner + outer)
+    bf = torch.bfloat16
+
+    def run():
+        if product in ("fwd", "fwd_bias", "gelu_aux_bias", "gelu_aux"):
+            inp, w = _dev(g0(), bf, rows, inner), _dev(g0(), bf, outer, inner, scale=inner ** -0.5)
+            b = _dev(g0(), bf, outer) if product in ("fwd_bias", "gelu_aux_bias") else None
+            out = torch.full((rows, outer), float("nan"), device="cuda", dtype=bf)
+            pre = torch.full_like(out, float("nan")) if product.startswith("gelu") else None
+            mm.matmul_forward(out, inp, w, b, pre_gelu=pre, gelu_epilogue=pre is not None, use_cublaslt=True)
+            expected = inp.double() @ w.double().t() + (b.double() if b is not None else 0.0)
+            return out, ref.gelu_forward(expected) if pre is not None else expected
+        dout, w, inp = _dev(g0(), bf, rows, inner), _dev(g0(), bf, inner, outer, scale=inner ** -0.5), \
+            _dev(g0(), bf, rows, outer)
+        if product == "dinp":
+            dinp = torch.full((rows, outer), float("nan"), device="cuda", dtype=bf)
+            mm.matmul_backward(dinp, torch.zeros(inner, outer, device="cuda", dtype=bf), None, dout, inp, w,
+                               use_cublaslt=True)
+            return dinp, dout.double() @ w.double()
+        dw = torch.zeros(inner, outer, device="cuda", dtype=bf)
+        mm.matmul_backward(None, dw, None, dout, inp, w, use_cublaslt=True)
+        return dw, dout.double().t() @ inp.double()
+
+    def g0():
+        return g.manual_seed(rows * 3 + outer)
+
+    first, expected = run()
+    assert rel_err(first, expected) < TOL[bf]
+    second, _ = run()
+    assert torch.equal(first, second), "two runs differ"
