@@ -86,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", default="auto", help="llmpy: attention path")
     ap.add_argument("--untuned", action="store_true",
                     help="llmpy: every cuBLASLt product with its first-ranked algorithm (empty TUNED_ALGOS)")
+    ap.add_argument("--bias-in-product", action="store_true",
+                    help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
     ap.add_argument("--cublaslt", default=None, choices=("on", "off"),
                     help="llmpy: -ge 1/2's epilogues and the tuned products through cuBLASLt (default: where it binds)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
@@ -179,6 +181,9 @@ def _build_llmpy(args, config, flat):
     if args.untuned:
         from llmpy.kernels.matmul import TUNED_ALGOS
         TUNED_ALGOS.clear()
+    if args.bias_in_product:
+        from llmpy.kernels import matmul
+        matmul.BIAS_GRAD_IN_PRODUCT = True
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

@@ -36,3 +36,18 @@ def test_products_cover_a_step():
     assert all(p[1] == 0 for p in bench_blas.LAYOUT_VARIANTS)
     flops = sum(calls * 2 * M * K * N for _, calls, _, M, K, N in bench_blas.PRODUCTS)
     assert abs(flops / 1e12 - 48.6) < 0.5  # ANCHORS.md: the step's linear layers, 48.6 TFLOP
+
+
+def test_bench_cublaslt_report(capsys):
+    """bench_cublaslt's table: step totals (torch, the first-ranked algorithm, the best of all) and the
+    fused epilogues against their unfused pairs, with '-' where cuBLASLt had no algorithm."""
+    from bench.kernels import bench_cublaslt
+    rows = [dict(name="fc fwd", calls=2, torch=1.0, lt={"0": 1.2, "1": 0.8},
+                 gelu_aux_bias={"0": 1.1, "1": None}, **{"torch+gelu": 1.5}),
+            dict(name="qkv dweight", calls=3, torch=0.5, lt={"0": None, "1": 0.6},
+                 bgradb={"0": None, "1": None}, **{"torch+bias": 0.7})]
+    bench_cublaslt.report({"rows": rows}, 2)
+    out = capsys.readouterr().out
+    # torch 2*1.0 + 3*0.5; first algorithm 2*1.2 + 3*0.5 (none: torch's); best 2*0.8 + 3*0.5
+    assert "step: torch 3.50 ms, cuBLASLt first algorithm 3.90 ms, best of all 3.10 ms" in out
+    assert "gelu_aux_bias" in out and "vs torch+gelu   1.500" in out and "vs torch+bias   0.700" in out

@@ -47,6 +47,8 @@ def fake_gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=lt.EP
         x = ref.gelu_forward(x)
     if epilogue == lt.EPILOGUE_DGELU:
         x = x * _gelu_grad64(_colmajor(aux, m, n, aux_ld))
+    if epilogue == lt.EPILOGUE_BGRADB:
+        bias.copy_(opB.sum(0))  # over k: one sum per column of D
     D.copy_(x)
 
 
@@ -102,6 +104,9 @@ def test_linear_weight_grad_layout(emulated, M, C, OC):
     dw = dw0.clone()
     lt.linear_weight_grad(dw, dout, inp)
     assert torch.allclose(dw, dw0 + dout.t() @ inp)  # accumulated
+    sums = _poison(OC)
+    lt.linear_weight_grad(dw, dout, inp, dbias_sums=sums)
+    assert torch.allclose(dw, dw0 + 2 * dout.t() @ inp) and torch.allclose(sums, dout.sum(0))
     lt.linear_weight_grad(dw, dout, inp, accumulate=False)
     assert torch.allclose(dw, dout.t() @ inp)
 
@@ -282,3 +287,28 @@ def test_gpu_tuned_products(key):
     assert rel_err(first, expected) < TOL[bf]
     second, _ = run()
     assert torch.equal(first, second), "two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,C,OC", [(1000, 64, 200), (8192, 768, 2304)])
+def test_gpu_bias_grad_in_product(dtype, M, C, OC, monkeypatch):
+    """matmul_backward with use_cublaslt and BIAS_GRAD_IN_PRODUCT: dbias ACCUMULATED from the weight-gradient
+    product's BGRADB sums (or our reduction where cuBLASLt has no algorithm), as without cuBLASLt, and the
+    same bits twice."""
+    monkeypatch.setattr(mm, "BIAS_GRAD_IN_PRODUCT", True)
+    g = torch.Generator().manual_seed(M + OC)
+    dout, inp, w = _dev(g, dtype, M, OC), _dev(g, dtype, M, C), _dev(g, dtype, OC, C, scale=0.05)
+    seed = torch.tensor([77], device="cuda", dtype=torch.int64)
+    results = []
+    for use, again in ((False, 0), (True, 0), (True, 1)):
+        dw = _dev(torch.Generator().manual_seed(1), dtype, OC, C)
+        db = _dev(torch.Generator().manual_seed(2), dtype, OC)
+        db0 = db.clone()
+        scratch = torch.full((mm.bias_scratch_numel(M, OC, "cuda") + OC,), float("nan"), device="cuda",
+                             dtype=torch.float32)
+        mm.matmul_backward(None, dw, db, dout, inp, w, scratch=scratch, seed=seed, use_cublaslt=use)
+        assert rel_err(db.double() - db0.double(), dout.double().sum(0)) < TOL[dtype], (use, again)
+        results.append((dw, db))
+    assert torch.equal(results[1][0], results[2][0]) and torch.equal(results[1][1], results[2][1])
+    assert rel_err(results[1][0], results[0][0]) < TOL[dtype]

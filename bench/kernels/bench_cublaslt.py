@@ -7,6 +7,7 @@ runs); then the fused epilogues against what they replace:
   fcproj dinp      DGELU              vs  mm + gelu_backward_inplace, and vs mm + bias_gelu_backward
                                           (dGELU + fc's bias gradient, what -ge 0 runs; -ge 2 adds that
                                           bias gradient as its own reduction: "bias 3072" below)
+  every dweight    BGRADB (bf16 sums) + the finishing add   vs  addmm_ + matmul_backward_bias
 
 A time is a call's share of 20 calls back to back between two CUDA events (so the host's launch cost,
 larger for the ctypes path than for torch's, hides behind the GPU's work as it does in the model's CUDA
@@ -94,6 +95,15 @@ def run(algos: int) -> dict:
             row["torch"] = _median_ms(lambda: dw.addmm_(dout.t(), x))
             for i in range(algos):
                 row["lt"][i] = _try(lambda: lt.linear_weight_grad(dw, dout, x, algo_index=i))
+            if not name.startswith("lm_head"):
+                dbias, scratch = torch.zeros(M, device="cuda", dtype=bf), torch.empty(
+                    mm.bias_scratch_numel(K, M, "cuda") + M, device="cuda", dtype=f32)
+                sums = torch.empty(M, device="cuda", dtype=bf)
+                row["torch+bias"] = _median_ms(lambda: (dw.addmm_(dout.t(), x),
+                                                        mm.matmul_backward_bias(dbias, dout, scratch)))
+                row["bgradb"] = {i: _try(lambda: (lt.linear_weight_grad(dw, dout, x, dbias_sums=sums, algo_index=i),
+                                                  mm._finish_bias(dbias, sums, None)))
+                                 for i in range(algos)}
         rows.append(row)
         dw = dinp = out = None
         torch.cuda.empty_cache()
@@ -117,7 +127,7 @@ def report(result: dict, algos: int) -> None:
     print(f"step: torch {tot_torch:.2f} ms, cuBLASLt first algorithm {tot_lt0:.2f} ms, best of all {tot_best:.2f} ms")
     print("\nfused epilogues (ms a call; lt<i> = heuristic's algorithm i) against the unfused pair:")
     for r in rows:
-        for fused, unfused in (("gelu_aux_bias", "torch+gelu"), ("dgelu", "torch+dgelu")):
+        for fused, unfused in (("gelu_aux_bias", "torch+gelu"), ("dgelu", "torch+dgelu"), ("bgradb", "torch+bias")):
             if fused in r:
                 vals = [r[fused].get(i, r[fused].get(str(i))) for i in range(algos)]
                 print(f"{r['name']:<16} {fused:<14} " + " ".join(_fmt(v) for v in vals)

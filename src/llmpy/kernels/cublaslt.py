@@ -4,10 +4,11 @@ PyTorch already loaded.
 Why not torch: torch.addmm reaches cuBLASLt's BIAS epilogue, but no torch op asks cuBLASLt for GELU_AUX_BIAS
 (write the pre-activation AND its GELU) or DGELU (apply GELU's derivative in the epilogue of the
 input-gradient product). Those are what llm.c's matmul_cublaslt does on sm_90 (-ge 1, 2), and they take
-a pass over a (B*T, 4C) tensor out of the step each. (The bias-gradient epilogues, BGRADB and
-DGELU_BGRAD, are not here: on an H200 with cuBLAS 13 there is no algorithm for them with fp32 sums of
-bf16 products, and DGELU_BGRAD with bf16 sums took 1.7 ms where the product and our fused dGELU + bias
-pass take 0.8; bench/RESULTS.md, run L.)
+a pass over a (B*T, 4C) tensor out of the step each. BGRADB sums the output gradient's columns (a bias
+gradient) while the weight-gradient product reads it anyway; its sums have the product's dtype (on an
+H200 with cuBLAS 13 there is no algorithm for fp32 sums of bf16 products). DGELU_BGRAD is not here: with
+bf16 sums it took 1.7 ms where the product and our fused dGELU + bias pass take 0.8 (bench/RESULTS.md,
+run L).
 
 The binding is small: one handle and one workspace per device, and per distinct problem (shapes,
 layouts, epilogue, pointer alignments) a cached plan - the operation descriptor, four matrix layouts
@@ -53,7 +54,8 @@ EPILOGUE_BIAS = 4
 EPILOGUE_GELU_AUX = 160
 EPILOGUE_GELU_AUX_BIAS = 164
 EPILOGUE_DGELU = 192
-_WITH_BIAS = (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS)
+EPILOGUE_BGRADB = 512
+_WITH_BIAS = (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_BGRADB)
 _WITH_AUX = (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU)
 
 # llm.c's cuBLASLt workspace on sm_90 (32 MiB)
@@ -292,12 +294,14 @@ def linear_input_grad(dinp, dout, weight, pre_gelu=None, algo_index=0):
     return dinp
 
 
-def linear_weight_grad(dweight, dout, inp, accumulate: bool = True, algo_index=0):
-    """dweight (OC, C) += dout (M, OC).T @ inp (M, C) (accumulate=False: =)."""
+def linear_weight_grad(dweight, dout, inp, accumulate: bool = True, dbias_sums=None, algo_index=0):
+    """dweight (OC, C) += dout (M, OC).T @ inp (M, C) (accumulate=False: =). dbias_sums (OC), dout's dtype:
+    OVERWRITTEN with the column sums of dout, summed in the same product (BGRADB)."""
     for name, t in (("dweight", dweight), ("dout", dout), ("inp", inp)):
         _check_rows(name, t)
     M, OC = dout.shape
     C = inp.shape[1]
     _gemm(dweight, inp, dout, C, OC, M, False, True, inp.stride(0), dout.stride(0), dweight.stride(0),
+          epilogue=EPILOGUE_BGRADB if dbias_sums is not None else EPILOGUE_DEFAULT, bias=dbias_sums,
           accumulate=accumulate, algo_index=algo_index)
     return dweight

@@ -273,7 +273,7 @@ def _bias_finish_kernel(part_ptr, dbias_ptr, seed_ptr, N, num_chunks, STOCHASTIC
     for c0 in range(0, num_chunks, BLOCK_CHUNKS):
         chunks = c0 + tl.arange(0, BLOCK_CHUNKS)
         mask = (chunks < num_chunks)[:, None] & col_mask[None, :]
-        acc += tl.load(part_ptr + chunks[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        acc += tl.load(part_ptr + chunks[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     total = tl.load(dbias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + tl.sum(acc, axis=0)
     store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), cols, STOCHASTIC)
 
@@ -373,6 +373,13 @@ TUNED_ALGOS = {
     ("dinp", 65536, 768, 768, (9, 0)): 5,         # attproj input gradient: 0.117 ms against 0.152
     ("dweight", 65536, 2304, 768, (9, 0)): 5,     # qkv weight gradient: 0.36-0.38 ms against 0.40-0.47
 }
+
+
+# True: with use_cublaslt, the bias gradients summed by cuBLASLt in the weight-gradient product (BGRADB,
+# sums rounded to the product's dtype, then added into dbias as our reduction adds). Off: on an H200 it
+# made the whole step 2.0 ms slower than our two-level reduction after torch's product (BGRADB steers
+# cuBLASLt to slower products for three of the four layers; bench/RESULTS.md, run L).
+BIAS_GRAD_IN_PRODUCT = False
 
 
 def _tuned(product: str, rows: int, inner: int, outer: int, device) -> int | None:
@@ -551,6 +558,18 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
             if pre_gelu is not None:
                 gelu_backward_inplace(dinp, pre_gelu)
     assert dweight.shape == (OC, C) and dweight.dtype == dout.dtype and dweight.is_contiguous()
+    if dbias is not None and use_cublaslt and BIAS_GRAD_IN_PRODUCT and scratch is not None \
+            and scratch.numel() * scratch.element_size() >= OC * dout.element_size():
+        # BGRADB: the column sums of dout from the weight-gradient product, into scratch (dout's dtype)
+        sums = scratch.view(dout.dtype)[:OC]
+        rank = _tuned("dweight_bgradb", *dout2.shape, C, dout.device)
+        try:
+            cublaslt.linear_weight_grad(dweight, dout2, inp2, dbias_sums=sums, algo_index=rank or 0)
+        except cublaslt.CublasLtError:
+            pass  # no such algorithm here: the product and our reduction below
+        else:
+            _finish_bias(dbias, sums, seed)
+            return dinp, dweight, dbias
     rank = _tuned("dweight", *dout2.shape, C, dout.device) if use_cublaslt else None
     if rank is not None:
         cublaslt.linear_weight_grad(dweight, dout2, inp2, algo_index=rank)  # accumulated (beta = 1) as well
@@ -559,3 +578,13 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
     if dbias is not None:
         _bias_reduce(dbias, scratch, dout2, None, seed, None)
     return dinp, dweight, dbias
+
+
+def _finish_bias(dbias, sums, seed):
+    """dbias += sums (len(dbias), any float dtype), rounded as the reduction rounds (stochastically with a
+    seed, for bf16 dbias): the second level of the reduction with a single chunk."""
+    N = dbias.shape[0]
+    stochastic = seed is not None and dbias.dtype == torch.bfloat16
+    _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
+        sums, dbias, seed if stochastic else dbias, N, 1, STOCHASTIC=stochastic,
+        BLOCK_CHUNKS=2, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
