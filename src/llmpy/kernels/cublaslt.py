@@ -255,21 +255,31 @@ def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_
                               state.workspace.data_ptr(), WORKSPACE_BYTES, stream), "cublasLtMatmul")
 
 
-def _check_rows(name: str, t: torch.Tensor):
-    if t.dim() != 2 or t.stride(1) != 1 or t.stride(0) < t.shape[1]:
-        raise ValueError(f"cuBLASLt: {name} must be a row-major 2-D matrix, got shape {tuple(t.shape)} "
-                         f"strides {t.stride()}")
+def _check_operands(shapes: dict, **tensors):
+    """Every given tensor a row-major 2-D matrix (rows may be strided views) or a contiguous vector of the
+    expected shape, all of one dtype: cuBLASLt reads raw pointers, so a mismatch must stop here."""
+    dtypes = set()
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"cuBLASLt: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
+        if t.stride(-1) != 1 or (t.dim() == 2 and t.stride(0) < t.shape[1]) or t.dim() not in (1, 2):
+            raise ValueError(f"cuBLASLt: {name} must be a row-major matrix or a contiguous vector, got "
+                             f"strides {t.stride()}")
+        dtypes.add(t.dtype)
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+        raise ValueError(f"cuBLASLt: operands of one dtype, fp32 or bf16, expected: got {sorted(map(str, dtypes))}")
 
 
 def linear_forward(out, inp, weight, bias=None, pre_gelu=None, algo_index=0):
     """out (M, OC) = inp (M, C) @ weight (OC, C).T + bias. With pre_gelu: pre_gelu = inp @ weight.T + bias
     and out = gelu(pre_gelu), in the epilogue (GELU_AUX_BIAS). Rows may be strided (views)."""
-    for name, t in (("out", out), ("inp", inp), ("weight", weight)):
-        _check_rows(name, t)
     M, C = inp.shape
     OC = weight.shape[0]
+    _check_operands(dict(out=(M, OC), inp=(M, C), weight=(OC, C), bias=(OC,), pre_gelu=(M, OC)),
+                    out=out, inp=inp, weight=weight, bias=bias, pre_gelu=pre_gelu)
     if pre_gelu is not None:
-        _check_rows("pre_gelu", pre_gelu)
         epilogue = EPILOGUE_GELU_AUX_BIAS if bias is not None else EPILOGUE_GELU_AUX
     else:
         epilogue = EPILOGUE_BIAS if bias is not None else EPILOGUE_DEFAULT
@@ -282,12 +292,10 @@ def linear_forward(out, inp, weight, bias=None, pre_gelu=None, algo_index=0):
 def linear_input_grad(dinp, dout, weight, pre_gelu=None, algo_index=0):
     """dinp (M, C) = dout (M, OC) @ weight (OC, C), overwritten. With pre_gelu (this layer's input was
     gelu(pre_gelu)): times gelu'(pre_gelu) in the epilogue (DGELU)."""
-    for name, t in (("dinp", dinp), ("dout", dout), ("weight", weight)):
-        _check_rows(name, t)
     M, OC = dout.shape
     C = weight.shape[1]
-    if pre_gelu is not None:
-        _check_rows("pre_gelu", pre_gelu)
+    _check_operands(dict(dinp=(M, C), dout=(M, OC), weight=(OC, C), pre_gelu=(M, C)),
+                    dinp=dinp, dout=dout, weight=weight, pre_gelu=pre_gelu)
     _gemm(dinp, weight, dout, C, M, OC, False, False, weight.stride(0), dout.stride(0), dinp.stride(0),
           epilogue=EPILOGUE_DGELU if pre_gelu is not None else EPILOGUE_DEFAULT, aux=pre_gelu,
           aux_ld=pre_gelu.stride(0) if pre_gelu is not None else 0, algo_index=algo_index)
@@ -297,10 +305,10 @@ def linear_input_grad(dinp, dout, weight, pre_gelu=None, algo_index=0):
 def linear_weight_grad(dweight, dout, inp, accumulate: bool = True, dbias_sums=None, algo_index=0):
     """dweight (OC, C) += dout (M, OC).T @ inp (M, C) (accumulate=False: =). dbias_sums (OC), dout's dtype:
     OVERWRITTEN with the column sums of dout, summed in the same product (BGRADB)."""
-    for name, t in (("dweight", dweight), ("dout", dout), ("inp", inp)):
-        _check_rows(name, t)
     M, OC = dout.shape
     C = inp.shape[1]
+    _check_operands(dict(dweight=(OC, C), dout=(M, OC), inp=(M, C), dbias_sums=(OC,)),
+                    dweight=dweight, dout=dout, inp=inp, dbias_sums=dbias_sums)
     _gemm(dweight, inp, dout, C, OC, M, False, True, inp.stride(0), dout.stride(0), dweight.stride(0),
           epilogue=EPILOGUE_BGRADB if dbias_sums is not None else EPILOGUE_DEFAULT, bias=dbias_sums,
           accumulate=accumulate, algo_index=algo_index)
