@@ -1,5 +1,6 @@
 """GPT-2 on the GPU: llm.c's train_gpt2.cu model (gpt2_forward, gpt2_backward_and_reduce, gpt2_update)
-wired from the Triton kernels of `llmpy.kernels` and cuBLAS matrix products through torch.
+wired from the Triton kernels of `llmpy.kernels` and cuBLAS matrix products (through torch, and through
+kernels/cublaslt.py where cuBLASLt's epilogues or a tuned algorithm do better).
 
 Everything lives in preallocated device memory, as in llm.c:
 

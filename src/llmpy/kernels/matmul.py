@@ -5,17 +5,18 @@ Weights are (OC, C) as in llm.c: out = inp @ weight.T + bias.
 
 - Plain GEMMs are torch.addmm / torch.mm with `out=`: addmm with a 1-D bias goes to cuBLASLt's BIAS
   epilogue, so the bias costs no extra pass. The weight gradient accumulates with beta = 1 in the same
-  GEMM (`dweight.addmm_(dout.T, inp)`: cuBLAS reads C and adds, no temporary, no copy).
-- GELU_AUX_BIAS (fc forward, `gelu_epilogue=True`): torch has no GEMM that writes both the pre-activation
-  and the activation (`_addmm_activation` writes only the latter), so `_matmul_kernel` is a Triton GEMM
-  whose epilogue adds the bias, stores pre_gelu, and stores gelu(pre_gelu) while the tile is still in
-  registers: one write each instead of a write, a read and a write. On sm_90 `_matmul_tma_kernel` is the
-  same GEMM as a persistent grid fed by TMA (config TMA=True).
+  GEMM (`dweight.addmm_(dout.T, inp)`: cuBLAS reads C and adds, no temporary, no copy). With
+  use_cublaslt, the products of TUNED_ALGOS go to kernels/cublaslt.py with a tuned algorithm instead.
+- GELU_AUX_BIAS (fc forward, `gelu_epilogue=True`) and DGELU: with use_cublaslt (the default on CUDA),
+  cuBLASLt's own epilogues through kernels/cublaslt.py, as llm.c. Without it: torch has no GEMM that
+  writes both the pre-activation and the activation (`_addmm_activation` writes only the latter), so
+  `_matmul_kernel` is a Triton GEMM whose epilogue adds the bias, stores pre_gelu, and stores
+  gelu(pre_gelu) while the tile is still in registers: one write each instead of a write, a read and a
+  write. On sm_90 `_matmul_tma_kernel` is the same GEMM as a persistent grid fed by TMA (config TMA=True).
 - DGELU (fcproj backward): the derivative of GELU applied to dinp, either as kernels/gelu.py's pass after
-  the GEMM or in the Triton GEMM's epilogue (`dgelu_epilogue=True`, llm.c's DGELU epilogue).
-  `bias_gelu_backward` fuses it instead with the *fc* layer's bias gradient: one pass over the (B*T, 4C)
-  tensor does dgelu in place and reduces its column sums (what the model does unless asked for the
-  epilogue).
+  the GEMM or in the GEMM's epilogue (`dgelu_epilogue=True`, llm.c's DGELU: cuBLASLt's or the Triton
+  GEMM's). `bias_gelu_backward` fuses it instead with the *fc* layer's bias gradient: one pass over the
+  (B*T, 4C) tensor does dgelu in place and reduces its column sums (what the model does at -ge 0).
 - Bias gradient (llm.c's matmul_backward_bias_kernel9 + reduce_add_sum_kernel): no atomics, so the result
   is bitwise reproducible. Level 1: a fixed grid of (column block, row chunk) programs, each summing its
   chunk of rows in fp32 into a scratch row; level 2: one program per column block adds the chunk sums in
