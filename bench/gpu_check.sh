@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [blas] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [blas] [lt] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/llmpy_out}
 mkdir -p "$OUT"
 stages=${*:-tests bench sanitize}
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_encoder.py tests/test_layernorm.py tests/test_attention.py tests/test_flash_attention.py
-  tests/test_matmul.py tests/test_gelu.py tests/test_fused_classifier.py tests/test_adamw.py tests/test_global_norm.py"}
+  tests/test_matmul.py tests/test_cublaslt.py tests/test_gelu.py tests/test_fused_classifier.py tests/test_adamw.py tests/test_global_norm.py"}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -66,6 +66,11 @@ for stage in $stages; do
     blas)
       # every matrix product of a step under cuBLAS settings, each setting in its own process
       timeout ${BLAS_TIMEOUT:-300} python3 -m bench.kernels.bench_blas ${BLAS_ARGS:-} --json "$OUT/blas.json" 2>&1 | tee "$OUT/blas.log"
+      rc=$? ;;
+    lt)
+      # every product of a step: torch's cuBLAS against cuBLASLt's ranked algorithms and its GELU / bias
+      # epilogues (what kernels.matmul.TUNED_ALGOS is read from)
+      timeout ${LT_TIMEOUT:-200} python3 -m bench.kernels.bench_cublaslt ${LT_ARGS:-} --json "$OUT/lt.json" 2>&1 | tee "$OUT/lt.log"
       rc=$? ;;
     bias)
       timeout ${BIAS_TIMEOUT:-240} python3 -m bench.kernels.sweep_bias ${BIAS_ARGS:-} --json "$OUT/bias.json" 2>&1 | tee "$OUT/bias.log"
