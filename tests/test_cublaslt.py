@@ -129,10 +129,10 @@ def test_epilogue_arguments_checked():
         lt.linear_weight_grad(torch.zeros(8, 8), torch.zeros(4, 8), torch.zeros(4, 8), dbias_sums=torch.zeros(4))
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="the no-GPU answers")
-def test_resolve_without_cuda():
+def test_resolve_for_the_cpu():
+    """A CPU model never uses cuBLASLt, and asking for it there is a user error (GPU or not)."""
     assert mm.resolve_cublaslt(None, "cpu") is False and mm.resolve_cublaslt(False, "cpu") is False
-    assert not lt.available()
+    assert lt.available() == HAS_CUDA
     with pytest.raises(LlmpyError, match="cuBLASLt: needs a CUDA device"):
         mm.resolve_cublaslt(True, "cpu")
 

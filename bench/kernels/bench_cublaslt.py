@@ -24,7 +24,8 @@ import sys
 from bench.kernels.bench_blas import PRODUCTS
 
 
-def _median_ms(fn, calls=20, rounds=5):
+def _ms_per_call(fn, calls=20, rounds=5):
+    """ms a call of fn: the best of `rounds` means over `calls` calls back to back (after 3 warm-up calls)."""
     import torch
     for _ in range(3):
         fn()
@@ -41,10 +42,10 @@ def _median_ms(fn, calls=20, rounds=5):
 
 
 def _try(fn):
-    """Median ms of fn, or None where cuBLASLt has no such algorithm."""
+    """ms a call of fn (_ms_per_call), or None where cuBLASLt has no such algorithm."""
     from llmpy.kernels import cublaslt as lt
     try:
-        return _median_ms(fn)
+        return _ms_per_call(fn)
     except lt.CublasLtError:
         return None
 
@@ -66,40 +67,40 @@ def run(algos: int) -> dict:
         if kind in ("bias", "fwd"):  # out (M, N) = x (M, K) @ w (N, K).T (+ bias)
             x, w, out = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, N)
             bias = randn(N, scale=0.1) if kind == "bias" else None
-            row["torch"] = _median_ms(lambda: torch.addmm(bias, x, w.t(), out=out) if bias is not None
+            row["torch"] = _ms_per_call(lambda: torch.addmm(bias, x, w.t(), out=out) if bias is not None
                                       else torch.mm(x, w.t(), out=out))
             for i in range(algos):
                 row["lt"][i] = _try(lambda: lt.linear_forward(out, x, w, bias, algo_index=i))
             if name.startswith("fc "):
                 pre = randn(M, N)
-                row["torch+gelu"] = _median_ms(lambda: (torch.addmm(bias, x, w.t(), out=pre), gelu_forward(out, pre)))
+                row["torch+gelu"] = _ms_per_call(lambda: (torch.addmm(bias, x, w.t(), out=pre), gelu_forward(out, pre)))
                 row["gelu_aux_bias"] = {i: _try(lambda: lt.linear_forward(out, x, w, bias, pre_gelu=pre, algo_index=i))
                                         for i in range(algos)}
         elif kind == "dinp":  # dinp (M, N) = dout (M, K) @ w (K, N)
             dout, w, dinp = randn(M, K), randn(K, N, scale=K ** -0.5), randn(M, N)
-            row["torch"] = _median_ms(lambda: torch.mm(dout, w, out=dinp))
+            row["torch"] = _ms_per_call(lambda: torch.mm(dout, w, out=dinp))
             for i in range(algos):
                 row["lt"][i] = _try(lambda: lt.linear_input_grad(dinp, dout, w, algo_index=i))
             if name.startswith("fcproj "):
                 pre = randn(M, N)
                 dbias, scratch = torch.zeros(N, device="cuda", dtype=bf), torch.empty(
                     mm.bias_scratch_numel(M, N, "cuda", gelu=True) + N, device="cuda", dtype=f32)
-                row["bias 3072"] = _median_ms(lambda: mm.matmul_backward_bias(dbias, dinp, scratch))
-                row["torch+dgelu"] = _median_ms(lambda: (torch.mm(dout, w, out=dinp), gelu_backward_inplace(dinp, pre)))
-                row["torch+dgelu+bias"] = _median_ms(lambda: (torch.mm(dout, w, out=dinp),
+                row["bias 3072"] = _ms_per_call(lambda: mm.matmul_backward_bias(dbias, dinp, scratch))
+                row["torch+dgelu"] = _ms_per_call(lambda: (torch.mm(dout, w, out=dinp), gelu_backward_inplace(dinp, pre)))
+                row["torch+dgelu+bias"] = _ms_per_call(lambda: (torch.mm(dout, w, out=dinp),
                                                               mm.bias_gelu_backward(dbias, scratch, dinp, pre)))
                 row["dgelu"] = {i: _try(lambda: lt.linear_input_grad(dinp, dout, w, pre_gelu=pre, algo_index=i))
                                 for i in range(algos)}
         else:  # acc: dw (M, N) += dout (K, M).T @ x (K, N)
             dout, x, dw = randn(K, M), randn(K, N), randn(M, N)
-            row["torch"] = _median_ms(lambda: dw.addmm_(dout.t(), x))
+            row["torch"] = _ms_per_call(lambda: dw.addmm_(dout.t(), x))
             for i in range(algos):
                 row["lt"][i] = _try(lambda: lt.linear_weight_grad(dw, dout, x, algo_index=i))
             if not name.startswith("lm_head"):
                 dbias, scratch = torch.zeros(M, device="cuda", dtype=bf), torch.empty(
                     mm.bias_scratch_numel(K, M, "cuda") + M, device="cuda", dtype=f32)
                 sums = torch.empty(M, device="cuda", dtype=bf)
-                row["torch+bias"] = _median_ms(lambda: (dw.addmm_(dout.t(), x),
+                row["torch+bias"] = _ms_per_call(lambda: (dw.addmm_(dout.t(), x),
                                                         mm.matmul_backward_bias(dbias, dout, scratch)))
                 row["bgradb"] = {i: _try(lambda: (lt.linear_weight_grad(dw, dout, x, dbias_sums=sums, algo_index=i),
                                                   mm._finish_bias(dbias, sums, None)))

@@ -78,12 +78,11 @@ def _find_library() -> str | None:
                     return path
     except OSError:
         pass
-    roots = {os.path.dirname(os.path.dirname(torch.__file__))}
-    for root in roots:
-        for pattern in ("nvidia/cu*/lib/libcublasLt.so*", "nvidia/cublas/lib/libcublasLt.so*"):
-            hits = sorted(glob.glob(os.path.join(root, pattern)))
-            if hits:
-                return hits[-1]
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    for pattern in ("nvidia/cu*/lib/libcublasLt.so*", "nvidia/cublas/lib/libcublasLt.so*"):
+        hits = sorted(glob.glob(os.path.join(site, pattern)))
+        if hits:
+            return hits[-1]
     return None
 
 
@@ -123,8 +122,9 @@ def _check(status: int, what: str):
         raise CublasLtError(f"cuBLASLt: {what} returned status {status}")
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True when the binding can run here (a CUDA device and torch's libcublasLt)."""
+    """True when the binding can run here (a CUDA device and torch's libcublasLt); asked once a process."""
     try:
         _lib()
         return True
@@ -159,23 +159,23 @@ def _alignment(ptr: int) -> int:
     return min(256, ptr & -ptr) if ptr else 256
 
 
-def _set(lib, setter, obj, attr: int, value, ctype):
+def _set(setter, obj, attr: int, value, ctype):
     v = ctype(value)
     _check(setter(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), f"set attribute {attr}")
 
 
 class _Plan:
-    """Descriptor, layouts and first-ranked algorithm of one problem."""
+    """Descriptor, layouts and the algorithm of rank algo_index of one problem (the key _gemm makes)."""
 
-    def __init__(self, state: _Device, key):
-        (_, m, n, k, transa, transb, lda, ldb, ldd, dtype, epilogue, _aux_ld, aligns, algo_index, pointers) = key
+    def __init__(self, state: _Device, key, bias_ptr: int, aux_ptr: int):
+        (_, m, n, k, transa, transb, lda, ldb, ldd, dtype, epilogue, aux_ld, aligns, algo_index) = key
         lib = _lib()
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
         dset = lib.cublasLtMatmulDescSetAttribute
-        _set(lib, dset, self.desc, _DESC_TRANSA, _OP_T if transa else _OP_N, ctypes.c_int32)
-        _set(lib, dset, self.desc, _DESC_TRANSB, _OP_T if transb else _OP_N, ctypes.c_int32)
-        _set(lib, dset, self.desc, _DESC_EPILOGUE, epilogue, ctypes.c_uint32)
+        _set(dset, self.desc, _DESC_TRANSA, _OP_T if transa else _OP_N, ctypes.c_int32)
+        _set(dset, self.desc, _DESC_TRANSB, _OP_T if transb else _OP_N, ctypes.c_int32)
+        _set(dset, self.desc, _DESC_EPILOGUE, epilogue, ctypes.c_uint32)
         self.layouts = []
         t = _DTYPES[dtype]
         a_rows, a_cols = (k, m) if transa else (m, k)
@@ -187,11 +187,11 @@ class _Plan:
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
         pset = lib.cublasLtMatmulPreferenceSetAttribute
-        _set(lib, pset, pref, _PREF_MAX_WORKSPACE_BYTES, WORKSPACE_BYTES, ctypes.c_uint64)
+        _set(pset, pref, _PREF_MAX_WORKSPACE_BYTES, WORKSPACE_BYTES, ctypes.c_uint64)
         for attr, align in zip(_PREF_MIN_ALIGNMENT, aligns[:4]):
-            _set(lib, pset, pref, attr, align, ctypes.c_uint32)
+            _set(pset, pref, attr, align, ctypes.c_uint32)
         # the heuristic reads the epilogue pointers' alignment from the descriptor
-        self.set_pointers(pointers[0], pointers[1], _aux_ld)
+        self.set_pointers(bias_ptr, aux_ptr, aux_ld)
         wanted = algo_index + 1
         results = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES * wanted)
         count = ctypes.c_int32(0)
@@ -208,13 +208,12 @@ class _Plan:
             raise CublasLtError(f"cuBLASLt: algorithm wants {self.workspace_bytes} bytes of workspace")
 
     def set_pointers(self, bias_ptr: int, aux_ptr: int, aux_ld: int):
-        lib = _lib()
-        dset = lib.cublasLtMatmulDescSetAttribute
+        dset = _lib().cublasLtMatmulDescSetAttribute
         if bias_ptr:
-            _set(lib, dset, self.desc, _DESC_BIAS_POINTER, bias_ptr, ctypes.c_void_p)
+            _set(dset, self.desc, _DESC_BIAS_POINTER, bias_ptr, ctypes.c_void_p)
         if aux_ptr:
-            _set(lib, dset, self.desc, _DESC_AUX_POINTER, aux_ptr, ctypes.c_void_p)
-            _set(lib, dset, self.desc, _DESC_AUX_LD, aux_ld, ctypes.c_int64)
+            _set(dset, self.desc, _DESC_AUX_POINTER, aux_ptr, ctypes.c_void_p)
+            _set(dset, self.desc, _DESC_AUX_LD, aux_ld, ctypes.c_int64)
 
 
 def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_DEFAULT, bias=None, aux=None,
@@ -229,19 +228,16 @@ def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_
     aux_ptr = aux.data_ptr() if aux is not None else 0
     ptrs = (a.data_ptr(), b.data_ptr(), d.data_ptr(), d.data_ptr(), bias_ptr, aux_ptr)
     aligns = tuple(_alignment(p) for p in ptrs)
-    if bias is not None and bias.dtype != d.dtype:
-        raise ValueError(f"cuBLASLt: bias {bias.dtype} for a {d.dtype} product")
     key = (d.device.index, m, n, k, bool(transa), bool(transb), lda, ldb, ldd, d.dtype, epilogue, aux_ld, aligns,
-           algo_index, (bias_ptr, aux_ptr))
-    plan_key = key[:-1]
-    plan = _plans.get(plan_key)
+           algo_index)
+    plan = _plans.get(key)
     if isinstance(plan, CublasLtError):  # refused before: refuse again without asking the heuristic
         raise plan
     if plan is None:
         try:
-            plan = _plans[plan_key] = _Plan(state, key)
+            plan = _plans[key] = _Plan(state, key, bias_ptr, aux_ptr)
         except CublasLtError as e:
-            _plans[plan_key] = e
+            _plans[key] = e
             raise
     else:
         plan.set_pointers(bias_ptr, aux_ptr, aux_ld)

@@ -358,10 +358,10 @@ def resolve_cublaslt(use: bool | None, device) -> bool:
     """Whether the model's products go through kernels/cublaslt.py where it helps: the GELU epilogues of
     -ge 1 / 2 (cuBLASLt's GELU_AUX_BIAS and DGELU, as llm.c; else our Triton GEMM's) and the products of
     TUNED_ALGOS. None: wherever it binds (a CUDA device and torch's libcublasLt)."""
-    on_cuda = torch.device(device).type == "cuda" and not interpreting()
-    if use and not (on_cuda and cublaslt.available()):
+    usable = torch.device(device).type == "cuda" and not interpreting() and cublaslt.available()
+    if use and not usable:
         raise LlmpyError("cuBLASLt: needs a CUDA device and the libcublasLt that torch loads")
-    return bool(on_cuda and cublaslt.available()) if use is None else bool(use)
+    return usable if use is None else bool(use)
 
 
 # Products whose cuBLASLt algorithm of this rank in the heuristic's list beat torch's cuBLAS choice (and
@@ -383,9 +383,14 @@ TUNED_ALGOS = {
 BIAS_GRAD_IN_PRODUCT = False
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _tuned(product: str, rows: int, inner: int, outer: int, device) -> int | None:
-    cap = torch.cuda.get_device_capability(device)
-    return TUNED_ALGOS.get((product, rows, inner, outer, cap))
+    """The rank TUNED_ALGOS gives this product on this device's GPU, or None (torch's call)."""
+    return TUNED_ALGOS.get((product, rows, inner, outer, _capability(device)))
 
 
 def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bool = False,
@@ -480,17 +485,23 @@ def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks):
             scratch = torch.empty(chunks * N, dtype=torch.float32, device=d2.device)  # not for CUDA graphs
         assert scratch.dtype == torch.float32 and scratch.is_contiguous()
     stochastic = seed is not None and dbias.dtype == torch.bfloat16
-    if seed is None:
-        seed = dbias  # unread: STOCHASTIC is off
     part = scratch if chunks > 1 else dbias
     _bias_partial_kernel[(cdiv(N, block_n), chunks)](
-        d2, pre2 if pre2 is not None else d2, part, dbias, seed, M, N, d2.stride(0), rows,
+        d2, pre2 if pre2 is not None else d2, part, dbias, seed if stochastic else dbias, M, N, d2.stride(0), rows,
         HAS_GELU=pre2 is not None, FINAL=chunks == 1, STOCHASTIC=stochastic,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if chunks > 1:
-        _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
-            scratch, dbias, seed, N, chunks, STOCHASTIC=stochastic,
-            BLOCK_CHUNKS=FINISH_BLOCK_CHUNKS, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+        _finish_bias(dbias, scratch, seed, chunks)
+
+
+def _finish_bias(dbias, part, seed, num_chunks: int = 1):
+    """dbias += the sum of part's num_chunks rows of len(dbias) (any float dtype) in a fixed order, rounded
+    stochastically with a seed for bf16 dbias (the reduction's second level; one row: BGRADB's sums)."""
+    N = dbias.shape[0]
+    stochastic = seed is not None and dbias.dtype == torch.bfloat16
+    _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
+        part, dbias, seed if stochastic else dbias, N, num_chunks, STOCHASTIC=stochastic,
+        BLOCK_CHUNKS=FINISH_BLOCK_CHUNKS if num_chunks > 1 else 2, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
 
 
 def matmul_backward_bias(dbias, dout, scratch=None, seed=None, num_chunks: int | None = None):
@@ -580,12 +591,3 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
         _bias_reduce(dbias, scratch, dout2, None, seed, None)
     return dinp, dweight, dbias
 
-
-def _finish_bias(dbias, sums, seed):
-    """dbias += sums (len(dbias), any float dtype), rounded as the reduction rounds (stochastically with a
-    seed, for bf16 dbias): the second level of the reduction with a single chunk."""
-    N = dbias.shape[0]
-    stochastic = seed is not None and dbias.dtype == torch.bfloat16
-    _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
-        sums, dbias, seed if stochastic else dbias, N, 1, STOCHASTIC=stochastic,
-        BLOCK_CHUNKS=2, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
