@@ -86,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", default="auto", help="llmpy: attention path")
     ap.add_argument("--untuned", action="store_true",
                     help="llmpy: every cuBLASLt product with its first-ranked algorithm (empty TUNED_ALGOS)")
+    ap.add_argument("--tuned-from", default=None,
+                    help="llmpy: TUNED_ALGOS replaced by the table a bench_cublaslt --json file suggests")
     ap.add_argument("--bias-in-product", action="store_true",
                     help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
     ap.add_argument("--cublaslt", default=None, choices=("on", "off"),
@@ -178,9 +180,15 @@ def _build_llmpy(args, config, flat):
     import torch
     from llmpy.model import GPT2Model
     set_flash_config(args.flash_config, config)
-    if args.untuned:
+    if args.untuned or args.tuned_from:
         from llmpy.kernels.matmul import TUNED_ALGOS
         TUNED_ALGOS.clear()
+        if args.tuned_from:
+            with open(args.tuned_from) as f:
+                suggested = json.load(f)
+            capability = tuple(suggested["capability"])
+            TUNED_ALGOS.update({(*entry["key"], capability): entry["rank"] for entry in suggested["tuned"]})
+            print(f"TUNED_ALGOS from {args.tuned_from}: {TUNED_ALGOS}", file=sys.stderr)
     if args.bias_in_product:
         from llmpy.kernels import matmul
         matmul.BIAS_GRAD_IN_PRODUCT = True

@@ -13,7 +13,12 @@ A time is a call's share of 20 calls back to back between two CUDA events (so th
 larger for the ctypes path than for torch's, hides behind the GPU's work as it does in the model's CUDA
 graph), the best of 5 such rounds after warm-up; "step" totals are times x calls a step.
 
-    PYTHONPATH=src:. python -m bench.kernels.bench_cublaslt [--algos 6] [--json F]
+With --repeat n the whole measurement runs n times and every figure is the slowest of the n (a rank
+has to win in every pass). The JSON's "tuned" lists, per product the model runs, the fastest rank that
+beats the model's current call (torch's cuBLAS for plain products, rank 0 for the fused epilogues) by at
+least --margin: a candidate kernels.matmul.TUNED_ALGOS that bench_step --tuned-from FILE runs.
+
+    PYTHONPATH=src:. python -m bench.kernels.bench_cublaslt [--algos 6] [--repeat 1] [--json F]
 """
 from __future__ import annotations
 
@@ -111,6 +116,59 @@ def run(algos: int) -> dict:
     return dict(rows=rows)
 
 
+def _slowest(passes: list[dict]) -> dict:
+    """Per figure, the slowest of several passes of run() (None in any pass: None)."""
+    def worst(vals):
+        if isinstance(vals[0], dict):
+            return {k: worst([v[k] for v in vals]) for k in vals[0]}
+        if isinstance(vals[0], (int, float)) or vals[0] is None:
+            return None if any(v is None for v in vals) else max(vals)
+        return vals[0]
+    rows = []
+    for i, first in enumerate(passes[0]["rows"]):
+        row = {k: worst([p["rows"][i][k] for p in passes]) for k in first if k not in ("name", "calls")}
+        rows.append(dict(name=first["name"], calls=first["calls"], **row))
+    return dict(rows=rows)
+
+
+# bench kind -> the key kernels.matmul._tuned builds for the model's call: (product, rows, inner, outer)
+def _tuned_key(kind: str, M: int, K: int, N: int, fused: str | None) -> tuple:
+    if fused == "gelu_aux_bias":
+        return ("gelu_aux_bias", M, K, N)
+    if fused == "dgelu":
+        return ("dinp_dgelu", M, K, N)
+    if kind == "bias":
+        return ("fwd_bias", M, K, N)
+    if kind in ("fwd", "dinp"):
+        return (kind, M, K, N)
+    return ("dweight", K, M, N)  # acc: dw (M, N) += dout (K, M).T @ x (K, N)
+
+
+def tuned_table(result: dict, margin: float) -> list[dict]:
+    """Per product the model runs at -ge 2 (the fc forward as GELU_AUX_BIAS, fcproj's input gradient as
+    DGELU), the fastest cuBLASLt rank if it beats the model's call without a table (torch, or rank 0
+    for the fused epilogues) by at least `margin` (a fraction)."""
+    shapes = {name: (kind, M, K, N) for name, _, kind, M, K, N in PRODUCTS}
+    table = []
+    for r in result["rows"]:
+        kind, M, K, N = shapes[r["name"]]
+        if r["name"].startswith("fc "):
+            fused, times, base = "gelu_aux_bias", r.get("gelu_aux_bias", {}), None
+        elif r["name"].startswith("fcproj dinp"):
+            fused, times, base = "dgelu", r.get("dgelu", {}), None
+        else:
+            fused, times, base = None, r["lt"], r["torch"]
+        times = {int(i): v for i, v in times.items() if v is not None}
+        base = times.get(0) if fused else base
+        if not times or base is None:
+            continue
+        rank = min(times, key=times.get)
+        if times[rank] <= (1.0 - margin) * base:
+            table.append(dict(key=list(_tuned_key(kind, M, K, N, fused)), rank=rank, ms=times[rank],
+                              baseline_ms=base, name=r["name"]))
+    return table
+
+
 def _fmt(v):
     return f"{v:7.3f}" if v is not None else "      -"
 
@@ -141,14 +199,22 @@ def report(result: dict, algos: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--algos", type=int, default=6, help="how many of the heuristic's ranked algorithms to time")
+    ap.add_argument("--repeat", type=int, default=1, help="passes; every figure is the slowest of them")
+    ap.add_argument("--margin", type=float, default=0.03,
+                    help="a rank enters the suggested table if at least this fraction faster")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         print("bench.kernels.bench_cublaslt needs a CUDA device", file=sys.stderr)
         return 1
-    result = run(args.algos)
+    result = _slowest([run(args.algos) for _ in range(max(1, args.repeat))])
+    result["capability"] = list(torch.cuda.get_device_capability())
+    result["tuned"] = tuned_table(result, args.margin)
     report(result, args.algos)
+    print("\nsuggested TUNED_ALGOS (slowest of the passes; bench_step --tuned-from):")
+    for t in result["tuned"]:
+        print(f"  {tuple(t['key'])}: {t['rank']},  # {t['name']}: {t['ms']:.3f} ms against {t['baseline_ms']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
