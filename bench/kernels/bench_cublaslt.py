@@ -13,12 +13,13 @@ A time is a call's share of 20 calls back to back between two CUDA events (so th
 larger for the ctypes path than for torch's, hides behind the GPU's work as it does in the model's CUDA
 graph), the best of 5 such rounds after warm-up; "step" totals are times x calls a step.
 
-With --repeat n the whole measurement runs n times and every figure is the slowest of the n (a rank
+With --sustain-ms S every figure is instead the mean over S ms of calls after S ms of the same calls:
+the time at the card's power cap, where a whole step runs. With --repeat n the whole measurement runs n times and every figure is the slowest of the n (a rank
 has to win in every pass). The JSON's "tuned" lists, per product the model runs, the fastest rank that
 beats the model's current call (torch's cuBLAS for plain products, rank 0 for the fused epilogues) by at
 least --margin: a candidate kernels.matmul.TUNED_ALGOS that bench_step --tuned-from FILE runs.
 
-    PYTHONPATH=src:. python -m bench.kernels.bench_cublaslt [--algos 6] [--repeat 1] [--json F]
+    PYTHONPATH=src:. python -m bench.kernels.bench_cublaslt [--algos 6] [--sustain-ms 0] [--repeat 1] [--json F]
 """
 from __future__ import annotations
 
@@ -29,8 +30,18 @@ import sys
 from bench.kernels.bench_blas import PRODUCTS
 
 
+# --sustain-ms: > 0 times each product at the card's power cap instead (see _ms_per_call)
+SUSTAIN_MS = 0.0
+
+
 def _ms_per_call(fn, calls=20, rounds=5):
-    """ms a call of fn: the best of `rounds` means over `calls` calls back to back (after 3 warm-up calls)."""
+    """ms a call of fn: the best of `rounds` means over `calls` calls back to back (after 3 warm-up calls).
+
+    With SUSTAIN_MS > 0: then enough calls for SUSTAIN_MS back to back, so that the H200 reaches its
+    700 W cap and lowers its clock, and the mean of as many more. The whole step runs at that cap, where
+    a product's time follows the energy it spends rather than its time at full clock."""
+    import math
+
     import torch
     for _ in range(3):
         fn()
@@ -43,7 +54,17 @@ def _ms_per_call(fn, calls=20, rounds=5):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
-    return min(times)
+    if SUSTAIN_MS <= 0:
+        return min(times)
+    n = max(calls, math.ceil(SUSTAIN_MS / min(times)))
+    for _ in range(n):
+        fn()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
 
 
 def _try(fn):
@@ -200,6 +221,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--algos", type=int, default=6, help="how many of the heuristic's ranked algorithms to time")
     ap.add_argument("--repeat", type=int, default=1, help="passes; every figure is the slowest of them")
+    ap.add_argument("--sustain-ms", type=float, default=0.0,
+                    help="time each product over this many ms after as many ms of warming up (at the power cap)")
     ap.add_argument("--margin", type=float, default=0.03,
                     help="a rank enters the suggested table if at least this fraction faster")
     ap.add_argument("--json", default=None)
@@ -208,6 +231,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench.kernels.bench_cublaslt needs a CUDA device", file=sys.stderr)
         return 1
+    global SUSTAIN_MS
+    SUSTAIN_MS = args.sustain_ms
     result = _slowest([run(args.algos) for _ in range(max(1, args.repeat))])
     result["capability"] = list(torch.cuda.get_device_capability())
     result["tuned"] = tuned_table(result, args.margin)
