@@ -188,6 +188,19 @@ def test_fused_classifier_deterministic(device, dtype):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), kw
 
 
+@pytest.mark.parametrize("V,Vp", [(300, 304), (1001, 1040), (50257, 50304)])
+def test_validation_losses_are_training_losses(device, V, Vp):
+    """With the default configs, a batch's validation losses are bitwise its training losses (one
+    reduction order for both), on fresh logits of a few units."""
+    rows = 4 if V > 10000 and device == "cpu" else 32
+    gen = torch.Generator().manual_seed(V)
+    logits = (torch.randn(rows, Vp, generator=gen) * 3).to(device)
+    targets = torch.randint(0, V, (rows,), generator=gen).to(device)
+    val, _ = run(logits, targets, V, 0.0, device, write_dlogits=False)
+    train, _ = run(logits, targets, V, 1.0 / rows, device, write_dlogits=True)
+    assert torch.equal(val.cpu(), train.cpu())
+
+
 def test_fused_classifier_split_scratch(device):
     """A caller-provided scratch (how a CUDA graph captures "split" without an allocation) gives the
     same result as the launcher's own; a scratch too small is refused."""
