@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="llmpy: every cuBLASLt product with its first-ranked algorithm (empty TUNED_ALGOS)")
     ap.add_argument("--tuned-from", default=None,
                     help="llmpy: TUNED_ALGOS replaced by the table a bench_cublaslt --json file suggests")
+    ap.add_argument("--proj-bias-in-ln", action="store_true",
+                    help="llmpy: attproj/fcproj bias gradients summed in the LayerNorm backward (proj_bias_in_layernorm)")
     ap.add_argument("--bias-in-product", action="store_true",
                     help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
     ap.add_argument("--cublaslt", default=None, choices=("on", "off"),
@@ -125,6 +127,8 @@ def llmpy_options(args) -> dict:
         opts["gelu_fusion"] = args.gelu_fusion
     if args.cublaslt is not None:
         opts["use_cublaslt"] = args.cublaslt == "on"
+    if args.proj_bias_in_ln:
+        opts["proj_bias_in_layernorm"] = True
     return opts
 
 

@@ -236,6 +236,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gelu-fusion", type=int, default=None, help="llm.c's -ge; model default if not given")
     ap.add_argument("--cublaslt", default=None, choices=("on", "off"), help="use_cublaslt; model default if not given")
     ap.add_argument("--classifier-chunks", type=int, default=None, help="model default (None) if not given")
+    ap.add_argument("--proj-bias-in-ln", action="store_true", help="proj_bias_in_layernorm=True")
     ap.add_argument("--flash-config", default=None, help="JSON of flash attention tile fields to override")
     ap.add_argument("--warmup", type=int, default=5, help="eager steps before profiling")
     ap.add_argument("--steps", type=int, default=5, help="profiled eager steps")
@@ -264,6 +265,8 @@ def _model_options(args, cuda_graph: bool) -> dict:
         opts["gelu_fusion"] = args.gelu_fusion
     if args.cublaslt is not None:
         opts["use_cublaslt"] = args.cublaslt == "on"
+    if args.proj_bias_in_ln:
+        opts["proj_bias_in_layernorm"] = True
     return opts
 
 

@@ -235,22 +235,30 @@ def backward_inputs(shape, dtype, device, seed):
 
 
 def run_backward(inp, weight, dout, mean, rstd, dinp0, dweight0, dbias0, num_chunks=None, seed=0,
-                 stochastic=None, **cfg):
+                 stochastic=None, dproj_bias0=None, proj_seed=0, **cfg):
+    """(dinp, dweight, dbias), and dproj_bias last when dproj_bias0 (its starting values) is given."""
     shape, C = inp.shape, inp.shape[-1]
     N = inp.numel() // C
+    proj = dproj_bias0 is not None
     if num_chunks is None:
-        sshape = layernorm_backward_scratch_shape(N, C)
+        sshape = layernorm_backward_scratch_shape(N, C, proj_bias=proj)
     else:
-        sshape = (num_chunks, 2, C)
+        sshape = (num_chunks, 3 if proj else 2, C)
     scratch = Guarded(sshape, F32, inp.device)  # NaN: every chunk row must be written before it is read
     dinp = Guarded(shape, inp.dtype, inp.device, values=dinp0)
     dweight = Guarded((C,), dweight0.dtype, inp.device, values=dweight0)
     dbias = Guarded((C,), dbias0.dtype, inp.device, values=dbias0)
+    outs = [scratch, dinp, dweight, dbias]
+    extra = {}
+    if proj:
+        dproj = Guarded((C,), dproj_bias0.dtype, inp.device, values=dproj_bias0)
+        outs.append(dproj)
+        extra = dict(dproj_bias=dproj.t, proj_seed=proj_seed)
     layernorm_backward(dinp.t, dweight.t, dbias.t, scratch.t, dout, inp, weight, mean, rstd,
-                       seed=seed, stochastic=stochastic, **cfg)
-    for g in (scratch, dinp, dweight, dbias):
+                       seed=seed, stochastic=stochastic, **extra, **cfg)
+    for g in outs:
         g.check_guard()
-    return dinp.t, dweight.t, dbias.t
+    return tuple(g.t for g in outs[1:])
 
 
 def check_backward(shape, dtype, device, seed, num_chunks=None, **cfg):
@@ -295,6 +303,35 @@ def test_layernorm_backward_sweep_candidates(name, dtype, device):
 def test_layernorm_backward_scratch_shape():
     assert layernorm_backward_scratch_shape(15, 40) == (15, 2, 40)
     assert layernorm_backward_scratch_shape(64 * 1024, 768) == (LN_BACKWARD_CHUNKS, 2, 768)
+    assert layernorm_backward_scratch_shape(64 * 1024, 768, proj_bias=True) == (LN_BACKWARD_CHUNKS, 3, 768)
+
+
+def check_backward_proj_bias(shape, dtype, device, seed, num_chunks=None, **cfg):
+    """dproj_bias += the column sums of dinp as stored after the call (what matmul_backward's bias
+    reduction of the projection would read); the LayerNorm's own outputs bitwise those of the call
+    without it; the same bits again on a second call."""
+    args = backward_inputs(shape, dtype, device, seed)
+    C = shape[-1]
+    dproj0 = randn((C,), make_gen(seed + 1000), device, dtype)
+    # bf16: stochastic rounding, seeds as a graph passes them (device tensors)
+    seeds = dict(seed=torch.tensor([5], device=device), proj_seed=torch.tensor([9], device=device))
+    dinp, dweight, dbias, dproj = run_backward(*args, num_chunks=num_chunks, dproj_bias0=dproj0, **seeds, **cfg)
+    plain = run_backward(*args, num_chunks=num_chunks, seed=seeds["seed"], **cfg)
+    assert all(bitwise_equal(x, y) for x, y in zip((dinp, dweight, dbias), plain))
+    expect = dproj0.double() + dinp.double().reshape(-1, C).sum(0)
+    assert rel_err(dproj, expect) < TOL[dtype]
+    if dtype == F32:
+        assert rel_err(dproj - dproj0, expect - dproj0.double()) < 10 * TOL[dtype]
+    else:  # stochastic: within one bf16 ulp of the exact sum
+        assert torch.all((dproj.double() - expect).abs() <= expect.abs() * 2.0 ** -7 * (1 + 1e-3) + 1e-5)
+    again = run_backward(*args, num_chunks=num_chunks, dproj_bias0=dproj0, **seeds, **cfg)
+    assert all(bitwise_equal(x, y) for x, y in zip((dinp, dweight, dbias, dproj), again))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,num_chunks", [((2, 3, 64), None), ((3, 5, 40), 4), ((37, 40), 40)])
+def test_layernorm_backward_proj_bias(shape, num_chunks, dtype, device):
+    check_backward_proj_bias(shape, dtype, device, seed=41, num_chunks=num_chunks)
 
 
 def test_layernorm_backward_stochastic_rounding(device):
@@ -374,6 +411,12 @@ def test_gpu_fused_residual_forward(shape):
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_layernorm_backward(shape):
     check_backward(shape, BF16, "cuda", seed=14)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_layernorm_backward_proj_bias(dtype):
+    check_backward_proj_bias((16, 1024, 768), dtype, "cuda", seed=18)
 
 
 @pytest.mark.gpu

@@ -125,6 +125,19 @@ def bench(dev: str = "cuda") -> list[dict]:
     compiled = compiled_ms(ln_bwd, dout, inp, weight, bias, mean.unsqueeze(-1), rstd.unsqueeze(-1))
     rows.append(row("layernorm_backward", nbytes, ms, "autograd F.layer_norm backward", eager_ms, compiled,
                     _gbs(nbytes, ms) + "; baselines do not accumulate into dinp/dweight/dbias"))
+    # the projection's bias gradient summed along (the model's proj_bias_in_layernorm), against the
+    # default backward followed by the bias reduction it replaces (kernels.matmul's, over dinp)
+    from llmpy.kernels.matmul import bias_scratch_numel, matmul_backward_bias
+    dproj = randn(C)
+    seed_t = torch.tensor([1234], device=dev)
+    proj_scratch = torch.empty(layernorm_backward_scratch_shape(N, C, proj_bias=True), device=dev)
+    bias_scratch = torch.empty(bias_scratch_numel(N, C, dev) + C, device=dev)
+    fused_ms = median_ms(lambda: layernorm_backward(dinp, dweight, dbias, proj_scratch, dout, inp, weight, mean, rstd,
+                                                    seed=seed_t, dproj_bias=dproj, proj_seed=seed_t))
+    pair_ms = median_ms(lambda: (layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd,
+                                                    seed=seed_t), matmul_backward_bias(dproj, dinp, bias_scratch, seed_t)))
+    rows.append(row("layernorm_backward + proj bias", nbytes + 2 * par, fused_ms,
+                    "layernorm_backward; matmul_backward_bias", pair_ms, None, _gbs(nbytes, fused_ms)))
     for name, cfg in LN_BWD_SWEEP.items():
         cfg = dict(cfg)
         sweep_scratch = torch.empty(layernorm_backward_scratch_shape(N, C, cfg.pop("chunks")), device=dev)

@@ -227,7 +227,9 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         BufferSpec("scratch_bt4c", (B, T, 4 * C), dtype, "scratch"),
         # backward: the gradient of the residual stream, accumulated by every layernorm backward
         BufferSpec("dresidual", (B, T, C), dtype, "scratch"),
-        BufferSpec("ln_scratch", kln.layernorm_backward_scratch_shape(B * T, C, *ln_chunks), f32, "scratch"),
+        # three slots: the attproj / fcproj bias gradients can ride along (proj_bias_in_layernorm)
+        BufferSpec("ln_scratch", kln.layernorm_backward_scratch_shape(B * T, C, *ln_chunks, proj_bias=True), f32,
+                   "scratch"),
     ]
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
@@ -346,7 +348,7 @@ class GPT2Model:
                  gelu_fusion: int = -1, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
                  stochastic_rounding: bool = True, classifier_chunks: int | None = None,
                  data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True,
-                 use_cublaslt: bool | None = None):
+                 use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = False):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -377,6 +379,9 @@ class GPT2Model:
         self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda" and not interpreting()
         # False only to show what round-to-nearest does to bf16 weights updated without master weights
         self.stochastic_rounding = bool(stochastic_rounding)
+        # attproj's and fcproj's bias gradients summed by the LayerNorm backward that writes their output
+        # gradient (the residual stream's), instead of a reduction pass of their own over it
+        self.proj_bias_in_layernorm = bool(proj_bias_in_layernorm)
         self.seed = seed
         # None: default_classifier_chunks (<= 1 GiB of logits a chunk); 1: the whole (B*T, Vp) logits
         self.classifier_chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
@@ -798,7 +803,21 @@ class GPT2Model:
         gf = self.gelu_fusion
         if advance_seeds:
             self._advance_seeds()
-        bias_scratch, ln_scratch = a["bias_scratch"], a["ln_scratch"]
+        bias_scratch, ln_scratch3 = a["bias_scratch"], a["ln_scratch"]
+        chunks = ln_scratch3.shape[0]
+        ln_scratch = ln_scratch3.view(-1)[:chunks * 2 * C].view(chunks, 2, C)  # without the projection's slot
+        fuse = self.proj_bias_in_layernorm
+
+        def ln_backward(dout, inp, w, dw, db, mean, rstd, ln_seed, proj_layer, proj_name, proj_slot):
+            """layernorm_backward into dresidual; with fuse, also the bias gradient of proj_name in layer
+            proj_layer (None: no projection before this LayerNorm)."""
+            if fuse and proj_layer is not None:
+                kln.layernorm_backward(dresidual, dw, db, ln_scratch3, dout, inp, w, mean, rstd, seed=ln_seed,
+                                       dproj_bias=g[proj_name][proj_layer],
+                                       proj_seed=self._layer_seed(proj_layer, proj_slot))
+            else:
+                kln.layernorm_backward(dresidual, dw, db, ln_scratch, dout, inp, w, mean, rstd, seed=ln_seed)
+
         dresidual = a["dresidual"]
         dl_btc = a["scratch_btc"]      # the forward's projection scratch is free now
         dl_bt4c = a["scratch_bt4c"]
@@ -809,8 +828,8 @@ class GPT2Model:
         dlnf = self._dlnf()
         if self.classifier_chunks == 1:
             kmm.matmul_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"], use_cublaslt=lt)
-        kln.layernorm_backward(dresidual, g["lnfw"], g["lnfb"], ln_scratch, dlnf, a["residual3"][L - 1], p["lnfw"],
-                               a["lnf_mean"], a["lnf_rstd"], seed=self._seed(1))
+        ln_backward(dlnf, a["residual3"][L - 1], p["lnfw"], g["lnfw"], g["lnfb"], a["lnf_mean"], a["lnf_rstd"],
+                    self._seed(1), L - 1, "fcprojb", 5)
         dqkv = bt4c_flat[:B * T * 3 * C].view(B, T, 3 * C)
 
         for l in reversed(range(L)):
@@ -818,17 +837,19 @@ class GPT2Model:
             seed = lambda k: self._layer_seed(l, k)  # noqa: E731
             if self.recompute >= 1:
                 gelu_forward(b["fch_gelu"], b["fch"])
-            # fcproj, then the GELU: dl_bt4c becomes the gradient of fch
+            # fcproj, then the GELU: dl_bt4c becomes the gradient of fch (fcproj's bias gradient: here, or
+            # already summed by the LayerNorm backward that wrote dresidual)
+            fcproj_dbias = None if fuse else g["fcprojb"][l]
             if gf == 2:
                 # llm.c's DGELU epilogue (cuBLASLt's or our Triton GEMM's); fc's bias gradient in its own
                 # reduction below
-                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
+                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], fcproj_dbias, dresidual, b["fch_gelu"],
                                     p["fcprojw"][l], scratch=bias_scratch, pre_gelu=b["fch"], dgelu_epilogue=True,
                                     seed=seed(5), use_cublaslt=lt)
                 fc_dbias = g["fcb"][l]
             else:
                 # dgelu fused with fc's bias gradient: one pass over the (B, T, 4C) gradient
-                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], g["fcprojb"][l], dresidual, b["fch_gelu"],
+                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], fcproj_dbias, dresidual, b["fch_gelu"],
                                     p["fcprojw"][l], scratch=bias_scratch, seed=seed(5), use_cublaslt=lt)
                 kmm.bias_gelu_backward(g["fcb"][l], bias_scratch, dl_bt4c, b["fch"], seed=seed(4))
                 fc_dbias = None
@@ -838,9 +859,10 @@ class GPT2Model:
             kmm.matmul_backward(dl_btc, g["fcw"][l], fc_dbias, dl_bt4c, b["ln2"], p["fcw"][l], scratch=bias_scratch,
                                 seed=seed(4), use_cublaslt=lt)
             # ln2: dresidual becomes the gradient of residual2 (the MLP branch added to the skip path)
-            kln.layernorm_backward(dresidual, g["ln2w"][l], g["ln2b"][l], ln_scratch, dl_btc, b["residual2"],
-                                   p["ln2w"][l], b["ln2_mean"], b["ln2_rstd"], seed=seed(1))
-            kmm.matmul_backward(dl_btc, g["attprojw"][l], g["attprojb"][l], dresidual, b["atty"], p["attprojw"][l],
+            ln_backward(dl_btc, b["residual2"], p["ln2w"][l], g["ln2w"][l], g["ln2b"][l], b["ln2_mean"], b["ln2_rstd"],
+                        seed(1), l, "attprojb", 3)
+            kmm.matmul_backward(dl_btc, g["attprojw"][l], None if fuse else g["attprojb"][l], dresidual, b["atty"],
+                                p["attprojw"][l],
                                 scratch=bias_scratch, seed=seed(3), use_cublaslt=lt)
             if self.attention == "classic":
                 # dead by now: fch (4C >= 3C) holds dq, dk, dv head-major; atty holds dout head-major;
@@ -858,8 +880,8 @@ class GPT2Model:
             kmm.matmul_backward(dl_btc, g["qkvw"][l], g["qkvb"][l], dqkv, b["ln1"], p["qkvw"][l], scratch=bias_scratch,
                                 seed=seed(2), use_cublaslt=lt)
             # ln1: dresidual becomes the gradient of this layer's input residual
-            kln.layernorm_backward(dresidual, g["ln1w"][l], g["ln1b"][l], ln_scratch, dl_btc, b["residual"],
-                                   p["ln1w"][l], b["ln1_mean"], b["ln1_rstd"], seed=seed(0))
+            ln_backward(dl_btc, b["residual"], p["ln1w"][l], g["ln1w"][l], g["ln1b"][l], b["ln1_mean"], b["ln1_rstd"],
+                        seed(0), l - 1 if l > 0 else None, "fcprojb", 5)
             if on_layer_done is not None:
                 on_layer_done(l)
         kenc.encoder_backward(g["wte"], g["wpe"], dresidual, self._cur_inputs, self._seed(0), scratch=self._enc_scratch)

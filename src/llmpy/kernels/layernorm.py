@@ -184,9 +184,11 @@ def _residual_forward_kernel(out_ptr, inp1_ptr, inp2_ptr, numel, BLOCK: tl.const
 @triton.jit
 def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_ptr, mean_ptr, rstd_ptr,
                                N, C, rows_per_chunk, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
-                               STAGES: tl.constexpr):
+                               STAGES: tl.constexpr, PROJ_BIAS: tl.constexpr):
     """One program per chunk of consecutive rows: dinp += for each row, the chunk's sums of dout * norm
-    and of dout into scratch[chunk, 0, :] and scratch[chunk, 1, :]. An empty chunk writes zeros."""
+    and of dout into scratch[chunk, 0, :] and scratch[chunk, 1, :], and with PROJ_BIAS the sums of the
+    updated dinp as stored into scratch[chunk, 2, :]. An empty chunk writes zeros."""
+    SLOTS: tl.constexpr = 3 if PROJ_BIAS else 2
     chunk = tl.program_id(0)
     start = chunk * rows_per_chunk
     end = tl.minimum(start + rows_per_chunk, N)
@@ -196,6 +198,7 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
     # per-lane partial sums, reduced over the ROWS axis once at the end (not every iteration)
     dw_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
     db_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
+    pb_acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
     for r0 in tl.range(start, end, ROWS, num_stages=STAGES):
         rows = r0 + tl.arange(0, ROWS)
         row_ok = rows < end
@@ -212,44 +215,61 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
         dnorm_norm_mean = tl.sum(dnorm * norm, axis=1) / C
         dval = (dnorm - dnorm_mean[:, None] - norm * dnorm_norm_mean[:, None]) * rstd[:, None]
         old = tl.load(dinp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dinp_ptr + offs, round_to(old + dval, dinp_ptr), mask=mask)
+        new = round_to(old + dval, dinp_ptr)
+        tl.store(dinp_ptr + offs, new, mask=mask)
         dw_acc += dout * norm
         db_acc += dout
-    base = scratch_ptr + chunk.to(tl.int64) * 2 * C
+        if PROJ_BIAS:  # the residual gradient as stored is the projection's output gradient
+            pb_acc += new.to(tl.float32)
+    base = scratch_ptr + chunk.to(tl.int64) * SLOTS * C
     tl.store(base + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     tl.store(base + C + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+    if PROJ_BIAS:
+        tl.store(base + 2 * C + cols, tl.sum(pb_acc, axis=0), mask=col_ok)
 
 
-@triton.jit(do_not_specialize=["seed"])  # a new seed every step must not mean a new compilation
-def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, scratch_ptr, num_chunks, C, seed,
-                                      BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                      SEED_IN_MEMORY: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Sum scratch[:, 0|1, cols] over the chunks in a fixed order; dweight/dbias[cols] += the sums."""
+@triton.jit(do_not_specialize=["seed", "proj_seed"])  # a new seed every step must not mean a new compilation
+def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, dproj_bias_ptr, scratch_ptr, num_chunks, C, seed,
+                                      proj_seed, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                                      SEED_IN_MEMORY: tl.constexpr, STOCHASTIC: tl.constexpr,
+                                      PROJ_BIAS: tl.constexpr):
+    """Sum scratch[:, 0|1, cols] over the chunks in a fixed order; dweight/dbias[cols] += the sums (and
+    with PROJ_BIAS dproj_bias[cols] += the sum of scratch[:, 2, cols], rounded with proj_seed)."""
+    SLOTS: tl.constexpr = 3 if PROJ_BIAS else 2
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     ks = tl.arange(0, BLOCK_K)
     dw_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    pb_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
     for k0 in range(0, num_chunks, BLOCK_K):
         k = k0 + ks
         mask = (k < num_chunks)[:, None] & col_ok[None, :]
-        offs = k.to(tl.int64)[:, None] * 2 * C + cols[None, :]
+        offs = k.to(tl.int64)[:, None] * SLOTS * C + cols[None, :]
         dw_acc += tl.load(scratch_ptr + offs, mask=mask, other=0.0)
         db_acc += tl.load(scratch_ptr + offs + C, mask=mask, other=0.0)
+        if PROJ_BIAS:
+            pb_acc += tl.load(scratch_ptr + offs + 2 * C, mask=mask, other=0.0)
     dw = tl.load(dweight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(dw_acc, axis=0)
     db = tl.load(dbias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(db_acc, axis=0)
     # a seed read from device memory lets a captured CUDA graph get a fresh seed every replay
     if SEED_IN_MEMORY:
         s = tl.load(seed)
+        ps = tl.load(proj_seed)
     else:
         s = seed
-    # distinct Philox counters for the two tensors
+        ps = proj_seed
+    # distinct Philox counters for the two tensors; the projection's bias has its own seed and the
+    # counters matmul_backward_bias's rounding gives it
     if STOCHASTIC:
         store_rounded(dweight_ptr + cols, dw, col_ok, s, cols, True)
         store_rounded(dbias_ptr + cols, db, col_ok, s, cols + C, True)
     else:
         tl.store(dweight_ptr + cols, round_to(dw, dweight_ptr), mask=col_ok)
         tl.store(dbias_ptr + cols, round_to(db, dbias_ptr), mask=col_ok)
+    if PROJ_BIAS:
+        pb = tl.load(dproj_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(pb_acc, axis=0)
+        store_rounded(dproj_bias_ptr + cols, pb, col_ok, ps, cols, STOCHASTIC)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -364,18 +384,21 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     return residual, normed, mean, rstd
 
 
-def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int = LN_BACKWARD_CHUNKS):
-    """Shape of the fp32 scratch layernorm_backward needs for num_rows = B*T rows: (chunks, 2, C).
+def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int = LN_BACKWARD_CHUNKS,
+                                     proj_bias: bool = False):
+    """Shape of the fp32 scratch layernorm_backward needs for num_rows = B*T rows: (chunks, 2, C), or
+    (chunks, 3, C) to also sum a projection's bias gradient (layernorm_backward's dproj_bias).
 
     One buffer serves every layer (each call overwrites it). Its first dim is the number of row chunks
     of the first reduction level; the gradients' bits depend on it, so keep it fixed for reproducibility.
     """
-    return (max(1, min(num_chunks, num_rows)), 2, C)
+    return (max(1, min(num_chunks, num_rows)), 3 if proj_bias else 2, C)
 
 
 def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd,
                        seed: int | torch.Tensor = 0, stochastic: bool | None = None, rows: int | None = None,
-                       num_warps: int | None = None, stages: int = BWD_STAGES):
+                       num_warps: int | None = None, stages: int = BWD_STAGES, dproj_bias=None,
+                       proj_seed: int | torch.Tensor = 0):
     """Accumulate the LayerNorm gradients: dinp += dL/dinp, dweight += sum(dout * norm), dbias += sum(dout).
 
     scratch: fp32 (num_chunks, 2, C), contiguous, any num_chunks >= 1 (see layernorm_backward_scratch_shape);
@@ -384,6 +407,13 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     stochastically; by default when they are bf16 (only then allowed). dinp must not alias dout or inp.
     Tuning (defaults: the BWD_* constants): rows per iteration, num_warps, stages (pipelining of each
     chunk's row loop); the number of chunks is scratch.shape[0].
+
+    dproj_bias (C,), optional, with a (num_chunks, 3, C) scratch: the bias gradient of the projection
+    whose output joined the residual stream just before this LayerNorm (attproj before ln2, fcproj
+    before the next ln1 or lnf). The updated dinp is that projection's output gradient, so its column
+    sums (of the values as stored) are added into dproj_bias in the same two levels, rounded as
+    kernels.matmul's bias reduction rounds with proj_seed (same kind as seed): the pass over dinp that
+    matmul_backward's bias reduction would make is saved.
     """
     C = inp.shape[-1]
     N = inp.numel() // C
@@ -398,7 +428,15 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     _check_param(dbias, "dbias", C)
     assert dweight.dtype == dbias.dtype, "dweight and dbias must share a dtype"
     assert scratch.dtype == torch.float32 and scratch.is_contiguous(), "scratch must be contiguous fp32"
-    assert scratch.dim() == 3 and scratch.shape[1:] == (2, C), f"scratch {tuple(scratch.shape)}: want (chunks, 2, {C})"
+    proj = dproj_bias is not None
+    slots = 3 if proj else 2
+    assert scratch.dim() == 3 and scratch.shape[1:] == (slots, C), \
+        f"scratch {tuple(scratch.shape)}: want (chunks, {slots}, {C})"
+    if proj:
+        _check_param(dproj_bias, "dproj_bias", C)
+        assert dproj_bias.dtype == dweight.dtype, "dproj_bias and dweight must share a dtype"
+        assert isinstance(proj_seed, torch.Tensor) == isinstance(seed, torch.Tensor), \
+            "seed and proj_seed: both ints or both device tensors"
     if stochastic is None:
         stochastic = dweight.dtype == torch.bfloat16
     assert not stochastic or dweight.dtype == torch.bfloat16, "stochastic rounding is for bf16 gradients"
@@ -411,10 +449,10 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     rows_per_chunk = cdiv(N, num_chunks)
     block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD, rows, num_warps)
     args = (dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows_per_chunk)
-    launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows, num_warps=num_warps)
-    _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](dweight, dbias, scratch, num_chunks, C, seed,
-                                                                  BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C,
-                                                                  SEED_IN_MEMORY=seed_in_memory,
-                                                                  STOCHASTIC=stochastic,
-                                                                  num_warps=REDUCE_WARPS)
+    launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
+                     PROJ_BIAS=proj, num_warps=num_warps)
+    _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](
+        dweight, dbias, dproj_bias if proj else dbias, scratch, num_chunks, C, seed, proj_seed if proj else seed,
+        BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C, SEED_IN_MEMORY=seed_in_memory, STOCHASTIC=stochastic,
+        PROJ_BIAS=proj, num_warps=REDUCE_WARPS)
     return dinp, dweight, dbias
