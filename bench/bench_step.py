@@ -305,6 +305,8 @@ def summarize(res: dict, args) -> dict:
     tokens = args.B * args.T
     res["median_ms"] = med
     res["min_ms"] = min(window)
+    # lower quartile: a step's time with the power cap's slow spells left out (bench.ab_step compares it too)
+    res["p25_ms"] = statistics.quantiles(window, n=4)[0] if len(window) >= 2 else med
     res["max_ms"] = max(window)
     res["tokens_per_s"] = tokens / (med * 1e-3)
     res["mfu"] = config.flops_per_token(args.T) * res["tokens_per_s"] / (args.peak_tflops * 1e12)

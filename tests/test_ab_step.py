@@ -56,3 +56,24 @@ def test_a_failed_run_fails_the_call(capsys):
         return {"system": system, "ok": False, "error": "boom", "step_ms": [], "losses": [], "norms": []}
     assert ab_step.main(["--variant", "a=", "--variant", "b=", "--rounds", "1"], runner=failing) == 1
     assert "FAILED: boom" in capsys.readouterr().out
+
+
+def test_lower_quartiles_leave_out_slow_spells(capsys, tmp_path):
+    """The base run's steps are ~106 ms with a third of them 135 ms (the power cap's slow spells), the
+    other variant's ~100 ms throughout: the lower quartiles compare the fast steps of both."""
+    def spiky(system, args, argv):
+        fast = "--no-graph" in argv  # any bench_step flag marks the other variant
+        steps = [(100.0 if fast else 106.0) + 0.1 * (i % 5) for i in range(39)]
+        if not fast:
+            steps = [135.0 if i % 3 == 0 else s for i, s in enumerate(steps)]
+        return {"system": system, "ok": True, "step_ms": [5000.0] + steps, "losses": [], "norms": []}
+    out = tmp_path / "ab.json"
+    rc = ab_step.main(["--variant", "base=", "--variant", "new=--no-graph", "--rounds", "1", "--json", str(out)],
+                      runner=spiky)
+    assert rc == 0
+    report = json.loads(out.read_text())
+    q_base, q_new = report["lower_quartiles_ms"]["base"][0], report["lower_quartiles_ms"]["new"][0]
+    assert 106.0 <= q_base <= 106.5 and 100.0 <= q_new <= 100.5
+    assert report["medians_ms"]["base"][0] >= 106.0
+    text = capsys.readouterr().out
+    assert "lower quartiles ms" in text and "(lower quartile 106." in text
