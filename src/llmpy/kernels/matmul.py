@@ -367,7 +367,9 @@ def resolve_cublaslt(use: bool | None, device) -> bool:
 # Products whose cuBLASLt algorithm of this rank in the heuristic's list beat torch's cuBLAS choice (and
 # cuBLASLt's first) on an H200, cuBLAS 13, at GPT-2 124M B=64 T=1024 (bench/kernels/bench_cublaslt.py,
 # bench/RESULTS.md run L). Keyed by (product, rows, inner, outer, GPU capability). A fixed rank, not a
-# timed choice at run time: the same problem always gets the same kernel, so the same bits.
+# timed choice at run time: the same problem always gets the same kernel, so the same bits. Timed again at
+# the card's power cap (bench_cublaslt --sustain-ms 200, run M) the first three keep their lead; a table
+# rebuilt from those at-cap timings ran the step no faster (A/B 110.1 against 109.8 ms).
 TUNED_ALGOS = {
     ("fwd", 8192, 768, 50304, (9, 0)): 5,         # lm_head, a chunk of 8192 rows: 0.86 ms against 1.00-1.13
     ("gelu_aux_bias", 65536, 768, 3072, (9, 0)): 4,  # fc: 0.54-0.61 ms against 0.59-0.64 for rank 0
