@@ -90,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="llmpy: TUNED_ALGOS replaced by the table a bench_cublaslt --json file suggests")
     ap.add_argument("--proj-bias-in-ln", action="store_true",
                     help="llmpy: attproj/fcproj bias gradients summed in the LayerNorm backward (proj_bias_in_layernorm)")
+    ap.add_argument("--residual-in-product", action="store_true",
+                    help="llmpy: the residual add in the projections' product (residual_in_product)")
     ap.add_argument("--bias-in-product", action="store_true",
                     help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
     ap.add_argument("--cublaslt", default=None, choices=("on", "off"),
@@ -129,6 +131,8 @@ def llmpy_options(args) -> dict:
         opts["use_cublaslt"] = args.cublaslt == "on"
     if args.proj_bias_in_ln:
         opts["proj_bias_in_layernorm"] = True
+    if args.residual_in_product:
+        opts["residual_in_product"] = True
     return opts
 
 

@@ -237,6 +237,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cublaslt", default=None, choices=("on", "off"), help="use_cublaslt; model default if not given")
     ap.add_argument("--classifier-chunks", type=int, default=None, help="model default (None) if not given")
     ap.add_argument("--proj-bias-in-ln", action="store_true", help="proj_bias_in_layernorm=True")
+    ap.add_argument("--residual-in-product", action="store_true", help="residual_in_product=True")
     ap.add_argument("--flash-config", default=None, help="JSON of flash attention tile fields to override")
     ap.add_argument("--warmup", type=int, default=5, help="eager steps before profiling")
     ap.add_argument("--steps", type=int, default=5, help="profiled eager steps")
@@ -267,6 +268,8 @@ def _model_options(args, cuda_graph: bool) -> dict:
         opts["use_cublaslt"] = args.cublaslt == "on"
     if args.proj_bias_in_ln:
         opts["proj_bias_in_layernorm"] = True
+    if args.residual_in_product:
+        opts["residual_in_product"] = True
     return opts
 
 

@@ -33,13 +33,15 @@ def _gelu_grad64(x):
 
 
 def fake_gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=lt.EPILOGUE_DEFAULT, bias=None,
-              aux=None, aux_ld=0, accumulate=False, algo_index=0):
+              aux=None, aux_ld=0, accumulate=False, c=None, ldc=0, algo_index=0):
     """What cuBLASLt computes for these arguments (column-major, float64), written into d / bias / aux."""
     A = _colmajor(a, *((k, m) if transa else (m, k)), lda).double()
     B = _colmajor(b, *((n, k) if transb else (k, n)), ldb).double()
     opA, opB = (A.t() if transa else A), (B.t() if transb else B)
     D = _colmajor(d, m, n, ldd)
     x = opA @ opB + (D.double() if accumulate else 0.0)
+    if c is not None:
+        x = x + _colmajor(c, m, n, ldc).double()
     if epilogue in (lt.EPILOGUE_BIAS, lt.EPILOGUE_GELU_AUX_BIAS):
         x = x + bias.double()[:, None]  # a bias per row of D
     if epilogue in (lt.EPILOGUE_GELU_AUX, lt.EPILOGUE_GELU_AUX_BIAS):
@@ -86,6 +88,31 @@ def test_linear_forward_layout(emulated, M, C, OC, gelu, bias):
     else:
         assert close(out, expected_pre)
     assert torch.isnan(wide[:, OC:]).all(), "wrote outside the view"
+
+
+@pytest.mark.parametrize("M,C,OC", [(5, 8, 24), (33, 16, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_linear_forward_residual_layout(emulated, M, C, OC, bias, in_place):
+    """out = residual + inp @ w.T (+ bias); the residual a strided view of its own wider buffer, or out."""
+    g = torch.Generator().manual_seed(M * 5 + OC + bias)
+    inp, w = _rand(g, M, C), _rand(g, OC, C)
+    b = _rand(g, OC) if bias else None
+    res_wide = _rand(g, M, OC + 3)
+    residual = res_wide[:, :OC]
+    expected = residual + inp @ w.t() + (b if bias else 0.0)
+    wide = _poison(M, OC + 8)
+    out = wide[:, :OC]
+    if in_place:
+        out.copy_(residual)
+        residual = out
+    lt.linear_forward(out, inp, w, b, residual=residual)
+    assert close(out, expected)
+    assert torch.isnan(wide[:, OC:]).all(), "wrote outside the view"
+    with pytest.raises(ValueError, match="not before a GELU"):
+        lt.linear_forward(out, inp, w, b, pre_gelu=_poison(M, OC), residual=residual)
+    with pytest.raises(ValueError, match="residual has shape"):
+        lt.linear_forward(out, inp, w, b, residual=res_wide)
 
 
 @pytest.mark.parametrize("M,C,OC", [(5, 8, 24), (33, 16, 8)])
@@ -175,6 +202,25 @@ def test_gpu_forward_epilogues(dtype, M, C, OC):
     again = torch.empty_like(act)
     lt.linear_forward(again, inp, w, b, pre_gelu=torch.empty_like(pre))
     assert torch.equal(again, act), "two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,C,OC", [(40, 24, 56), (4096, 768, 768), (4096, 3072, 768)])
+def test_gpu_forward_residual(dtype, M, C, OC):
+    """out = residual + inp @ w.T + bias in one product (beta = 1), into another buffer and in place; the
+    residual of a few units as in the model's residual stream, the product's share of order one."""
+    g = torch.Generator().manual_seed(M + 2 * C + OC)
+    inp, w, b = _dev(g, dtype, M, C), _dev(g, dtype, OC, C, scale=C ** -0.5), _dev(g, dtype, OC)
+    residual = _dev(g, dtype, M, OC, scale=3.0)
+    expected = residual.double() + inp.double() @ w.double().t() + b.double()
+    out = torch.full((M, OC), float("nan"), device="cuda", dtype=dtype)
+    lt.linear_forward(out, inp, w, b, residual=residual)
+    assert rel_err(out, expected) < TOL[dtype]
+    assert rel_err(out.double() - residual.double(), expected - residual.double()) < 10 * TOL[dtype]
+    in_place = residual.clone()
+    lt.linear_forward(in_place, inp, w, b, residual=in_place)
+    assert torch.equal(in_place, out), "in place and into another buffer differ"
 
 
 @pytest.mark.gpu

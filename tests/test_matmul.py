@@ -111,6 +111,26 @@ def test_matmul_forward_keeps_leading_dims(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_matmul_forward_residual(device, dtype, has_bias, in_place):
+    """out = residual + inp @ W.T + b (torch's path; cuBLASLt's epilogue: tests/test_cublaslt.py)."""
+    M, C, OC = 13, 24, 40
+    rand = Rand(device, dtype, 3)
+    inp, weight, bias = linear_inputs(rand, M, C, OC, has_bias, lead=(2,))
+    residual = rand(2, M, OC, scale=3.0)
+    expected = up(residual, dtype) + ref.matmul_forward(up(inp, dtype), up(weight, dtype), up(bias, dtype))
+    if in_place:
+        out, buf = residual.clone(), None
+        mm.matmul_forward(out, inp, weight, bias, residual=out)
+    else:
+        out, buf = guarded((2, M, OC), dtype, device)
+        mm.matmul_forward(out, inp, weight, bias, residual=residual)
+        assert_guard_intact(buf)
+    check(out, expected, dtype, "out")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("gelu_epilogue", [False, True], ids=["gelu_pass", "gelu_epilogue"])
 @pytest.mark.parametrize("has_bias", [True, False])

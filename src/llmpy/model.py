@@ -348,7 +348,8 @@ class GPT2Model:
                  gelu_fusion: int = -1, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
                  stochastic_rounding: bool = True, classifier_chunks: int | None = None,
                  data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True,
-                 use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = False):
+                 use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = False,
+                 residual_in_product: bool = False):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -382,6 +383,9 @@ class GPT2Model:
         # attproj's and fcproj's bias gradients summed by the LayerNorm backward that writes their output
         # gradient (the residual stream's), instead of a reduction pass of their own over it
         self.proj_bias_in_layernorm = bool(proj_bias_in_layernorm)
+        # the residual add in the projections' product (cuBLASLt: beta = 1 onto the residual stream), then a
+        # plain LayerNorm, instead of the product into a scratch and the fused residual + LayerNorm pass
+        self.residual_in_product = bool(residual_in_product)
         self.seed = seed
         # None: default_classifier_chunks (<= 1 GiB of logits a chunk); 1: the whole (B*T, Vp) logits
         self.classifier_chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
@@ -651,21 +655,32 @@ class GPT2Model:
                 kattn.attention_forward_any("classic", b["atty"], qkv, NH, qkvr=b["qkvr"], att=b["att"])
             else:
                 kattn.attention_forward_any(self.attention, b["atty"], qkv, NH, lse=b["lse"])
-            kmm.matmul_forward(proj, b["atty"], p["attprojw"][l], p["attprojb"][l], use_cublaslt=lt)
-            kln.fused_residual_forward(b["residual2"], b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual"], proj,
-                                       p["ln2w"][l], p["ln2b"][l])
+            if self.residual_in_product:
+                kmm.matmul_forward(b["residual2"], b["atty"], p["attprojw"][l], p["attprojb"][l], use_cublaslt=lt,
+                                   residual=b["residual"])
+                kln.layernorm_forward(b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual2"], p["ln2w"][l],
+                                      p["ln2b"][l])
+            else:
+                kmm.matmul_forward(proj, b["atty"], p["attprojw"][l], p["attprojb"][l], use_cublaslt=lt)
+                kln.fused_residual_forward(b["residual2"], b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual"],
+                                           proj, p["ln2w"][l], p["ln2b"][l])
             # MLP block
             kmm.matmul_forward(b["fch_gelu"], b["ln2"], p["fcw"][l], p["fcb"][l], pre_gelu=b["fch"],
                                gelu_epilogue=self.gelu_fusion >= 1, use_cublaslt=lt)
-            kmm.matmul_forward(proj, b["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l], use_cublaslt=lt)
-            # the residual add across the block boundary, fused with the next layernorm
+            # the residual add across the block boundary, fused with the next layernorm (or in the product)
             if l + 1 < L:
                 nb = self._layer_buffers(l + 1)
-                kln.fused_residual_forward(b["residual3"], nb["ln1"], nb["ln1_mean"], nb["ln1_rstd"], b["residual2"],
-                                           proj, p["ln1w"][l + 1], p["ln1b"][l + 1])
+                ln_out = (nb["ln1"], nb["ln1_mean"], nb["ln1_rstd"])
+                ln_w, ln_b = p["ln1w"][l + 1], p["ln1b"][l + 1]
             else:
-                kln.fused_residual_forward(b["residual3"], a["lnf"], a["lnf_mean"], a["lnf_rstd"], b["residual2"],
-                                           proj, p["lnfw"], p["lnfb"])
+                ln_out, ln_w, ln_b = (a["lnf"], a["lnf_mean"], a["lnf_rstd"]), p["lnfw"], p["lnfb"]
+            if self.residual_in_product:
+                kmm.matmul_forward(b["residual3"], b["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l], use_cublaslt=lt,
+                                   residual=b["residual2"])
+                kln.layernorm_forward(*ln_out, b["residual3"], ln_w, ln_b)
+            else:
+                kmm.matmul_forward(proj, b["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l], use_cublaslt=lt)
+                kln.fused_residual_forward(b["residual3"], *ln_out, b["residual2"], proj, ln_w, ln_b)
         if self.classifier_chunks > 1:
             if targets is not None:
                 self._chunked_classifier(self._device_ids(targets, self.targets, "targets"), dloss)

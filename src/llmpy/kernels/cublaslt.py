@@ -168,7 +168,7 @@ class _Plan:
     """Descriptor, layouts and the algorithm of rank algo_index of one problem (the key _gemm makes)."""
 
     def __init__(self, state: _Device, key, bias_ptr: int, aux_ptr: int):
-        (_, m, n, k, transa, transb, lda, ldb, ldd, dtype, epilogue, aux_ld, aligns, algo_index) = key
+        (_, m, n, k, transa, transb, lda, ldb, ldc, ldd, dtype, epilogue, aux_ld, aligns, algo_index) = key
         lib = _lib()
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
@@ -180,7 +180,7 @@ class _Plan:
         t = _DTYPES[dtype]
         a_rows, a_cols = (k, m) if transa else (m, k)
         b_rows, b_cols = (n, k) if transb else (k, n)
-        for rows, cols, ld in ((a_rows, a_cols, lda), (b_rows, b_cols, ldb), (m, n, ldd)):
+        for rows, cols, ld in ((a_rows, a_cols, lda), (b_rows, b_cols, ldb), (m, n, ldc), (m, n, ldd)):
             layout = ctypes.c_void_p()
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), t, rows, cols, ld), "MatrixLayoutCreate")
             self.layouts.append(layout)
@@ -195,8 +195,8 @@ class _Plan:
         wanted = algo_index + 1
         results = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES * wanted)
         count = ctypes.c_int32(0)
-        a, b, d = self.layouts
-        status = lib.cublasLtMatmulAlgoGetHeuristic(state.handle, self.desc, a, b, d, d, pref, wanted, results,
+        a, b, c, d = self.layouts
+        status = lib.cublasLtMatmulAlgoGetHeuristic(state.handle, self.desc, a, b, c, d, pref, wanted, results,
                                                     ctypes.byref(count))
         if status != 0 or count.value < wanted:
             raise CublasLtError(f"cuBLASLt: no algorithm {algo_index} for m={m} n={n} k={k} epilogue={epilogue} "
@@ -217,19 +217,25 @@ class _Plan:
 
 
 def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_DEFAULT, bias=None, aux=None,
-          aux_ld=0, accumulate=False, algo_index=0):
-    """cuBLAS column-major D (m, n) = op(A) @ op(B) (+ D when accumulate), with an epilogue. a, b, d, bias,
-    aux are tensors whose data pointers are used as they are. algo_index: which of the heuristic's ranked
-    algorithms (0, the first, everywhere but in benchmarks)."""
+          aux_ld=0, accumulate=False, c=None, ldc=0, algo_index=0):
+    """cuBLAS column-major D (m, n) = op(A) @ op(B) (+ D when accumulate; + C, leading dimension ldc, when c
+    is given), with an epilogue. a, b, c, d, bias, aux are tensors whose data pointers are used as they
+    are. algo_index: which of the heuristic's ranked algorithms (0, the first, everywhere but in
+    benchmarks)."""
+    if accumulate and c is not None:
+        raise ValueError("cuBLASLt: accumulate adds D itself; c is another matrix to add")
+    beta = 1.0 if accumulate or c is not None else 0.0
+    if c is None:
+        c, ldc = d, ldd  # accumulate: C is D; beta = 0: C is not read
     if (epilogue in _WITH_BIAS) != (bias is not None) or (epilogue in _WITH_AUX) != (aux is not None):
         raise ValueError(f"cuBLASLt epilogue {epilogue}: bias/aux given {bias is not None}/{aux is not None}")
     state = _device_state(d.device)
     bias_ptr = bias.data_ptr() if bias is not None else 0
     aux_ptr = aux.data_ptr() if aux is not None else 0
-    ptrs = (a.data_ptr(), b.data_ptr(), d.data_ptr(), d.data_ptr(), bias_ptr, aux_ptr)
+    ptrs = (a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), bias_ptr, aux_ptr)
     aligns = tuple(_alignment(p) for p in ptrs)
-    key = (d.device.index, m, n, k, bool(transa), bool(transb), lda, ldb, ldd, d.dtype, epilogue, aux_ld, aligns,
-           algo_index)
+    key = (d.device.index, m, n, k, bool(transa), bool(transb), lda, ldb, ldc, ldd, d.dtype, epilogue, aux_ld,
+           aligns, algo_index)
     plan = _plans.get(key)
     if isinstance(plan, CublasLtError):  # refused before: refuse again without asking the heuristic
         raise plan
@@ -243,11 +249,11 @@ def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_
         plan.set_pointers(bias_ptr, aux_ptr, aux_ld)
     lib = _lib()
     alpha = ctypes.c_float(1.0)
-    beta = ctypes.c_float(1.0 if accumulate else 0.0)
-    la, lb, ld_ = plan.layouts
+    beta = ctypes.c_float(beta)
+    la, lb, lc, ld_ = plan.layouts
     stream = torch.cuda.current_stream(d.device).cuda_stream
     _check(lib.cublasLtMatmul(state.handle, plan.desc, ctypes.byref(alpha), ptrs[0], la, ptrs[1], lb,
-                              ctypes.byref(beta), ptrs[2], ld_, ptrs[3], ld_, plan.algo,
+                              ctypes.byref(beta), ptrs[2], lc, ptrs[3], ld_, plan.algo,
                               state.workspace.data_ptr(), WORKSPACE_BYTES, stream), "cublasLtMatmul")
 
 
@@ -268,20 +274,24 @@ def _check_operands(shapes: dict, **tensors):
         raise ValueError(f"cuBLASLt: operands of one dtype, fp32 or bf16, expected: got {sorted(map(str, dtypes))}")
 
 
-def linear_forward(out, inp, weight, bias=None, pre_gelu=None, algo_index=0):
+def linear_forward(out, inp, weight, bias=None, pre_gelu=None, residual=None, algo_index=0):
     """out (M, OC) = inp (M, C) @ weight (OC, C).T + bias. With pre_gelu: pre_gelu = inp @ weight.T + bias
-    and out = gelu(pre_gelu), in the epilogue (GELU_AUX_BIAS). Rows may be strided (views)."""
+    and out = gelu(pre_gelu), in the epilogue (GELU_AUX_BIAS). With residual (M, OC): out = residual +
+    inp @ weight.T + bias, summed in fp32 and rounded once (beta = 1 with C = residual; residual may be
+    out itself). Rows may be strided (views)."""
     M, C = inp.shape
     OC = weight.shape[0]
-    _check_operands(dict(out=(M, OC), inp=(M, C), weight=(OC, C), bias=(OC,), pre_gelu=(M, OC)),
-                    out=out, inp=inp, weight=weight, bias=bias, pre_gelu=pre_gelu)
+    if residual is not None and pre_gelu is not None:
+        raise ValueError("cuBLASLt: a residual is added after the product, not before a GELU")
+    _check_operands(dict(out=(M, OC), inp=(M, C), weight=(OC, C), bias=(OC,), pre_gelu=(M, OC), residual=(M, OC)),
+                    out=out, inp=inp, weight=weight, bias=bias, pre_gelu=pre_gelu, residual=residual)
     if pre_gelu is not None:
         epilogue = EPILOGUE_GELU_AUX_BIAS if bias is not None else EPILOGUE_GELU_AUX
     else:
         epilogue = EPILOGUE_BIAS if bias is not None else EPILOGUE_DEFAULT
     _gemm(out, weight, inp, OC, M, C, True, False, weight.stride(0), inp.stride(0), out.stride(0),
           epilogue=epilogue, bias=bias, aux=pre_gelu, aux_ld=pre_gelu.stride(0) if pre_gelu is not None else 0,
-          algo_index=algo_index)
+          c=residual, ldc=residual.stride(0) if residual is not None else 0, algo_index=algo_index)
     return out
 
 

@@ -396,8 +396,12 @@ def _tuned(product: str, rows: int, inner: int, outer: int, device) -> int | Non
 
 
 def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bool = False,
-                   use_cublaslt: bool = False):
+                   use_cublaslt: bool = False, residual=None):
     """out (..., OC) = inp (..., C) @ weight (OC, C).T + bias (OC) (llm.c's matmul_forward_cublaslt).
+
+    With residual (..., OC) (the attention / MLP projection feeding the residual stream): out = residual +
+    inp @ weight.T + bias. use_cublaslt: in the product's epilogue (beta = 1), summed in fp32 and rounded
+    once; else torch's addmm onto the residual, then the bias (two roundings). residual may be out.
 
     With pre_gelu (the fc layer): pre_gelu = inp @ weight.T + bias and out = gelu(pre_gelu), both written.
     gelu_epilogue False: cuBLASLt addmm into pre_gelu, then the gelu kernel (kernels/gelu.py); True: one
@@ -410,6 +414,21 @@ def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bo
     assert out2.shape[0] == inp2.shape[0] and inp.dtype == weight.dtype == out.dtype and weight.is_contiguous()
     if bias is not None:
         assert bias.shape == (OC,) and bias.dtype == out.dtype
+    if residual is not None:
+        assert pre_gelu is None, "a residual is added after the product, not before a GELU"
+        res2 = _rows(residual, OC)
+        assert res2.shape == out2.shape and residual.dtype == out.dtype
+        if use_cublaslt:
+            rank = _tuned("fwd_bias_residual" if bias is not None else "fwd_residual", *inp2.shape, OC, out.device)
+            cublaslt.linear_forward(out2, inp2, weight, bias, residual=res2, algo_index=rank or 0)
+        else:
+            if out2.data_ptr() == res2.data_ptr():
+                out2.addmm_(inp2, weight.t())
+            else:
+                torch.addmm(res2, inp2, weight.t(), out=out2)
+            if bias is not None:
+                out2.add_(bias)
+        return out
     if pre_gelu is None:
         rank = _tuned("fwd_bias" if bias is not None else "fwd", *inp2.shape, OC, out.device) if use_cublaslt else None
         if rank is not None:
