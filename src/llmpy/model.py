@@ -26,6 +26,13 @@ epilogues are cuBLASLt's on CUDA (kernels/cublaslt.py, as llm.c), our Triton GEM
 use_cublaslt=False; with cuBLASLt, the few products of kernels.matmul.TUNED_ALGOS also run its
 algorithm tuned for them.
 
+Two options that move work between passes (off by default until a whole-step A/B on the H200 says they
+pay): residual_in_product adds the residual stream in the attproj / fcproj product itself (cuBLASLt's
+beta = 1 onto the residual; torch's addmm elsewhere) and then runs a plain LayerNorm, instead of writing
+the product to a scratch and running the fused residual + LayerNorm pass; proj_bias_in_layernorm has the
+LayerNorm backward that writes the residual gradient (the projections' output gradient) also sum its
+columns into attproj's / fcproj's bias gradient, instead of a reduction pass of its own.
+
 Classifier chunks (classifier_chunks, default `default_classifier_chunks`): the (B*T, Vp) logits are
 the largest activation (6.6 GB at GPT-2 124M, B=64, T=1024, bf16), and they are only needed a row at a
 time. With k > 1 chunks a training forward runs, per chunk of rows r (fixed order): logits_r = lnf[r] @
@@ -822,10 +829,11 @@ class GPT2Model:
         chunks = ln_scratch3.shape[0]
         ln_scratch = ln_scratch3.view(-1)[:chunks * 2 * C].view(chunks, 2, C)  # without the projection's slot
         fuse = self.proj_bias_in_layernorm
+        dresidual = a["dresidual"]
 
         def ln_backward(dout, inp, w, dw, db, mean, rstd, ln_seed, proj_layer, proj_name, proj_slot):
             """layernorm_backward into dresidual; with fuse, also the bias gradient of proj_name in layer
-            proj_layer (None: no projection before this LayerNorm)."""
+            proj_layer (None: no projection before this LayerNorm), rounded with that bias's own seed slot."""
             if fuse and proj_layer is not None:
                 kln.layernorm_backward(dresidual, dw, db, ln_scratch3, dout, inp, w, mean, rstd, seed=ln_seed,
                                        dproj_bias=g[proj_name][proj_layer],
@@ -833,7 +841,6 @@ class GPT2Model:
             else:
                 kln.layernorm_backward(dresidual, dw, db, ln_scratch, dout, inp, w, mean, rstd, seed=ln_seed)
 
-        dresidual = a["dresidual"]
         dl_btc = a["scratch_btc"]      # the forward's projection scratch is free now
         dl_bt4c = a["scratch_bt4c"]
         bt4c_flat = dl_bt4c.view(-1)
@@ -877,8 +884,7 @@ class GPT2Model:
             ln_backward(dl_btc, b["residual2"], p["ln2w"][l], g["ln2w"][l], g["ln2b"][l], b["ln2_mean"], b["ln2_rstd"],
                         seed(1), l, "attprojb", 3)
             kmm.matmul_backward(dl_btc, g["attprojw"][l], None if fuse else g["attprojb"][l], dresidual, b["atty"],
-                                p["attprojw"][l],
-                                scratch=bias_scratch, seed=seed(3), use_cublaslt=lt)
+                                p["attprojw"][l], scratch=bias_scratch, seed=seed(3), use_cublaslt=lt)
             if self.attention == "classic":
                 # dead by now: fch (4C >= 3C) holds dq, dk, dv head-major; atty holds dout head-major;
                 # the logits buffer (spent) holds datt when it is large enough
