@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [blas] [lt] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [blas] [lt] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -62,6 +62,17 @@ for stage in $stages; do
       # earlier in the same call) against the defaults; AB_ARGS gives other variants
       timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step ${AB_ARGS:---from-best $OUT/flash_best.json} \
         --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- --recompute 0 2>&1 | tee "$OUT/ab.log"
+      rc=$? ;;
+    options-tests)
+      # the GPU tests of the two pass-moving model options (residual_in_product, proj_bias_in_layernorm)
+      timeout ${OPTIONS_TESTS_TIMEOUT:-300} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_cublaslt.py \
+        tests/test_layernorm.py tests/test_gpt2.py -k "residual or proj" 2>&1 | tee "$OUT/options_tests.log"
+      rc=$? ;;
+    options-ab)
+      # whole-step A/B of those options against the default (3 variants x AB_ROUNDS runs of ~50 s)
+      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= --variant "projln=--proj-bias-in-ln" \
+        --variant "resid=--residual-in-product" --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- --recompute 0 \
+        2>&1 | tee "$OUT/ab.log"
       rc=$? ;;
     blas)
       # every matrix product of a step under cuBLAS settings, each setting in its own process
