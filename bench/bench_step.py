@@ -82,20 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="SDPA backend of the torch systems")
     # llmpy's options (passed to GPT2Model only when given, except those with a default here)
     ap.add_argument("--recompute", type=int, default=None, help="llmpy: llm.c's -r (0, 1, 2)")
-    ap.add_argument("--gelu-fusion", type=int, default=None, help="llmpy: llm.c's -ge (0, 1, 2)")
     ap.add_argument("--attention", default="auto", help="llmpy: attention path")
+    add_model_switches(ap)
     ap.add_argument("--untuned", action="store_true",
                     help="llmpy: every cuBLASLt product with its first-ranked algorithm (empty TUNED_ALGOS)")
     ap.add_argument("--tuned-from", default=None,
                     help="llmpy: TUNED_ALGOS replaced by the table a bench_cublaslt --json file suggests")
-    ap.add_argument("--proj-bias-in-ln", action="store_true",
-                    help="llmpy: attproj/fcproj bias gradients summed in the LayerNorm backward (proj_bias_in_layernorm)")
-    ap.add_argument("--residual-in-product", action="store_true",
-                    help="llmpy: the residual add in the projections' product (residual_in_product)")
     ap.add_argument("--bias-in-product", action="store_true",
                     help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
-    ap.add_argument("--cublaslt", default=None, choices=("on", "off"),
-                    help="llmpy: -ge 1/2's epilogues and the tuned products through cuBLASLt (default: where it binds)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
     ap.add_argument("--flash-config", default=None,
                     help='llmpy: JSON of flash attention tile fields to override, e.g. \'{"bwd_schedule": "fused"}\'')
@@ -119,12 +113,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def llmpy_options(args) -> dict:
-    """The keyword arguments GPT2Model gets besides config, params, B, T."""
-    opts = {"master_weights": True, "attention": args.attention, "seed": args.seed,
-            "cuda_graph": not args.no_graph}
-    if args.recompute is not None:
-        opts["recompute"] = args.recompute
+def add_model_switches(ap: argparse.ArgumentParser) -> None:
+    """The GPT2Model switches bench_step and profile_step share (model_switches reads them back)."""
+    ap.add_argument("--gelu-fusion", type=int, default=None, help="llmpy: llm.c's -ge; model default if not given")
+    ap.add_argument("--cublaslt", default=None, choices=("on", "off"),
+                    help="llmpy: -ge 1/2's epilogues and the tuned products through cuBLASLt (default: where it binds)")
+    ap.add_argument("--proj-bias-in-ln", action="store_true",
+                    help="llmpy: attproj/fcproj bias gradients summed in the LayerNorm backward (proj_bias_in_layernorm)")
+    ap.add_argument("--residual-in-product", action="store_true",
+                    help="llmpy: the residual add in the projections' product (residual_in_product)")
+
+
+def model_switches(args) -> dict:
+    """GPT2Model keyword arguments from add_model_switches' flags: only those given (model defaults else)."""
+    opts = {}
     if args.gelu_fusion is not None:
         opts["gelu_fusion"] = args.gelu_fusion
     if args.cublaslt is not None:
@@ -133,6 +135,16 @@ def llmpy_options(args) -> dict:
         opts["proj_bias_in_layernorm"] = True
     if args.residual_in_product:
         opts["residual_in_product"] = True
+    return opts
+
+
+def llmpy_options(args) -> dict:
+    """The keyword arguments GPT2Model gets besides config, params, B, T."""
+    opts = {"master_weights": True, "attention": args.attention, "seed": args.seed,
+            "cuda_graph": not args.no_graph}
+    if args.recompute is not None:
+        opts["recompute"] = args.recompute
+    opts.update(model_switches(args))
     return opts
 
 

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.bench_step import add_model_switches, model_switches
+
 REPO = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------------------------------
@@ -233,11 +235,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--recompute", type=int, default=0, help="llm.c's -r (0, 1, 2)")
     ap.add_argument("--attention", default="auto", help="auto, classic, flash, cudnn, torch-flash")
-    ap.add_argument("--gelu-fusion", type=int, default=None, help="llm.c's -ge; model default if not given")
-    ap.add_argument("--cublaslt", default=None, choices=("on", "off"), help="use_cublaslt; model default if not given")
+    add_model_switches(ap)
     ap.add_argument("--classifier-chunks", type=int, default=None, help="model default (None) if not given")
-    ap.add_argument("--proj-bias-in-ln", action="store_true", help="proj_bias_in_layernorm=True")
-    ap.add_argument("--residual-in-product", action="store_true", help="residual_in_product=True")
     ap.add_argument("--flash-config", default=None, help="JSON of flash attention tile fields to override")
     ap.add_argument("--warmup", type=int, default=5, help="eager steps before profiling")
     ap.add_argument("--steps", type=int, default=5, help="profiled eager steps")
@@ -262,14 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _model_options(args, cuda_graph: bool) -> dict:
     opts = {"master_weights": True, "attention": args.attention, "seed": args.seed, "cuda_graph": cuda_graph,
             "recompute": args.recompute, "classifier_chunks": args.classifier_chunks}
-    if args.gelu_fusion is not None:
-        opts["gelu_fusion"] = args.gelu_fusion
-    if args.cublaslt is not None:
-        opts["use_cublaslt"] = args.cublaslt == "on"
-    if args.proj_bias_in_ln:
-        opts["proj_bias_in_layernorm"] = True
-    if args.residual_in_product:
-        opts["residual_in_product"] = True
+    opts.update(model_switches(args))
     return opts
 
 
