@@ -118,8 +118,9 @@ def add_model_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gelu-fusion", type=int, default=None, help="llmpy: llm.c's -ge; model default if not given")
     ap.add_argument("--cublaslt", default=None, choices=("on", "off"),
                     help="llmpy: -ge 1/2's epilogues and the tuned products through cuBLASLt (default: where it binds)")
-    ap.add_argument("--proj-bias-in-ln", action="store_true",
-                    help="llmpy: attproj/fcproj bias gradients summed in the LayerNorm backward (proj_bias_in_layernorm)")
+    ap.add_argument("--proj-bias-in-ln", default=None, choices=("on", "off"),
+                    help="llmpy: attproj/fcproj bias gradients summed in the LayerNorm backward "
+                         "(proj_bias_in_layernorm; model default: on)")
     ap.add_argument("--residual-in-product", action="store_true",
                     help="llmpy: the residual add in the projections' product (residual_in_product)")
 
@@ -131,8 +132,8 @@ def model_switches(args) -> dict:
         opts["gelu_fusion"] = args.gelu_fusion
     if args.cublaslt is not None:
         opts["use_cublaslt"] = args.cublaslt == "on"
-    if args.proj_bias_in_ln:
-        opts["proj_bias_in_layernorm"] = True
+    if args.proj_bias_in_ln is not None:
+        opts["proj_bias_in_layernorm"] = args.proj_bias_in_ln == "on"
     if args.residual_in_product:
         opts["residual_in_product"] = True
     return opts

@@ -69,8 +69,9 @@ for stage in $stages; do
         tests/test_layernorm.py tests/test_gpt2.py -k "residual or proj" 2>&1 | tee "$OUT/options_tests.log"
       rc=$? ;;
     options-ab)
-      # whole-step A/B of those options against the default (3 variants x AB_ROUNDS runs of ~50 s)
-      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= --variant "projln=--proj-bias-in-ln" \
+      # whole-step A/B of those options against the default (proj_bias_in_layernorm on since run N; 3 variants x
+      # AB_ROUNDS runs of ~50 s)
+      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= --variant "projln-off=--proj-bias-in-ln off" \
         --variant "resid=--residual-in-product" --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- --recompute 0 \
         2>&1 | tee "$OUT/ab.log"
       rc=$? ;;

@@ -191,14 +191,15 @@ CPU_CONFIGS = {
     "r0-ge2": dict(recompute=0, gelu_fusion=2),
     "ge1-flash": dict(gelu_fusion=1, attention="flash"),
     "fp32": dict(dtype=FP32),
-    # attproj's and fcproj's bias gradients summed in the LayerNorm backward, at -ge 0 and -ge 2
-    "proj-bias-ln": dict(proj_bias_in_layernorm=True, attention="flash"),
-    "proj-bias-ln-ge2-fp32": dict(proj_bias_in_layernorm=True, gelu_fusion=2, dtype=FP32),
+    # attproj's and fcproj's bias gradients in reduction passes of their own (the default sums them in the
+    # LayerNorm backward), at -ge 0 and -ge 2
+    "proj-bias-pass": dict(proj_bias_in_layernorm=False, attention="flash"),
+    "proj-bias-pass-ge2-fp32": dict(proj_bias_in_layernorm=False, gelu_fusion=2, dtype=FP32),
     # the residual add in the projections' product (here torch's addmm onto the residual; cuBLASLt's
     # epilogue on the GPU), alone and with the option above
     "residual-in-product": dict(residual_in_product=True),
-    "residual-in-product-proj-bias-ln-fp32": dict(residual_in_product=True, proj_bias_in_layernorm=True,
-                                                  dtype=FP32, attention="flash"),
+    "residual-in-product-proj-bias-pass-fp32": dict(residual_in_product=True, proj_bias_in_layernorm=False,
+                                                    dtype=FP32, attention="flash"),
 }
 
 
@@ -339,7 +340,7 @@ def small():
 @pytest.mark.parametrize("kw", [pytest.param(dict(dtype=FP32), id="fp32"), pytest.param({}, id="bf16"),
                                 pytest.param(dict(master_weights=False), id="bf16-w0"),
                                 pytest.param(dict(dtype=FP32, classifier_chunks=3), id="fp32-chunks3"),
-                                pytest.param(dict(proj_bias_in_layernorm=True), id="bf16-proj-bias-ln"),
+                                pytest.param(dict(proj_bias_in_layernorm=False), id="bf16-proj-bias-pass"),
                                 pytest.param(dict(residual_in_product=True), id="bf16-residual-in-product")])
 def test_training_follows_reference(small, device, kw):
     """TRAIN_STEPS steps of AdamW (weight decay, clipping active: the first norms are above CLIP)."""
@@ -468,7 +469,7 @@ GPU_CONFIGS = {
     # the GELU epilogues in our Triton GEMM, where the default picks cuBLASLt's
     "ge1-triton": dict(gelu_fusion=1, use_cublaslt=False),
     "ge2-triton": dict(gelu_fusion=2, use_cublaslt=False),
-    "proj-bias-ln": dict(proj_bias_in_layernorm=True, gelu_fusion=-1),
+    "proj-bias-pass": dict(proj_bias_in_layernorm=False, gelu_fusion=-1),
     "residual-in-product": dict(residual_in_product=True, gelu_fusion=-1),
     "residual-in-product-fp32": dict(residual_in_product=True, dtype=FP32, gelu_fusion=-1),
     "classic": dict(attention="classic", gelu_fusion=-1),
@@ -528,7 +529,7 @@ def _d12_steps(cfg, params, batches, steps, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("skip,accum,chunks,ge,proj", [(False, 1, 1, -1, False), (True, 1, 1, -1, False),
                                                        (False, 2, 1, -1, False), (False, 2, 8, -1, False),
-                                                       (False, 1, 1, 2, False), (False, 2, 1, -1, True),
+                                                       (False, 1, 1, 2, False), (False, 2, 1, -1, "pass"),
                                                        (False, 2, 8, -1, "residual")])
 def test_gpu_cuda_graph_bitwise(d12, skip, accum, chunks, ge, proj):
     """The graphed step (whole step; or two graphs around a skip decision; with gradient accumulation)
@@ -539,7 +540,7 @@ def test_gpu_cuda_graph_bitwise(d12, skip, accum, chunks, ge, proj):
     results = []
     for graph in (False, True):
         model = GPT2Model(cfg, params, D12_B, 64, device="cuda", attention="flash", gelu_fusion=ge,
-                          cuda_graph=graph, classifier_chunks=chunks, proj_bias_in_layernorm=proj is True,
+                          cuda_graph=graph, classifier_chunks=chunks, proj_bias_in_layernorm=proj != "pass",
                           residual_in_product=proj == "residual")
         steps = [model.train_step([batches[(s + k) % 3] for k in range(accum)], LR, s + 1, WD, CLIP, skip=decide)
                  for s in range(5)]
@@ -594,7 +595,7 @@ def d12_training(d12):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["default", "w0", "r2", "ge0", "ge2", "classic", "fp32", "chunks8", "chunks3",
-                                  "proj-bias-ln", "residual-in-product"])
+                                  "proj-bias-pass", "residual-in-product"])
 def test_gpu_training_follows_reference(d12, d12_training, name):
     """TRAIN_STEPS steps (CUDA graphs from step 2) against the fp32 reference on the GPU."""
     cfg, params = d12

@@ -140,3 +140,12 @@ def test_parse_args_defaults():
     a = ps.parse_args(["--gelu-fusion", "2", "--classifier-chunks", "4", "--attention", "cudnn"])
     opts = ps._model_options(a, cuda_graph=True)
     assert opts["gelu_fusion"] == 2 and opts["classifier_chunks"] == 4 and opts["attention"] == "cudnn"
+
+
+def test_model_switches_on_off():
+    # not given: the model's own default; on/off: that value; the residual option only when asked
+    opts = ps._model_options(ps.parse_args([]), cuda_graph=True)
+    assert "proj_bias_in_layernorm" not in opts and "residual_in_product" not in opts
+    opts = ps._model_options(ps.parse_args(["--proj-bias-in-ln", "off", "--residual-in-product"]), cuda_graph=True)
+    assert opts["proj_bias_in_layernorm"] is False and opts["residual_in_product"] is True
+    assert ps._model_options(ps.parse_args(["--proj-bias-in-ln", "on"]), cuda_graph=True)["proj_bias_in_layernorm"] is True

@@ -26,12 +26,13 @@ epilogues are cuBLASLt's on CUDA (kernels/cublaslt.py, as llm.c), our Triton GEM
 use_cublaslt=False; with cuBLASLt, the few products of kernels.matmul.TUNED_ALGOS also run its
 algorithm tuned for them.
 
-Two options that move work between passes (off by default until a whole-step A/B on the H200 says they
-pay): residual_in_product adds the residual stream in the attproj / fcproj product itself (cuBLASLt's
-beta = 1 onto the residual; torch's addmm elsewhere) and then runs a plain LayerNorm, instead of writing
-the product to a scratch and running the fused residual + LayerNorm pass; proj_bias_in_layernorm has the
-LayerNorm backward that writes the residual gradient (the projections' output gradient) also sum its
-columns into attproj's / fcproj's bias gradient, instead of a reduction pass of its own.
+Two options that move work between passes: proj_bias_in_layernorm (on by default: -0.4 to -0.9 ms a step
+on the H200, bench/RESULTS.md run N) has the LayerNorm backward that writes the residual gradient (the
+projections' output gradient) also sum its columns into attproj's / fcproj's bias gradient, instead of
+a reduction pass of its own; residual_in_product (off: no gain beyond noise in the same A/B) adds the
+residual stream in the attproj / fcproj product itself (cuBLASLt's beta = 1 onto the residual; torch's
+addmm elsewhere) and then runs a plain LayerNorm, instead of writing the product to a scratch and
+running the fused residual + LayerNorm pass.
 
 Classifier chunks (classifier_chunks, default `default_classifier_chunks`): the (B*T, Vp) logits are
 the largest activation (6.6 GB at GPT-2 124M, B=64, T=1024, bf16), and they are only needed a row at a
@@ -355,7 +356,7 @@ class GPT2Model:
                  gelu_fusion: int = -1, attention: str = "auto", seed: int = 42, cuda_graph: bool = True,
                  stochastic_rounding: bool = True, classifier_chunks: int | None = None,
                  data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True,
-                 use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = False,
+                 use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = True,
                  residual_in_product: bool = False):
         self.config = config
         self.device = torch.device(device)

@@ -278,8 +278,9 @@ def _check_operands(shapes: dict, **tensors):
 def linear_forward(out, inp, weight, bias=None, pre_gelu=None, residual=None, algo_index=0):
     """out (M, OC) = inp (M, C) @ weight (OC, C).T + bias. With pre_gelu: pre_gelu = inp @ weight.T + bias
     and out = gelu(pre_gelu), in the epilogue (GELU_AUX_BIAS). With residual (M, OC): out = residual +
-    inp @ weight.T + bias, summed in fp32 and rounded once (beta = 1 with C = residual; residual may be
-    out itself). Rows may be strided (views)."""
+    inp @ weight.T + bias, summed in fp32 and rounded once (beta = 1 with C = residual). residual may be out
+    itself, but then, in bf16, cuBLASLt rounds the product before adding it (two roundings, measured on the
+    H200 with cuBLAS 13), so the model always writes into another buffer. Rows may be strided (views)."""
     M, C = inp.shape
     OC = weight.shape[0]
     if residual is not None and pre_gelu is not None:
