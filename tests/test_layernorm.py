@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels.layernorm import (LN_BACKWARD_CHUNKS, LN_BWD_SWEEP, LN_FWD_SWEEP, fused_residual_forward,
-                                     layernorm_backward, layernorm_backward_scratch_shape, layernorm_forward,
-                                     residual_forward)
+from llmpy.kernels.layernorm import (LN_BACKWARD_CHUNKS, LN_BACKWARD_PROJ_CHUNKS, LN_BWD_SWEEP, LN_FWD_SWEEP,
+                                     fused_residual_forward, layernorm_backward, layernorm_backward_scratch_shape,
+                                     layernorm_forward, residual_forward)
 
 F32, BF16 = torch.float32, torch.bfloat16
 # ||out - ref|| / ||ref||: outputs stored in floatX
@@ -303,7 +303,8 @@ def test_layernorm_backward_sweep_candidates(name, dtype, device):
 def test_layernorm_backward_scratch_shape():
     assert layernorm_backward_scratch_shape(15, 40) == (15, 2, 40)
     assert layernorm_backward_scratch_shape(64 * 1024, 768) == (LN_BACKWARD_CHUNKS, 2, 768)
-    assert layernorm_backward_scratch_shape(64 * 1024, 768, proj_bias=True) == (LN_BACKWARD_CHUNKS, 3, 768)
+    assert layernorm_backward_scratch_shape(64 * 1024, 768, proj_bias=True) == (LN_BACKWARD_PROJ_CHUNKS, 3, 768)
+    assert layernorm_backward_scratch_shape(64 * 1024, 768, 512, proj_bias=True) == (512, 3, 768)
 
 
 def check_backward_proj_bias(shape, dtype, device, seed, num_chunks=None, **cfg):
@@ -340,6 +341,14 @@ def check_backward_proj_bias(shape, dtype, device, seed, num_chunks=None, **cfg)
 @pytest.mark.parametrize("shape,num_chunks", [((2, 3, 64), None), ((3, 5, 40), 4), ((37, 40), 40)])
 def test_layernorm_backward_proj_bias(shape, num_chunks, dtype, device):
     check_backward_proj_bias(shape, dtype, device, seed=41, num_chunks=num_chunks)
+
+
+@pytest.mark.parametrize("name", list(LN_BWD_SWEEP))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layernorm_backward_proj_bias_sweep_candidates(name, dtype, device):
+    # every benchmarked tiling with the projection's bias summed along (bench_layernorm times both)
+    cfg = {k: v for k, v in LN_BWD_SWEEP[name].items() if k != "chunks"}
+    check_backward_proj_bias((37, 40), dtype, device, seed=25, num_chunks=3, **cfg)
 
 
 def test_layernorm_backward_stochastic_rounding(device):

@@ -140,12 +140,20 @@ def bench(dev: str = "cuda") -> list[dict]:
                     "layernorm_backward; matmul_backward_bias", pair_ms, None, _gbs(nbytes, fused_ms)))
     for name, cfg in LN_BWD_SWEEP.items():
         cfg = dict(cfg)
-        sweep_scratch = torch.empty(layernorm_backward_scratch_shape(N, C, cfg.pop("chunks")), device=dev)
+        chunks = cfg.pop("chunks")
+        sweep_scratch = torch.empty(layernorm_backward_scratch_shape(N, C, chunks), device=dev)
         n0 = len(PIPELINE_FALLBACKS)
         ms = median_ms(lambda: layernorm_backward(dinp, dweight, dbias, sweep_scratch, dout, inp, weight, mean, rstd,
                                                   seed=1234, **cfg))
         rows.append(row(f"layernorm_backward {name}", nbytes, ms, "autograd F.layer_norm backward", eager_ms,
                         compiled, _gbs(nbytes, ms) + _fell_back(n0)))
+        # the same tiling with the third accumulator (the model's default since run N), against the pair
+        sweep_scratch = torch.empty(layernorm_backward_scratch_shape(N, C, chunks, proj_bias=True), device=dev)
+        n0 = len(PIPELINE_FALLBACKS)
+        ms = median_ms(lambda: layernorm_backward(dinp, dweight, dbias, sweep_scratch, dout, inp, weight, mean, rstd,
+                                                  seed=seed_t, dproj_bias=dproj, proj_seed=seed_t, **cfg))
+        rows.append(row(f"layernorm_backward + proj bias {name}", nbytes + 2 * par, ms,
+                        "layernorm_backward; matmul_backward_bias", pair_ms, None, _gbs(nbytes, ms) + _fell_back(n0)))
     if PIPELINE_FALLBACKS:
         print("layernorm: pipelined builds that failed and ran unpipelined:", PIPELINE_FALLBACKS)
     return rows

@@ -92,6 +92,15 @@ MEMORY_MARGIN = 1 << 30
 # Python, so a few long chunks instead of one per row (the GPU keeps kernels.layernorm's constant).
 INTERPRET_LN_CHUNKS = 4
 
+
+def ln_scratch_shapes(num_rows: int, C: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The LayerNorm backward's scratch shapes, plain and with a projection's bias summed along (the
+    model's one flat ln_scratch is viewed as either); INTERPRET_LN_CHUNKS chunks under the interpreter."""
+    chunks = (INTERPRET_LN_CHUNKS,) if interpreting() else ()
+    return (kln.layernorm_backward_scratch_shape(num_rows, C, *chunks),
+            kln.layernorm_backward_scratch_shape(num_rows, C, *chunks, proj_bias=True))
+
+
 # The default classifier chunk: at most this many bytes of logits at once (see default_classifier_chunks).
 CLASSIFIER_CHUNK_BYTES = 1 << 30
 
@@ -191,7 +200,6 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     Lg = 1 if recompute >= 1 else L  # fch_gelu
     Ll = 1 if recompute >= 2 else L  # ln1, ln2
     classic = attention == "classic"
-    ln_chunks = (INTERPRET_LN_CHUNKS,) if interpreting() else ()
     # the logits (one chunk of rows of them); in the classic path also the forward's qkv scratch and the
     # backward's datt scratch: both are dead whenever the logits are live (llm.c's "scratchX =
     # acts.output"). Unchunked, datt gets a buffer of its own when it is the larger (as before); chunked,
@@ -235,9 +243,9 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         BufferSpec("scratch_bt4c", (B, T, 4 * C), dtype, "scratch"),
         # backward: the gradient of the residual stream, accumulated by every layernorm backward
         BufferSpec("dresidual", (B, T, C), dtype, "scratch"),
-        # three slots: the attproj / fcproj bias gradients can ride along (proj_bias_in_layernorm)
-        BufferSpec("ln_scratch", kln.layernorm_backward_scratch_shape(B * T, C, *ln_chunks, proj_bias=True), f32,
-                   "scratch"),
+        # flat: viewed as the plain backward's (chunks, 2, C) or, where the attproj / fcproj bias gradients
+        # ride along (proj_bias_in_layernorm), the (chunks', 3, C) of that variant
+        BufferSpec("ln_scratch", (max(math.prod(s) for s in ln_scratch_shapes(B * T, C)),), f32, "scratch"),
     ]
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
@@ -826,9 +834,10 @@ class GPT2Model:
         gf = self.gelu_fusion
         if advance_seeds:
             self._advance_seeds()
-        bias_scratch, ln_scratch3 = a["bias_scratch"], a["ln_scratch"]
-        chunks = ln_scratch3.shape[0]
-        ln_scratch = ln_scratch3.view(-1)[:chunks * 2 * C].view(chunks, 2, C)  # without the projection's slot
+        bias_scratch = a["bias_scratch"]
+        plain_shape, proj_shape = ln_scratch_shapes(B * T, C)
+        ln_scratch = a["ln_scratch"][:math.prod(plain_shape)].view(plain_shape)
+        ln_scratch3 = a["ln_scratch"][:math.prod(proj_shape)].view(proj_shape)  # with the projection's slot
         fuse = self.proj_bias_in_layernorm
         dresidual = a["dresidual"]
 

@@ -70,6 +70,9 @@ RESIDUAL_BLOCK = 4096
 # level reads only num_chunks * 2 * C fp32 values (6 MiB at C=768, against ~400 MB for the first level at
 # B=64, T=1024). A constant, not a device query: the split, and so the bits, depend on the row count only.
 LN_BACKWARD_CHUNKS = 1024
+# With the projection's bias summed along (a third accumulator a thread), twice the chunks: 0.132 against
+# 0.146 ms a call at 1024 on the H200 (bench_layernorm, run N), where the plain backward is the faster at 1024.
+LN_BACKWARD_PROJ_CHUNKS = 2048
 # second level: a program sums [REDUCE_BLOCK_K chunks, REDUCE_BLOCK_C columns] tiles (48 programs at C=768)
 REDUCE_BLOCK_K, REDUCE_BLOCK_C, REDUCE_WARPS = 512, 16, 8
 
@@ -109,6 +112,9 @@ LN_BWD_SWEEP = {
     "r4 w16 k512 s1": dict(rows=4, num_warps=16, chunks=512, stages=1),
     "r2 w4 k1024 s2": dict(rows=2, num_warps=4, chunks=1024, stages=2),
     "r1 w2 k1024 s3": dict(rows=1, num_warps=2, chunks=1024, stages=3),
+    "r1 w2 k1024 s4": dict(rows=1, num_warps=2, chunks=1024, stages=4),
+    "r1 w2 k2048 s3": dict(rows=1, num_warps=2, chunks=2048, stages=3),
+    "r1 w4 k1024 s2": dict(rows=1, num_warps=4, chunks=1024, stages=2),
 }
 
 
@@ -384,14 +390,17 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     return residual, normed, mean, rstd
 
 
-def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int = LN_BACKWARD_CHUNKS,
+def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int | None = None,
                                      proj_bias: bool = False):
     """Shape of the fp32 scratch layernorm_backward needs for num_rows = B*T rows: (chunks, 2, C), or
-    (chunks, 3, C) to also sum a projection's bias gradient (layernorm_backward's dproj_bias).
+    (chunks, 3, C) to also sum a projection's bias gradient (layernorm_backward's dproj_bias); chunks
+    num_chunks, by default LN_BACKWARD_CHUNKS (LN_BACKWARD_PROJ_CHUNKS with proj_bias).
 
     One buffer serves every layer (each call overwrites it). Its first dim is the number of row chunks
     of the first reduction level; the gradients' bits depend on it, so keep it fixed for reproducibility.
     """
+    if num_chunks is None:
+        num_chunks = LN_BACKWARD_PROJ_CHUNKS if proj_bias else LN_BACKWARD_CHUNKS
     return (max(1, min(num_chunks, num_rows)), 3 if proj_bias else 2, C)
 
 
