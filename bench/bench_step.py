@@ -90,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="llmpy: TUNED_ALGOS replaced by the table a bench_cublaslt --json file suggests")
     ap.add_argument("--bias-in-product", action="store_true",
                     help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
+    ap.add_argument("--ln-proj-chunks", type=int, default=None,
+                    help="llmpy: row chunks of the LayerNorm backward that sums a projection's bias "
+                         "(layernorm.LN_BACKWARD_PROJ_CHUNKS)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
     ap.add_argument("--flash-config", default=None,
                     help='llmpy: JSON of flash attention tile fields to override, e.g. \'{"bwd_schedule": "fused"}\'')
@@ -104,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--systems: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(SYSTEMS)}")
     if args.child is not None and args.child not in SYSTEMS:
         ap.error(f"--child: unknown system {args.child}")
+    if args.ln_proj_chunks is not None and args.ln_proj_chunks < 1:
+        ap.error("--ln-proj-chunks must be at least 1")
     for name in ("B", "T", "steps", "warmup_median_from"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -213,6 +218,9 @@ def _build_llmpy(args, config, flat):
     if args.bias_in_product:
         from llmpy.kernels import matmul
         matmul.BIAS_GRAD_IN_PRODUCT = True
+    if args.ln_proj_chunks is not None:  # read when the model sizes its ln_scratch and at every backward
+        from llmpy.kernels import layernorm
+        layernorm.LN_BACKWARD_PROJ_CHUNKS = args.ln_proj_chunks
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

@@ -2,7 +2,9 @@
 import math
 import random
 
-from bench.bench_step import format_losses
+import pytest
+
+from bench.bench_step import format_losses, parse_args
 
 
 def runs(n, offset_at=None, offset=0.0, bad_at=None):
@@ -26,3 +28,10 @@ def test_the_difference_covers_every_step_not_only_the_printed_ones():
 def test_a_nonfinite_loss_is_named_with_its_step():
     last = format_losses(runs(40, bad_at=20), 10).splitlines()[-1]
     assert last.endswith("not finite from step 21")
+
+
+def test_ln_proj_chunks_flag():
+    assert parse_args(["--systems", "llmpy", "--ln-proj-chunks", "1024"]).ln_proj_chunks == 1024
+    assert parse_args(["--systems", "llmpy"]).ln_proj_chunks is None  # the module's constant stays
+    with pytest.raises(SystemExit):
+        parse_args(["--systems", "llmpy", "--ln-proj-chunks", "0"])
