@@ -401,7 +401,9 @@ def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bo
 
     With residual (..., OC) (the attention / MLP projection feeding the residual stream): out = residual +
     inp @ weight.T + bias. use_cublaslt: in the product's epilogue (beta = 1), summed in fp32 and rounded
-    once; else torch's addmm onto the residual, then the bias (two roundings). residual may be out.
+    once into another buffer (in place, in bf16, cuBLASLt rounds the product first: see
+    cublaslt.linear_forward); else torch's addmm onto the residual, then the bias (two roundings).
+    residual may be out.
 
     With pre_gelu (the fc layer): pre_gelu = inp @ weight.T + bias and out = gelu(pre_gelu), both written.
     gelu_epilogue False: cuBLASLt addmm into pre_gelu, then the gelu kernel (kernels/gelu.py); True: one
