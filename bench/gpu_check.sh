@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [blas] [lt] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
@@ -74,6 +74,17 @@ for stage in $stages; do
       timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= --variant "projln-off=--proj-bias-in-ln off" \
         --variant "resid=--residual-in-product" --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- --recompute 0 \
         2>&1 | tee "$OUT/ab.log"
+      rc=$? ;;
+    overlap-tests)
+      # the backward's weight gradients on a second stream (overlap_weight_grads): bitwise against one stream
+      timeout ${OVERLAP_TESTS_TIMEOUT:-300} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_streams.py \
+        tests/test_gpt2.py -k "overlap or spans or plans" 2>&1 | tee "$OUT/overlap_tests.log"
+      rc=$? ;;
+    overlap-ab)
+      # whole-step A/B of overlap_weight_grads off (the default) / on / priority (3 variants x AB_ROUNDS runs)
+      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= --variant "overlap=--overlap-weight-grads on" \
+        --variant "priority=--overlap-weight-grads priority" --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- \
+        --recompute 0 2>&1 | tee "$OUT/ab.log"
       rc=$? ;;
     blas)
       # every matrix product of a step under cuBLAS settings, each setting in its own process

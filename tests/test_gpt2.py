@@ -552,6 +552,30 @@ def test_gpu_cuda_graph_bitwise(d12, skip, accum, chunks, ge, proj):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode,graph,accum,kw", [
+    ("on", True, 1, {}), ("priority", True, 1, {}), ("on", False, 1, {}), ("priority", True, 2, {}),
+    ("on", True, 2, dict(classifier_chunks=1, recompute=2)), ("priority", True, 1, dict(gelu_fusion=0)),
+    ("on", True, 1, dict(attention="classic")), ("on", True, 1, dict(proj_bias_in_layernorm=False))])
+def test_gpu_overlap_bitwise(d12, mode, graph, accum, kw):
+    """The weight gradients on a second stream (overlap_weight_grads) give the one-stream step's bits:
+    losses, norms, parameters and master weights after 5 steps (at T=64 every kernel is short, so the
+    two streams really run side by side: a missing wait would show as a race)."""
+    cfg, params = d12
+    batches = [make_batch(cfg, D12_B, 64, seed=400 + i) for i in range(3)]
+    results = []
+    for overlap in ("off", mode):
+        model = GPT2Model(cfg, params, D12_B, 64, device="cuda", cuda_graph=graph, overlap_weight_grads=overlap,
+                          **{"attention": "flash", **kw})
+        steps = [model.train_step([batches[(s + k) % 3] for k in range(accum)], LR, s + 1, WD, CLIP)
+                 for s in range(5)]
+        results.append((steps, model.params_memory.clone(), model.master_memory.clone()))
+        del model
+    (sa, pa, ma), (sb, pb, mb) = results
+    assert sa == sb, f"overlap {mode}: losses/norms differ: {sa} vs {sb}"
+    assert torch.equal(pa.view(torch.int16), pb.view(torch.int16)) and torch.equal(ma, mb)
+
+
+@pytest.mark.gpu
 def test_gpu_skip_leaves_parameters(d12):
     cfg, params = d12
     x, y = make_batch(cfg, D12_B, 64, seed=5)

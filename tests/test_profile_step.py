@@ -149,3 +149,12 @@ def test_model_switches_on_off():
     opts = ps._model_options(ps.parse_args(["--proj-bias-in-ln", "off", "--residual-in-product"]), cuda_graph=True)
     assert opts["proj_bias_in_layernorm"] is False and opts["residual_in_product"] is True
     assert ps._model_options(ps.parse_args(["--proj-bias-in-ln", "on"]), cuda_graph=True)["proj_bias_in_layernorm"] is True
+
+
+def test_overlap_switch():
+    assert "overlap_weight_grads" not in ps._model_options(ps.parse_args([]), cuda_graph=True)
+    for mode in ("off", "on", "priority"):
+        opts = ps._model_options(ps.parse_args(["--overlap-weight-grads", mode]), cuda_graph=True)
+        assert opts["overlap_weight_grads"] == mode
+    with pytest.raises(SystemExit):
+        ps.parse_args(["--overlap-weight-grads", "sideways"])

@@ -78,6 +78,7 @@ from .kernels import matmul as kmm
 from .kernels.common import interpreting
 from .kernels.fused_classifier import fused_classifier
 from .kernels.gelu import gelu_forward
+from .streams import OVERLAP_MODES, Lanes
 
 RECOMPUTE_LEVELS = (0, 1, 2)
 GELU_FUSION_LEVELS = (0, 1, 2)
@@ -365,7 +366,7 @@ class GPT2Model:
                  stochastic_rounding: bool = True, classifier_chunks: int | None = None,
                  data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True,
                  use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = True,
-                 residual_in_product: bool = False):
+                 residual_in_product: bool = False, overlap_weight_grads: str = "off"):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -402,6 +403,14 @@ class GPT2Model:
         # the residual add in the projections' product (cuBLASLt: beta = 1 onto the residual stream), then a
         # plain LayerNorm, instead of the product into a scratch and the fused residual + LayerNorm pass
         self.residual_in_product = bool(residual_in_product)
+        # the backward's weight and bias gradients on a second stream (llmpy.streams): "off", "on", or
+        # "priority" (the input-gradient chain also on a high-priority stream)
+        if overlap_weight_grads not in OVERLAP_MODES:
+            raise LlmpyError(f"overlap_weight_grads={overlap_weight_grads!r}: one of {', '.join(OVERLAP_MODES)}")
+        self.overlap_weight_grads = overlap_weight_grads
+        self._lanes = Lanes(self.device, overlap_weight_grads)
+        if self._lanes.side_stream() is not None and self.use_cublaslt:
+            kmm.cublaslt.reserve_workspace(self._lanes.side_stream())
         self.seed = seed
         # None: default_classifier_chunks (<= 1 GiB of logits a chunk); 1: the whole (B*T, Vp) logits
         self.classifier_chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
@@ -511,7 +520,7 @@ class GPT2Model:
         return (f"GPT2Model {self.config.describe()} | B={self.B} T={self.T} | {str(self.dtype).split('.')[-1]} | "
                 f"master weights {int(self.master_weights)} | recompute {self.recompute} | "
                 f"gelu fusion {self.gelu_fusion} | cuBLASLt {int(self.use_cublaslt)} | attention {self.attention} | "
-                f"classifier chunks {self.classifier_chunks} | "
+                f"classifier chunks {self.classifier_chunks} | overlap {self.overlap_weight_grads} | "
                 f"cuda graph {int(self.cuda_graph)} | {self._describe_parallel()}memory {format_memory(self._plan)}")
 
     def _describe_parallel(self) -> str:
@@ -840,26 +849,48 @@ class GPT2Model:
         ln_scratch3 = a["ln_scratch"][:math.prod(proj_shape)].view(proj_shape)  # with the projection's slot
         fuse = self.proj_bias_in_layernorm
         dresidual = a["dresidual"]
+        # the chain of input gradients on the main lane; weight and bias gradients on the side lane, each
+        # call declaring what it reads and writes (llmpy.streams orders the lanes by it)
+        lanes = self._lanes
+        main = lambda fn, reads, writes, name: lanes.run("main", fn, reads, writes, name)  # noqa: E731
+        side = lambda fn, reads, writes, name: lanes.run("side", fn, reads, writes, name)  # noqa: E731
 
         def ln_backward(dout, inp, w, dw, db, mean, rstd, ln_seed, proj_layer, proj_name, proj_slot):
             """layernorm_backward into dresidual; with fuse, also the bias gradient of proj_name in layer
             proj_layer (None: no projection before this LayerNorm), rounded with that bias's own seed slot."""
+            reads, writes = [dout, inp, w, mean, rstd, ln_seed], [dresidual, dw, db, a["ln_scratch"]]
             if fuse and proj_layer is not None:
-                kln.layernorm_backward(dresidual, dw, db, ln_scratch3, dout, inp, w, mean, rstd, seed=ln_seed,
-                                       dproj_bias=g[proj_name][proj_layer],
-                                       proj_seed=self._layer_seed(proj_layer, proj_slot))
+                proj_seed = self._layer_seed(proj_layer, proj_slot)
+                main(lambda: kln.layernorm_backward(dresidual, dw, db, ln_scratch3, dout, inp, w, mean, rstd,
+                                                    seed=ln_seed, dproj_bias=g[proj_name][proj_layer],
+                                                    proj_seed=proj_seed),
+                     reads + [proj_seed], writes + [g[proj_name][proj_layer]], "layernorm_backward")
             else:
-                kln.layernorm_backward(dresidual, dw, db, ln_scratch, dout, inp, w, mean, rstd, seed=ln_seed)
+                main(lambda: kln.layernorm_backward(dresidual, dw, db, ln_scratch, dout, inp, w, mean, rstd,
+                                                    seed=ln_seed),
+                     reads, writes, "layernorm_backward")
 
+        def linear_backward(dinp, dweight, dbias, dout, inp, weight, slot_seed, pre_gelu=None, dgelu_epilogue=False):
+            """matmul_backward as two calls: dinp on the main lane, dweight (and dbias) on the side lane."""
+            if dinp is not None:
+                main(lambda: kmm.matmul_backward(dinp, None, None, dout, inp, weight, pre_gelu=pre_gelu,
+                                                 dgelu_epilogue=dgelu_epilogue, use_cublaslt=lt),
+                     [dout, weight, pre_gelu], [dinp], "matmul_backward dinp")
+            side(lambda: kmm.matmul_backward(None, dweight, dbias, dout, inp, weight, scratch=bias_scratch,
+                                             seed=slot_seed, use_cublaslt=lt),
+                 [dout, inp, slot_seed], [dweight, dbias, bias_scratch if dbias is not None else None],
+                 "matmul_backward dweight")
+
+        lanes.begin()
         dl_btc = a["scratch_btc"]      # the forward's projection scratch is free now
         dl_bt4c = a["scratch_bt4c"]
         bt4c_flat = dl_bt4c.view(-1)
-        dresidual.zero_()
+        main(dresidual.zero_, [], [dresidual], "zero dresidual")
 
         # classifier matmul: dlnf = dlogits @ wte, dwte += dlogits^T @ lnf (chunked: the forward did it)
         dlnf = self._dlnf()
         if self.classifier_chunks == 1:
-            kmm.matmul_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"], use_cublaslt=lt)
+            linear_backward(dlnf, g["wte"], None, self.logits_view(), a["lnf"], p["wte"], None)
         ln_backward(dlnf, a["residual3"][L - 1], p["lnfw"], g["lnfw"], g["lnfb"], a["lnf_mean"], a["lnf_rstd"],
                     self._seed(1), L - 1, "fcprojb", 5)
         dqkv = bt4c_flat[:B * T * 3 * C].view(B, T, 3 * C)
@@ -868,56 +899,70 @@ class GPT2Model:
             b = self._layer_buffers(l)
             seed = lambda k: self._layer_seed(l, k)  # noqa: E731
             if self.recompute >= 1:
-                gelu_forward(b["fch_gelu"], b["fch"])
+                main(lambda: gelu_forward(b["fch_gelu"], b["fch"]), [b["fch"]], [b["fch_gelu"]], "gelu_forward")
             # fcproj, then the GELU: dl_bt4c becomes the gradient of fch (fcproj's bias gradient: here, or
             # already summed by the LayerNorm backward that wrote dresidual)
             fcproj_dbias = None if fuse else g["fcprojb"][l]
             if gf == 2:
                 # llm.c's DGELU epilogue (cuBLASLt's or our Triton GEMM's); fc's bias gradient in its own
                 # reduction below
-                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], fcproj_dbias, dresidual, b["fch_gelu"],
-                                    p["fcprojw"][l], scratch=bias_scratch, pre_gelu=b["fch"], dgelu_epilogue=True,
-                                    seed=seed(5), use_cublaslt=lt)
+                linear_backward(dl_bt4c, g["fcprojw"][l], fcproj_dbias, dresidual, b["fch_gelu"], p["fcprojw"][l],
+                                seed(5), pre_gelu=b["fch"], dgelu_epilogue=True)
                 fc_dbias = g["fcb"][l]
             else:
                 # dgelu fused with fc's bias gradient: one pass over the (B, T, 4C) gradient
-                kmm.matmul_backward(dl_bt4c, g["fcprojw"][l], fcproj_dbias, dresidual, b["fch_gelu"],
-                                    p["fcprojw"][l], scratch=bias_scratch, seed=seed(5), use_cublaslt=lt)
-                kmm.bias_gelu_backward(g["fcb"][l], bias_scratch, dl_bt4c, b["fch"], seed=seed(4))
+                linear_backward(dl_bt4c, g["fcprojw"][l], fcproj_dbias, dresidual, b["fch_gelu"], p["fcprojw"][l],
+                                seed(5))
+                main(lambda: kmm.bias_gelu_backward(g["fcb"][l], bias_scratch, dl_bt4c, b["fch"], seed=seed(4)),
+                     [b["fch"], seed(4)], [dl_bt4c, g["fcb"][l], bias_scratch], "bias_gelu_backward")
                 fc_dbias = None
             if self.recompute >= 2:
-                kln.layernorm_forward(b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual2"], p["ln2w"][l],
-                                      p["ln2b"][l])
-            kmm.matmul_backward(dl_btc, g["fcw"][l], fc_dbias, dl_bt4c, b["ln2"], p["fcw"][l], scratch=bias_scratch,
-                                seed=seed(4), use_cublaslt=lt)
+                main(lambda: kln.layernorm_forward(b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual2"],
+                                                   p["ln2w"][l], p["ln2b"][l]),
+                     [b["residual2"], p["ln2w"][l], p["ln2b"][l]], [b["ln2"], b["ln2_mean"], b["ln2_rstd"]],
+                     "layernorm_forward")
+            linear_backward(dl_btc, g["fcw"][l], fc_dbias, dl_bt4c, b["ln2"], p["fcw"][l], seed(4))
             # ln2: dresidual becomes the gradient of residual2 (the MLP branch added to the skip path)
             ln_backward(dl_btc, b["residual2"], p["ln2w"][l], g["ln2w"][l], g["ln2b"][l], b["ln2_mean"], b["ln2_rstd"],
                         seed(1), l, "attprojb", 3)
-            kmm.matmul_backward(dl_btc, g["attprojw"][l], None if fuse else g["attprojb"][l], dresidual, b["atty"],
-                                p["attprojw"][l], scratch=bias_scratch, seed=seed(3), use_cublaslt=lt)
+            linear_backward(dl_btc, g["attprojw"][l], None if fuse else g["attprojb"][l], dresidual, b["atty"],
+                            p["attprojw"][l], seed(3))
             if self.attention == "classic":
                 # dead by now: fch (4C >= 3C) holds dq, dk, dv head-major; atty holds dout head-major;
                 # the logits buffer (spent) holds datt when it is large enough
                 hs = C // NH
                 dqkvr = b["fch"].view(-1)[:3 * B * T * C].view(3, B, NH, T, hs)
                 datt = a["datt"] if "datt" in a else self._output(B * NH * T * T).view(B, NH, T, T)
-                kattn.attention_backward_any("classic", dqkv, dl_btc, None, None, NH, qkvr=b["qkvr"], att=b["att"],
-                                             dqkvr=dqkvr, datt=datt, scratch=b["atty"])
+                main(lambda: kattn.attention_backward_any("classic", dqkv, dl_btc, None, None, NH, qkvr=b["qkvr"],
+                                                          att=b["att"], dqkvr=dqkvr, datt=datt, scratch=b["atty"]),
+                     [dl_btc, b["qkvr"], b["att"]], [dqkv, dqkvr, datt, b["atty"]], "attention_backward")
             else:
-                kattn.attention_backward_any(self.attention, dqkv, dl_btc, b["qkv"], b["atty"], NH, lse=b["lse"],
-                                             delta=a["delta"] if "delta" in a else None)
+                delta = a["delta"] if "delta" in a else None
+                main(lambda: kattn.attention_backward_any(self.attention, dqkv, dl_btc, b["qkv"], b["atty"], NH,
+                                                          lse=b["lse"], delta=delta),
+                     [dl_btc, b["qkv"], b["atty"], b["lse"]], [dqkv, delta], "attention_backward")
             if self.recompute >= 2:
-                kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"], p["ln1w"][l], p["ln1b"][l])
-            kmm.matmul_backward(dl_btc, g["qkvw"][l], g["qkvb"][l], dqkv, b["ln1"], p["qkvw"][l], scratch=bias_scratch,
-                                seed=seed(2), use_cublaslt=lt)
+                main(lambda: kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"],
+                                                   p["ln1w"][l], p["ln1b"][l]),
+                     [b["residual"], p["ln1w"][l], p["ln1b"][l]], [b["ln1"], b["ln1_mean"], b["ln1_rstd"]],
+                     "layernorm_forward")
+            linear_backward(dl_btc, g["qkvw"][l], g["qkvb"][l], dqkv, b["ln1"], p["qkvw"][l], seed(2))
             # ln1: dresidual becomes the gradient of this layer's input residual
             ln_backward(dl_btc, b["residual"], p["ln1w"][l], g["ln1w"][l], g["ln1b"][l], b["ln1_mean"], b["ln1_rstd"],
                         seed(0), l - 1 if l > 0 else None, "fcprojb", 5)
             if on_layer_done is not None:
-                on_layer_done(l)
-        kenc.encoder_backward(g["wte"], g["wpe"], dresidual, self._cur_inputs, self._seed(0), scratch=self._enc_scratch)
+                # the data-parallel reduction reads this layer's gradients, some of them the side lane's
+                lanes.wait_side()
+                main(lambda: on_layer_done(l), [], [], "on_layer_done")
+        main(lambda: kenc.encoder_backward(g["wte"], g["wpe"], dresidual, self._cur_inputs, self._seed(0),
+                                           scratch=self._enc_scratch),
+             [dresidual, self._cur_inputs, self._seed(0)],
+             [g["wte"], g["wpe"], *(t for t in vars(self._enc_scratch).values() if isinstance(t, torch.Tensor))],
+             "encoder_backward")
         if on_layer_done is not None:
-            on_layer_done(-1)
+            lanes.wait_side()
+            main(lambda: on_layer_done(-1), [], [], "on_layer_done")
+        lanes.end()
 
     # ------------------------------------------------------------------------------------------------
     # update

@@ -10,10 +10,10 @@ H200 with cuBLAS 13 there is no algorithm for fp32 sums of bf16 products). DGELU
 bf16 sums it took 1.7 ms where the product and our fused dGELU + bias pass take 0.8 (bench/RESULTS.md,
 run L).
 
-The binding is small: one handle and one workspace per device, and per distinct problem (shapes,
-layouts, epilogue, pointer alignments, rank) a cached plan - the operation descriptor, four matrix
-layouts and the algorithm of that rank in cuBLASLt's heuristic list (0, the first, unless
-kernels.matmul.TUNED_ALGOS names another). The ranking is a pure function of the problem, so the same
+The binding is small: one handle and one workspace per device (and per stream that asks for one), and
+per distinct problem (shapes, layouts, epilogue, pointer alignments, rank) a cached plan - the operation
+descriptor, four matrix layouts and the algorithm of that rank in cuBLASLt's heuristic list (0, the
+first, unless kernels.matmul.TUNED_ALGOS names another). The ranking is a pure function of the problem, so the same
 run gives the same kernels and the same bits every time (no timing-based choice);
 tests/test_cublaslt.py checks results against torch and repeats bitwise. Everything is enqueued on
 torch's current stream, so it is captured by CUDA graphs like any other kernel.
@@ -134,7 +134,8 @@ def available() -> bool:
 
 
 class _Device:
-    """One handle and one workspace per device."""
+    """One handle and one workspace per device, and one more per stream registered by
+    reserve_workspace (products on two streams at once must not share a workspace)."""
 
     def __init__(self, device: torch.device):
         lib = _lib()
@@ -142,6 +143,7 @@ class _Device:
         with torch.cuda.device(device):
             _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.stream_workspaces: dict = {}  # cudaStream_t -> workspace
 
 
 _devices: dict = {}
@@ -153,6 +155,15 @@ def _device_state(device: torch.device) -> _Device:
     if index not in _devices:
         _devices[index] = _Device(torch.device("cuda", index))
     return _devices[index]
+
+
+def reserve_workspace(stream: torch.cuda.Stream):
+    """Give the products issued on stream a workspace of their own (allocated now, not inside a CUDA
+    graph's capture). Every other stream shares the device's workspace."""
+    state = _device_state(stream.device)
+    if stream.cuda_stream not in state.stream_workspaces:
+        state.stream_workspaces[stream.cuda_stream] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
+                                                                  device=stream.device)
 
 
 def _alignment(ptr: int) -> int:
@@ -253,9 +264,10 @@ def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_
     beta = ctypes.c_float(beta)
     la, lb, lc, ld_ = plan.layouts
     stream = torch.cuda.current_stream(d.device).cuda_stream
+    workspace = state.stream_workspaces.get(stream, state.workspace)
     _check(lib.cublasLtMatmul(state.handle, plan.desc, ctypes.byref(alpha), ptrs[0], la, ptrs[1], lb,
                               ctypes.byref(beta), ptrs[2], lc, ptrs[3], ld_, plan.algo,
-                              state.workspace.data_ptr(), WORKSPACE_BYTES, stream), "cublasLtMatmul")
+                              workspace.data_ptr(), WORKSPACE_BYTES, stream), "cublasLtMatmul")
 
 
 def _check_operands(shapes: dict, **tensors):

@@ -562,7 +562,8 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
     """Backward of out = inp @ weight.T + bias (llm.c's matmul_backward).
 
     dinp (..., C) = dout (..., OC) @ weight: OVERWRITTEN (None skips it).
-    dweight (OC, C) += dout.T @ inp: ACCUMULATED, in the GEMM itself (beta = 1).
+    dweight (OC, C) += dout.T @ inp: ACCUMULATED, in the GEMM itself (beta = 1) (None skips it: the model
+    issues the input gradient and the weight and bias gradients as two calls, on two streams).
     dbias (OC) += column sums of dout: ACCUMULATED, deterministic Triton reduction (None skips it);
     scratch / seed as in matmul_backward_bias.
     pre_gelu (..., C): this layer's input was gelu(pre_gelu) (fcproj), so dinp is turned into the
@@ -592,6 +593,10 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
                 torch.mm(dout2, weight, out=dinp2)
             if pre_gelu is not None:
                 gelu_backward_inplace(dinp, pre_gelu)
+    if dweight is None:
+        if dbias is not None:
+            _bias_reduce(dbias, scratch, dout2, None, seed, None)
+        return dinp, dweight, dbias
     assert dweight.shape == (OC, C) and dweight.dtype == dout.dtype and dweight.is_contiguous()
     if dbias is not None and use_cublaslt and BIAS_GRAD_IN_PRODUCT and scratch is not None \
             and scratch.numel() * scratch.element_size() >= OC * dout.element_size():
