@@ -2,7 +2,8 @@
 
     PYTHONPATH=src:. python -m bench.profile_step [--model d12] [--B 64] [--T 1024] [--recompute 0] \
         [--attention auto|classic|flash|cudnn|torch-flash] [--gelu-fusion N] [--classifier-chunks K] \
-        [--warmup 5] [--steps 5] [--graph-steps 20] [--no-graph-compare] [--json out.json] [--md out.md]
+        [--warmup 5] [--steps 5] [--graph-steps 20] [--graph-profile-steps 3] [--no-graph-compare] \
+        [--json out.json] [--md out.md]
 
 What it does (the "profile first" step of the 100-ms issue):
   1. builds llmpy.model.GPT2Model with cuda_graph=False, so torch.profiler sees every kernel launch;
@@ -12,7 +13,11 @@ What it does (the "profile first" step of the 100-ms issue):
      table CLASSES below into matrix / attention / memory-bound / optimizer / other, and reports
      "gaps" = wall time of a profiled step minus its kernel time (launch overhead, idle device);
   4. frees that model, builds a second one with cuda_graph=True and reports its median step time, the
-     figure bench_step measures, so the eager "gaps" can be read against what the graph removes.
+     figure bench_step measures, so the eager "gaps" can be read against what the graph removes;
+  5. profiles --graph-profile-steps replays of that graph: each kernel's time inside the real step (at
+     the power cap, where eager kernels with gaps between them run at higher clocks), and the device
+     timeline (`timeline`): busy time, idle stretches inside the graph and their neighbours, and the idle
+     time between replays.
 
 Output: a per-kernel table (calls a step, ms a step, share of the step, group), the group summary next
 to the floors of shared/ANCHORS.md, the "other" kernels listed by name; --json writes every figure,
@@ -117,6 +122,58 @@ def aggregate(events, steps: int, wall_ms_per_step: float | None = None) -> dict
     groups["gaps"] = {"ms": gaps_ms, "share": share(gaps_ms), "kernels": 0, "calls": 0, "floor_ms": None}
     return {"steps": steps, "wall_ms": wall, "kernel_ms": kernel_ms, "step_ms": step_ms, "gaps_ms": gaps_ms,
             "rows": rows, "groups": groups, "other": [r["name"] for r in rows if r["group"] == "other"]}
+
+
+def timeline(intervals, steps: int, wall_ms_per_step: float | None = None, top: int = 8) -> dict:
+    """The CUDA-graph step's device timeline. intervals: (name, start us, end us) of every device event
+    over `steps` replays, one after the other. Returns per step: kernel_ms (sum of durations), busy_ms
+    (their union: concurrent kernels count once), span_ms (a replay's first start to its last end),
+    idle_ms = span - busy (the device idle inside the graph: launch latency and dependency waits between
+    nodes), host_ms = wall - span (idle between replays: reading the loss, staging the next batch,
+    launching), and the `top` longest idle stretches inside the graph with the kernels on either side.
+    The steps - 1 longest stretches are taken to be the host's between replays (a graph has no host
+    waits inside, and the host's sync + staging + launch takes far longer than a node-to-node gap)."""
+    if steps < 1:
+        raise ValueError("steps must be at least 1")
+    ev = sorted((float(s), float(e), n) for n, s, e in intervals)
+    kernel_us = sum(e - s for s, e, _ in ev)
+    busy_us, holes = 0.0, []
+    cur_s = cur_e = None
+    last_name = None
+    for s, e, n in ev:
+        if cur_e is None:
+            cur_s, cur_e, last_name = s, e, n
+            continue
+        if s > cur_e:
+            busy_us += cur_e - cur_s
+            holes.append((s - cur_e, last_name, n))
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+        if e >= cur_e:
+            last_name = n
+    if cur_e is not None:
+        busy_us += cur_e - cur_s
+    holes.sort(key=lambda h: -h[0])
+    between, holes = holes[:steps - 1], holes[steps - 1:]
+    span_us = (ev[-1][1] - ev[0][0] - sum(h[0] for h in between)) if ev else 0.0
+    idle_us = span_us - busy_us
+    out = {"steps": steps, "kernel_ms": kernel_us / 1e3 / steps, "busy_ms": busy_us / 1e3 / steps,
+           "span_ms": span_us / 1e3 / steps, "idle_ms": idle_us / 1e3 / steps, "holes": len(holes) / steps,
+           "top_holes": [{"us": us, "after": a, "before": b} for us, a, b in holes[:top]]}
+    if wall_ms_per_step is not None:
+        out["wall_ms"] = float(wall_ms_per_step)
+        out["host_ms"] = float(wall_ms_per_step) - out["span_ms"]
+    return out
+
+
+def format_timeline(tl: dict, width: int = 60) -> str:
+    lines = [f"kernels {tl['kernel_ms']:.2f} ms, busy (union) {tl['busy_ms']:.2f} ms, device span "
+             f"{tl['span_ms']:.2f} ms, idle inside the graph {tl['idle_ms']:.2f} ms in {tl['holes']:.0f} stretches"
+             + (f"; wall {tl['wall_ms']:.2f} ms, between replays {tl['host_ms']:.2f} ms" if "wall_ms" in tl else "")]
+    for h in tl["top_holes"]:
+        lines.append(f"  {h['us']:8.1f} us idle after {_short(h['after'], width)} before {_short(h['before'], width)}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -242,6 +299,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5, help="profiled eager steps")
     ap.add_argument("--graph-steps", type=int, default=20, help="timed CUDA-graph steps (after 3 warm-up)")
     ap.add_argument("--no-graph-compare", action="store_true", help="skip the CUDA-graph timing")
+    ap.add_argument("--graph-profile-steps", type=int, default=3,
+                    help="graphed steps profiled after the timing (0: none): kernels at the power cap, idle inside the graph")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
@@ -292,6 +351,12 @@ def _kernel_events(prof):
         lo = tr.start if lo is None else min(lo, tr.start)
         hi = tr.end if hi is None else max(hi, tr.end)
     return out, (hi - lo) if out else 0.0
+
+
+def _kernel_intervals(prof):
+    """(name, start us, end us) per device-side event of the profile."""
+    from torch.autograd import DeviceType
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
 
 
 def profile_eager(args) -> dict:
@@ -346,10 +411,29 @@ def time_graphed(args, warmup: int = 3) -> dict:
         float(loss)
         torch.cuda.synchronize()
         ms.append((time.perf_counter() - t) * 1e3)
+    timed = ms[warmup:] or ms
+    out = {"median_ms": statistics.median(timed), "min_ms": min(timed), "step_ms": ms, "warmup": warmup}
+    if args.graph_profile_steps:
+        # the replays under torch.profiler: each kernel's time inside the real (graphed, power-capped) step
+        from torch.profiler import ProfilerActivity, profile
+        more = make_batches(config.vocab_size, args.B, args.T, args.graph_profile_steps, args.data_seed + 1, pin=True)
+        walls = []
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i, batch in enumerate(more):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                loss, _ = model.train_step([batch], args.lr, n + i + 1, args.weight_decay, args.grad_clip)
+                float(loss)
+                torch.cuda.synchronize()
+                walls.append((time.perf_counter() - t) * 1e3)
+        intervals = _kernel_intervals(prof)
+        steps = args.graph_profile_steps
+        wall = sum(walls) / len(walls)
+        out["timeline"] = timeline(intervals, steps, wall)
+        out["profile"] = aggregate(((nm, e - s, 1) for nm, s, e in intervals), steps, wall)
     del model
     torch.cuda.empty_cache()
-    timed = ms[warmup:] or ms
-    return {"median_ms": statistics.median(timed), "min_ms": min(timed), "step_ms": ms, "warmup": warmup}
+    return out
 
 
 def _meta(argv) -> dict:
@@ -400,6 +484,10 @@ def main(argv=None) -> int:
           f"kernels {agg['kernel_ms']:.2f} ms/step"
           + (f"; CUDA graph median {graph['median_ms']:.2f} ms/step "
              f"(kernels + {graph['median_ms'] - agg['kernel_ms']:+.2f} ms)" if graph else ""), flush=True)
+    if graph and "timeline" in graph:
+        print(f"\n=== the CUDA-graph step under torch.profiler ({args.graph_profile_steps} replays)")
+        print(format_groups(graph["profile"]))
+        print(format_timeline(graph["timeline"]), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
@@ -407,7 +495,14 @@ def main(argv=None) -> int:
                        "classes": CLASSES, "floors": FLOORS}, f, indent=1)
     if args.md:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(format_markdown(agg, meta))
+        text = format_markdown(agg, meta)
+        if graph and "timeline" in graph:
+            tl = graph["timeline"]
+            text += (f"\nThe CUDA-graph step under torch.profiler ({args.graph_profile_steps} replays): "
+                     f"{tl['kernel_ms']:.1f} ms of kernels, device busy {tl['busy_ms']:.1f} ms of a "
+                     f"{tl['span_ms']:.1f} ms replay (idle inside the graph {tl['idle_ms']:.2f} ms), "
+                     f"{tl['host_ms']:.2f} ms between replays.\n\n" + format_markdown(graph["profile"], None))
+        Path(args.md).write_text(text)
     return 0
 
 

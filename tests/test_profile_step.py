@@ -158,3 +158,25 @@ def test_overlap_switch():
         assert opts["overlap_weight_grads"] == mode
     with pytest.raises(SystemExit):
         ps.parse_args(["--overlap-weight-grads", "sideways"])
+
+
+def test_timeline_union_idle_and_holes():
+    # two steps; in each: a (0-10), b (5-12) overlapping a, a 3 us hole, c (15-20), then a 1 us hole, d (21-30)
+    ev = []
+    for base in (0.0, 100.0):
+        ev += [("a", base, base + 10), ("b", base + 5, base + 12), ("c", base + 15, base + 20),
+               ("d", base + 21, base + 30)]
+    tl = ps.timeline(ev, steps=2, wall_ms_per_step=0.1)
+    assert tl["kernel_ms"] == pytest.approx((10 + 7 + 5 + 9) / 1e3)
+    assert tl["busy_ms"] == pytest.approx((12 + 5 + 9) / 1e3)
+    # a replay spans 30 us; the 70 us between the two replays is the host's, not the graph's idle
+    assert tl["span_ms"] == pytest.approx(30 / 1e3)
+    assert tl["idle_ms"] == pytest.approx((30 - 26) / 1e3)
+    assert tl["holes"] == pytest.approx(2)
+    top = tl["top_holes"]
+    assert top[0] == {"us": 3.0, "after": "b", "before": "c"} and top[2]["us"] == 1.0
+    assert tl["host_ms"] == pytest.approx(0.1 - 0.030)
+    text = ps.format_timeline(tl)
+    assert "idle inside the graph" in text and "after b" in text
+    with pytest.raises(ValueError):
+        ps.timeline(ev, steps=0)

@@ -45,6 +45,7 @@ _DTYPES = {torch.float32: _CUDA_R_32F, torch.bfloat16: _CUDA_R_16BF}
 # cublasLtMatmulDescAttributes_t
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
+_DESC_SM_COUNT_TARGET = 15
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D bytes
@@ -166,6 +167,29 @@ def reserve_workspace(stream: torch.cuda.Stream):
                                                                   device=stream.device)
 
 
+# Products planned while this is non-zero ask cuBLASLt for kernels that use that many SMs (its
+# SM_COUNT_TARGET), leaving the rest to a kernel on another stream. See sm_count_target.
+_sm_count_target = 0
+
+
+class sm_count_target:
+    """Context manager: the products issued inside it are planned for n SMs (0: all of them), so that a
+    memory-bound kernel on another stream finds SMs free while they run."""
+
+    def __init__(self, n: int):
+        self.n = int(n)
+
+    def __enter__(self):
+        global _sm_count_target
+        self._saved, _sm_count_target = _sm_count_target, self.n
+        return self
+
+    def __exit__(self, *exc):
+        global _sm_count_target
+        _sm_count_target = self._saved
+        return False
+
+
 def _alignment(ptr: int) -> int:
     """The largest power of two up to 256 dividing ptr (a plan is only valid for pointers this aligned)."""
     return min(256, ptr & -ptr) if ptr else 256
@@ -180,7 +204,7 @@ class _Plan:
     """Descriptor, layouts and the algorithm of rank algo_index of one problem (the key _gemm makes)."""
 
     def __init__(self, state: _Device, key, bias_ptr: int, aux_ptr: int):
-        (_, m, n, k, transa, transb, lda, ldb, ldc, ldd, dtype, epilogue, aux_ld, aligns, algo_index) = key
+        (_, m, n, k, transa, transb, lda, ldb, ldc, ldd, dtype, epilogue, aux_ld, aligns, algo_index, sms) = key
         lib = _lib()
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
@@ -188,6 +212,8 @@ class _Plan:
         _set(dset, self.desc, _DESC_TRANSA, _OP_T if transa else _OP_N, ctypes.c_int32)
         _set(dset, self.desc, _DESC_TRANSB, _OP_T if transb else _OP_N, ctypes.c_int32)
         _set(dset, self.desc, _DESC_EPILOGUE, epilogue, ctypes.c_uint32)
+        if sms:
+            _set(dset, self.desc, _DESC_SM_COUNT_TARGET, sms, ctypes.c_int32)
         self.layouts = []
         t = _DTYPES[dtype]
         a_rows, a_cols = (k, m) if transa else (m, k)
@@ -247,7 +273,7 @@ def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_
     ptrs = (a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), bias_ptr, aux_ptr)
     aligns = tuple(_alignment(p) for p in ptrs)
     key = (d.device.index, m, n, k, bool(transa), bool(transb), lda, ldb, ldc, ldd, d.dtype, epilogue, aux_ld,
-           aligns, algo_index)
+           aligns, algo_index, _sm_count_target)
     plan = _plans.get(key)
     if isinstance(plan, CublasLtError):  # refused before: refuse again without asking the heuristic
         raise plan
