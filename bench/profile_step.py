@@ -124,53 +124,73 @@ def aggregate(events, steps: int, wall_ms_per_step: float | None = None) -> dict
             "rows": rows, "groups": groups, "other": [r["name"] for r in rows if r["group"] == "other"]}
 
 
-def timeline(intervals, steps: int, wall_ms_per_step: float | None = None, top: int = 8) -> dict:
+def timeline(intervals, steps: int, wall_ms_each=None, top: int = 8, host_gap_us: float = 30.0) -> dict:
     """The CUDA-graph step's device timeline. intervals: (name, start us, end us) of every device event
-    over `steps` replays, one after the other. Returns per step: kernel_ms (sum of durations), busy_ms
-    (their union: concurrent kernels count once), span_ms (a replay's first start to its last end),
-    idle_ms = span - busy (the device idle inside the graph: launch latency and dependency waits between
-    nodes), host_ms = wall - span (idle between replays: reading the loss, staging the next batch,
-    launching), and the `top` longest idle stretches inside the graph with the kernels on either side.
-    The steps - 1 longest stretches are taken to be the host's between replays (a graph has no host
-    waits inside, and the host's sync + staging + launch takes far longer than a node-to-node gap)."""
+    over `steps` replays, one after the other.
+
+    Idle stretches of at least host_gap_us are the host's (a graph has no host waits inside; its nodes
+    follow each other within a few us): they cut the timeline into segments, and each replay's graph is
+    the one segment holding most of its kernel time (the others are the small copies the host issues
+    between replays: the loss and norm read back, the next batch and the hyper-parameters sent). Returns,
+    per step: kernel_ms (sum of durations), busy_ms (their union: concurrent kernels count once), graph_ms
+    (a graph segment's first start to last end), graph_idle_ms = graph - busy inside the graphs (launch
+    latency and dependency waits between nodes), between_ms (from one graph's end to the next one's
+    start: the host's turn, as the device sees it), and the `top` longest idle stretches inside the
+    graphs with the events on either side; with wall_ms_each (each replay's wall time), wall_ms (their
+    mean) and the per-replay between times."""
     if steps < 1:
         raise ValueError("steps must be at least 1")
-    ev = sorted((float(s), float(e), n) for n, s, e in intervals)
-    kernel_us = sum(e - s for s, e, _ in ev)
-    busy_us, holes = 0.0, []
-    cur_s = cur_e = None
-    last_name = None
-    for s, e, n in ev:
-        if cur_e is None:
-            cur_s, cur_e, last_name = s, e, n
-            continue
-        if s > cur_e:
-            busy_us += cur_e - cur_s
-            holes.append((s - cur_e, last_name, n))
-            cur_s, cur_e = s, e
-        elif e > cur_e:
-            cur_e = e
-        if e >= cur_e:
-            last_name = n
-    if cur_e is not None:
-        busy_us += cur_e - cur_s
-    holes.sort(key=lambda h: -h[0])
-    between, holes = holes[:steps - 1], holes[steps - 1:]
-    span_us = (ev[-1][1] - ev[0][0] - sum(h[0] for h in between)) if ev else 0.0
-    idle_us = span_us - busy_us
+    ev = sorted((float(st), float(en), n) for n, st, en in intervals)
+    kernel_us = sum(en - st for st, en, _ in ev)
+    # merge into busy runs; split into segments at host-sized holes
+    segments = []  # [start, end, busy us, kernel us, holes [(us, after, before)]]
+    run_s = run_e = None
+    last = None
+    for st, en, n in ev:
+        if run_e is not None and st - run_e >= host_gap_us:
+            segments[-1][2] += run_e - run_s
+            segments[-1][1] = run_e
+            run_s = run_e = None
+        if run_e is None:
+            if not segments or segments[-1][1] is not None:
+                segments.append([st, None, 0.0, 0.0, []])
+            run_s, run_e, last = st, en, n
+        elif st > run_e:
+            segments[-1][2] += run_e - run_s
+            segments[-1][4].append((st - run_e, last, n))
+            run_s, run_e, last = st, en, n
+        else:
+            if en >= run_e:
+                run_e, last = en, n
+        segments[-1][3] += en - st
+    if run_e is not None:
+        segments[-1][2] += run_e - run_s
+        segments[-1][1] = run_e
+    graphs = sorted(sorted(segments, key=lambda g: -g[3])[:steps], key=lambda g: g[0])
+    busy_us = sum(g[2] for g in graphs)
+    graph_us = sum(g[1] - g[0] for g in graphs)
+    holes = sorted((h for g in graphs for h in g[4]), key=lambda h: -h[0])
+    between = [(b[0] - a[1]) / 1e3 for a, b in zip(graphs, graphs[1:])]
     out = {"steps": steps, "kernel_ms": kernel_us / 1e3 / steps, "busy_ms": busy_us / 1e3 / steps,
-           "span_ms": span_us / 1e3 / steps, "idle_ms": idle_us / 1e3 / steps, "holes": len(holes) / steps,
+           "graph_ms": graph_us / 1e3 / steps, "graph_idle_ms": (graph_us - busy_us) / 1e3 / steps,
+           "graph_holes": len(holes) / steps, "between_ms": sum(between) / len(between) if between else None,
+           "between_ms_each": between, "graph_ms_each": [(g[1] - g[0]) / 1e3 for g in graphs],
            "top_holes": [{"us": us, "after": a, "before": b} for us, a, b in holes[:top]]}
-    if wall_ms_per_step is not None:
-        out["wall_ms"] = float(wall_ms_per_step)
-        out["host_ms"] = float(wall_ms_per_step) - out["span_ms"]
+    if wall_ms_each:
+        out["wall_ms_each"] = [float(w) for w in wall_ms_each]
+        out["wall_ms"] = sum(out["wall_ms_each"]) / len(out["wall_ms_each"])
     return out
 
 
 def format_timeline(tl: dict, width: int = 60) -> str:
-    lines = [f"kernels {tl['kernel_ms']:.2f} ms, busy (union) {tl['busy_ms']:.2f} ms, device span "
-             f"{tl['span_ms']:.2f} ms, idle inside the graph {tl['idle_ms']:.2f} ms in {tl['holes']:.0f} stretches"
-             + (f"; wall {tl['wall_ms']:.2f} ms, between replays {tl['host_ms']:.2f} ms" if "wall_ms" in tl else "")]
+    lines = [f"kernels {tl['kernel_ms']:.2f} ms, busy (union) {tl['busy_ms']:.2f} ms of a {tl['graph_ms']:.2f} ms "
+             f"graph: idle inside it {tl['graph_idle_ms']:.2f} ms in {tl['graph_holes']:.0f} stretches"]
+    if tl["between_ms"] is not None:
+        each = ", ".join(f"{x:.2f}" for x in tl["between_ms_each"])
+        lines.append(f"between one graph's end and the next one's start: mean {tl['between_ms']:.2f} ms ({each})")
+    if "wall_ms" in tl:
+        lines.append("wall per replay: " + ", ".join(f"{x:.2f}" for x in tl["wall_ms_each"])
+                     + "; graph per replay: " + ", ".join(f"{x:.2f}" for x in tl["graph_ms_each"]))
     for h in tl["top_holes"]:
         lines.append(f"  {h['us']:8.1f} us idle after {_short(h['after'], width)} before {_short(h['before'], width)}")
     return "\n".join(lines)
@@ -308,6 +328,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-seed", type=int, default=1337)
     ap.add_argument("--top", type=int, default=40, help="kernels shown in the printed table (0: all)")
     ap.add_argument("--trace", default=None, help="also export a Chrome trace of the profiled steps here")
+    ap.add_argument("--graph-trace", default=None,
+                    help="write the profiled graph replays' device events here (JSON: names, [name index, start us, end us])")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
@@ -428,9 +450,13 @@ def time_graphed(args, warmup: int = 3) -> dict:
                 walls.append((time.perf_counter() - t) * 1e3)
         intervals = _kernel_intervals(prof)
         steps = args.graph_profile_steps
-        wall = sum(walls) / len(walls)
-        out["timeline"] = timeline(intervals, steps, wall)
-        out["profile"] = aggregate(((nm, e - s, 1) for nm, s, e in intervals), steps, wall)
+        out["timeline"] = timeline(intervals, steps, walls)
+        out["profile"] = aggregate(((nm, e - s, 1) for nm, s, e in intervals), steps, sum(walls) / len(walls))
+        if args.graph_trace:
+            names = sorted({nm for nm, _, _ in intervals})
+            index = {nm: i for i, nm in enumerate(names)}
+            with open(args.graph_trace, "w") as f:
+                json.dump({"names": names, "events": [(index[nm], s, e) for nm, s, e in intervals]}, f)
     del model
     torch.cuda.empty_cache()
     return out
@@ -500,8 +526,10 @@ def main(argv=None) -> int:
             tl = graph["timeline"]
             text += (f"\nThe CUDA-graph step under torch.profiler ({args.graph_profile_steps} replays): "
                      f"{tl['kernel_ms']:.1f} ms of kernels, device busy {tl['busy_ms']:.1f} ms of a "
-                     f"{tl['span_ms']:.1f} ms replay (idle inside the graph {tl['idle_ms']:.2f} ms), "
-                     f"{tl['host_ms']:.2f} ms between replays.\n\n" + format_markdown(graph["profile"], None))
+                     f"{tl['graph_ms']:.1f} ms graph (idle inside it {tl['graph_idle_ms']:.2f} ms), "
+                     + (f"{tl['between_ms']:.2f} ms from one graph's end to the next one's start"
+                        if tl["between_ms"] is not None else "one replay") + ".\n\n"
+                     + format_markdown(graph["profile"], None))
         Path(args.md).write_text(text)
     return 0
 

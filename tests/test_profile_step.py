@@ -160,23 +160,26 @@ def test_overlap_switch():
         ps.parse_args(["--overlap-weight-grads", "sideways"])
 
 
-def test_timeline_union_idle_and_holes():
-    # two steps; in each: a (0-10), b (5-12) overlapping a, a 3 us hole, c (15-20), then a 1 us hole, d (21-30)
+def test_timeline_graphs_idle_and_between():
+    # two replays 1000 us apart. Each graph: a (0-100), b (50-120) overlapping a, a 3 us hole, c (123-200),
+    # a 1 us hole, d (201-300); then the host's copies: a 40 us hole, copy (340-345), and the next graph
     ev = []
-    for base in (0.0, 100.0):
-        ev += [("a", base, base + 10), ("b", base + 5, base + 12), ("c", base + 15, base + 20),
-               ("d", base + 21, base + 30)]
-    tl = ps.timeline(ev, steps=2, wall_ms_per_step=0.1)
-    assert tl["kernel_ms"] == pytest.approx((10 + 7 + 5 + 9) / 1e3)
-    assert tl["busy_ms"] == pytest.approx((12 + 5 + 9) / 1e3)
-    # a replay spans 30 us; the 70 us between the two replays is the host's, not the graph's idle
-    assert tl["span_ms"] == pytest.approx(30 / 1e3)
-    assert tl["idle_ms"] == pytest.approx((30 - 26) / 1e3)
-    assert tl["holes"] == pytest.approx(2)
+    for base in (0.0, 1000.0):
+        ev += [("a", base, base + 100), ("b", base + 50, base + 120), ("c", base + 123, base + 200),
+               ("d", base + 201, base + 300), ("copy", base + 340, base + 345)]
+    tl = ps.timeline(ev, steps=2, wall_ms_each=[1.0, 1.2])
+    assert tl["kernel_ms"] == pytest.approx((100 + 70 + 77 + 99 + 5) / 1e3)
+    assert tl["busy_ms"] == pytest.approx((120 + 77 + 99) / 1e3)  # the graphs only; copies are the host's
+    assert tl["graph_ms"] == pytest.approx(300 / 1e3)
+    assert tl["graph_idle_ms"] == pytest.approx(4 / 1e3)
+    assert tl["graph_holes"] == pytest.approx(2)
+    assert tl["between_ms_each"] == [pytest.approx(0.7)] and tl["between_ms"] == pytest.approx(0.7)
     top = tl["top_holes"]
     assert top[0] == {"us": 3.0, "after": "b", "before": "c"} and top[2]["us"] == 1.0
-    assert tl["host_ms"] == pytest.approx(0.1 - 0.030)
+    assert tl["wall_ms"] == pytest.approx(1.1)
     text = ps.format_timeline(tl)
-    assert "idle inside the graph" in text and "after b" in text
+    assert "idle inside it" in text and "after b" in text and "0.70" in text
+    one = ps.timeline(ev[:5], steps=1)
+    assert one["between_ms"] is None and one["graph_ms"] == pytest.approx(0.3)
     with pytest.raises(ValueError):
         ps.timeline(ev, steps=0)
