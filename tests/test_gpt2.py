@@ -318,6 +318,10 @@ def test_bad_inputs(tiny, device):
         model.forward(x[:, :8], y[:, :8])
     with pytest.raises(LlmpyError, match="B=2, T=16"):
         model.train_step([(x[:1], y[:1])], LR, 1)
+    with pytest.raises(LlmpyError, match="targets hold token ids outside"):
+        model.train_step([(x, torch.full((B, T), TINY.vocab_size))], LR, 1)
+    with pytest.raises(LlmpyError, match="inputs hold token ids outside"):
+        model.train_step([(x.numpy() * 0 - 1, y)], LR, 1)
     with pytest.raises(RuntimeError, match="backward"):
         model.backward()
     with pytest.raises(LlmpyError, match="-r 3"):

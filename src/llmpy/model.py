@@ -300,6 +300,13 @@ def format_memory(plan: dict) -> str:
             + " | largest: " + ", ".join(f"{n} {b / gib:.2f}" for n, b in big))
 
 
+def _host_ids(ids) -> np.ndarray:
+    """Token ids as a numpy array on the host (a torch tensor's own memory when it is on the CPU)."""
+    if isinstance(ids, torch.Tensor):
+        return ids.detach().cpu().numpy()
+    return np.asarray(ids)
+
+
 class _Arena:
     """One flat allocation per dtype, carved into aligned, named, contiguous views."""
 
@@ -488,6 +495,7 @@ class GPT2Model:
         self._warmed: set = set()
         self._staging: dict = {}     # accum -> (device inputs, device targets, pinned host buffer)
         self._micro_losses: dict = {}  # accum -> (accum,) fp32: each micro-step's loss sum
+        self._readout = None           # pinned fp32: the step's loss sums and squared norm, read back (_fetch)
         self.last_step_skipped = False
 
     # ------------------------------------------------------------------------------------------------
@@ -1035,7 +1043,11 @@ class GPT2Model:
     # the whole step
 
     def _stage(self, batches):
-        """Copy the micro-batches into static device buffers (accum, B, T): one H2D copy each."""
+        """Copy the micro-batches into static device buffers (accum, B, T): one H2D copy each.
+
+        The checks and the copy into the pinned buffer are numpy's, on this thread: torch's CPU ops would
+        wake its intra-op thread pool, and on the H200 machine that cost 13-35 ms in one step of six
+        (bench/RESULTS.md, run O) while the device sat idle between two steps."""
         accum = len(batches)
         if accum not in self._staging:
             dev_in = torch.zeros(accum, self.B, self.T, dtype=torch.int32, device=self.device)
@@ -1044,16 +1056,17 @@ class GPT2Model:
             host = torch.zeros(2, accum, self.B, self.T, dtype=torch.int32, pin_memory=pin)
             self._staging[accum] = (dev_in, dev_tg, host)
         dev_in, dev_tg, host = self._staging[accum]
+        host_np = host.numpy()
         for k, (x, y) in enumerate(batches):
-            x, y = torch.as_tensor(x), torch.as_tensor(y)
+            x, y = _host_ids(x), _host_ids(y)
             if x.shape != (self.B, self.T) or y.shape != (self.B, self.T):
                 raise LlmpyError(f"micro-batch {k}: inputs {list(x.shape)}, targets {list(y.shape)}; the model was "
                                  f"built for B={self.B}, T={self.T}")
-            x, y = x.cpu(), y.cpu()
-            self._check_ids(x, "inputs")
-            self._check_ids(y, "targets")
-            host[0, k].copy_(x)
-            host[1, k].copy_(y)
+            for ids, what in ((x, "inputs"), (y, "targets")):
+                if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+                    raise LlmpyError(f"{what} hold token ids outside [0, {self.config.vocab_size})")
+            host_np[0, k] = x
+            host_np[1, k] = y
         # the host buffer is reused next step; the step ends with a sync (loss, norm), so no copy is in flight
         dev_in.copy_(host[0], non_blocking=True)
         dev_tg.copy_(host[1], non_blocking=True)
@@ -1200,11 +1213,27 @@ class GPT2Model:
         sums = self._micro_losses[accum]
         if self.world_size > 1:
             sums = self.dp.all_gather_scalars(sums).t()  # (accum, N): global micro-step j = m*N + r
+        values = self._fetch(sums.reshape(-1), self._norm_sq)
         total = np.float32(0.0)
-        for x in sums.reshape(-1).cpu().numpy():
+        for x in values[:-1]:
             total = np.float32(total + x)
         loss = float(total) / (self.B * self.T * accum * self.world_size)
-        return loss, math.sqrt(float(self._norm_sq))
+        return loss, math.sqrt(float(values[-1]))
+
+    def _fetch(self, *tensors) -> np.ndarray:
+        """1-D fp32 device tensors, concatenated, on the host: on CUDA one wait for the stream, after their
+        copies into a pinned buffer (not a blocking copy and a wake-up each)."""
+        n = sum(t.numel() for t in tensors)
+        if self.device.type != "cuda":
+            return np.concatenate([t.detach().numpy() for t in tensors])
+        if self._readout is None or self._readout.numel() < n:
+            self._readout = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        offset = 0
+        for t in tensors:
+            self._readout[offset:offset + t.numel()].copy_(t, non_blocking=True)
+            offset += t.numel()
+        torch.cuda.current_stream(self.device).synchronize()
+        return self._readout[:n].numpy().copy()
 
     def _eager_step(self, dev_in, dev_tg, accum, lr, step, hp, grad_clip, skip):
         self._local_fwdbwd(dev_in, dev_tg, accum)
