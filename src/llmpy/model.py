@@ -34,6 +34,13 @@ residual stream in the attproj / fcproj product itself (cuBLASLt's beta = 1 onto
 addmm elsewhere) and then runs a plain LayerNorm, instead of writing the product to a scratch and
 running the fused residual + LayerNorm pass.
 
+overlap_weight_grads ("off" by default): the backward issues every call through llmpy.streams.Lanes with
+the tensors it reads and writes; "on" puts the weight-gradient products and bias reductions on a second
+CUDA stream (the chain of input gradients stays on the first, "priority" gives it a high-priority
+stream), each lane waiting for the other only where their memory conflicts. Same kernels, same bits;
+on the H200 no faster (bench/RESULTS.md run O: at the power cap two kernels side by side take as long as
+one after the other).
+
 Classifier chunks (classifier_chunks, default `default_classifier_chunks`): the (B*T, Vp) logits are
 the largest activation (6.6 GB at GPT-2 124M, B=64, T=1024, bf16), and they are only needed a row at a
 time. With k > 1 chunks a training forward runs, per chunk of rows r (fixed order): logits_r = lnf[r] @
