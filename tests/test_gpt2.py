@@ -530,6 +530,21 @@ def _d12_steps(cfg, params, batches, steps, **kw):
     return out, model
 
 
+def _five_steps(cfg, params, batches, accum, skip=None, **kw):
+    """5 train_steps of a fresh d12 model at B=4, T=64 over the 3 batches, accum micro-steps each:
+    (losses and norms, bf16 parameters, fp32 master weights)."""
+    model = GPT2Model(cfg, params, D12_B, 64, device="cuda", **kw)
+    steps = [model.train_step([batches[(s + k) % 3] for k in range(accum)], LR, s + 1, WD, CLIP, skip=skip)
+             for s in range(5)]
+    return steps, model.params_memory.clone(), model.master_memory.clone()
+
+
+def _assert_same_bits(a, b, what):
+    (sa, pa, ma), (sb, pb, mb) = a, b
+    assert sa == sb, f"losses/norms differ {what}: {sa} vs {sb}"
+    assert torch.equal(pa.view(torch.int16), pb.view(torch.int16)) and torch.equal(ma, mb), f"parameters differ {what}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("skip,accum,chunks,ge,proj", [(False, 1, 1, -1, False), (True, 1, 1, -1, False),
                                                        (False, 2, 1, -1, False), (False, 2, 8, -1, False),
@@ -541,18 +556,11 @@ def test_gpu_cuda_graph_bitwise(d12, skip, accum, chunks, ge, proj):
     cfg, params = d12
     batches = [make_batch(cfg, D12_B, 64, seed=100 + i) for i in range(3)]
     decide = (lambda loss, norm: False) if skip else None
-    results = []
-    for graph in (False, True):
-        model = GPT2Model(cfg, params, D12_B, 64, device="cuda", attention="flash", gelu_fusion=ge,
-                          cuda_graph=graph, classifier_chunks=chunks, proj_bias_in_layernorm=proj != "pass",
-                          residual_in_product=proj == "residual")
-        steps = [model.train_step([batches[(s + k) % 3] for k in range(accum)], LR, s + 1, WD, CLIP, skip=decide)
-                 for s in range(5)]
-        results.append((steps, model.params_memory.clone(), model.master_memory.clone()))
-        del model
-    (sa, pa, ma), (sb, pb, mb) = results
-    assert sa == sb, f"losses/norms differ with the graph: {sa} vs {sb}"
-    assert torch.equal(pa.view(torch.int16), pb.view(torch.int16)) and torch.equal(ma, mb)
+    eager, graphed = (_five_steps(cfg, params, batches, accum, skip=decide, attention="flash", gelu_fusion=ge,
+                                  cuda_graph=graph, classifier_chunks=chunks, proj_bias_in_layernorm=proj != "pass",
+                                  residual_in_product=proj == "residual")
+                      for graph in (False, True))
+    _assert_same_bits(eager, graphed, "with the graph")
 
 
 @pytest.mark.gpu
@@ -566,17 +574,10 @@ def test_gpu_overlap_bitwise(d12, mode, graph, accum, kw):
     two streams really run side by side: a missing wait would show as a race)."""
     cfg, params = d12
     batches = [make_batch(cfg, D12_B, 64, seed=400 + i) for i in range(3)]
-    results = []
-    for overlap in ("off", mode):
-        model = GPT2Model(cfg, params, D12_B, 64, device="cuda", cuda_graph=graph, overlap_weight_grads=overlap,
-                          **{"attention": "flash", **kw})
-        steps = [model.train_step([batches[(s + k) % 3] for k in range(accum)], LR, s + 1, WD, CLIP)
-                 for s in range(5)]
-        results.append((steps, model.params_memory.clone(), model.master_memory.clone()))
-        del model
-    (sa, pa, ma), (sb, pb, mb) = results
-    assert sa == sb, f"overlap {mode}: losses/norms differ: {sa} vs {sb}"
-    assert torch.equal(pa.view(torch.int16), pb.view(torch.int16)) and torch.equal(ma, mb)
+    one, two = (_five_steps(cfg, params, batches, accum, cuda_graph=graph, overlap_weight_grads=overlap,
+                            **{"attention": "flash", **kw})
+                for overlap in ("off", mode))
+    _assert_same_bits(one, two, f"with overlap {mode}")
 
 
 @pytest.mark.gpu
