@@ -285,6 +285,36 @@ def test_gpu_strided_views_and_graph():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sms", [0, 66])
+def test_gpu_second_stream_and_sm_target(sms):
+    """Weight gradients on two streams at once, each with its own workspace (reserve_workspace), planned
+    for all SMs or for 66 of them (sm_count_target): each equals the same product on one stream."""
+    g = torch.Generator().manual_seed(13)
+    bf = torch.bfloat16
+    M, C, OC = 8192, 768, 2304
+    douts, inps = [_dev(g, bf, M, OC) for _ in range(2)], [_dev(g, bf, M, C) for _ in range(2)]
+    expected = []
+    for dout, inp in zip(douts, inps):
+        dw = torch.zeros(OC, C, device="cuda", dtype=bf)
+        lt.linear_weight_grad(dw, dout, inp)
+        expected.append(dw)
+    side = torch.cuda.Stream()
+    lt.reserve_workspace(side)
+    got = [torch.zeros(OC, C, device="cuda", dtype=bf) for _ in range(2)]
+    with lt.sm_count_target(sms):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            lt.linear_weight_grad(got[1], douts[1], inps[1])
+        lt.linear_weight_grad(got[0], douts[0], inps[0])
+        torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for dw, ref_dw, dout, inp in zip(got, expected, douts, inps):
+        assert rel_err(dw, dout.double().t() @ inp.double()) < TOL[bf]
+        if sms == 0:
+            assert torch.equal(dw, ref_dw)  # the same plan: the same bits
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_matmul_epilogues_agree(dtype):
     """matmul_forward with the GELU epilogue and matmul_backward with the DGELU epilogue: cuBLASLt's and our

@@ -11,10 +11,10 @@ bf16 sums it took 1.7 ms where the product and our fused dGELU + bias pass take 
 run L).
 
 The binding is small: one handle and one workspace per device (and per stream that asks for one), and
-per distinct problem (shapes, layouts, epilogue, pointer alignments, rank) a cached plan - the operation
-descriptor, four matrix layouts and the algorithm of that rank in cuBLASLt's heuristic list (0, the
-first, unless kernels.matmul.TUNED_ALGOS names another). The ranking is a pure function of the problem, so the same
-run gives the same kernels and the same bits every time (no timing-based choice);
+per distinct problem (shapes, layouts, epilogue, pointer alignments, rank, SM target) a cached plan -
+the operation descriptor, four matrix layouts and the algorithm of that rank in cuBLASLt's heuristic
+list (0, the first, unless kernels.matmul.TUNED_ALGOS names another). The ranking is a pure function of
+the problem, so the same run gives the same kernels and the same bits every time (no timing-based choice);
 tests/test_cublaslt.py checks results against torch and repeats bitwise. Everything is enqueued on
 torch's current stream, so it is captured by CUDA graphs like any other kernel.
 
