@@ -66,6 +66,7 @@ once; each later step copies its batches into static device buffers, writes the 
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -867,8 +868,7 @@ class GPT2Model:
         # the chain of input gradients on the main lane; weight and bias gradients on the side lane, each
         # call declaring what it reads and writes (llmpy.streams orders the lanes by it)
         lanes = self._lanes
-        main = lambda fn, reads, writes, name: lanes.run("main", fn, reads, writes, name)  # noqa: E731
-        side = lambda fn, reads, writes, name: lanes.run("side", fn, reads, writes, name)  # noqa: E731
+        main, side = functools.partial(lanes.run, "main"), functools.partial(lanes.run, "side")
 
         def ln_backward(dout, inp, w, dw, db, mean, rstd, ln_seed, proj_layer, proj_name, proj_slot):
             """layernorm_backward into dresidual; with fuse, also the bias gradient of proj_name in layer
