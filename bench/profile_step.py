@@ -360,25 +360,21 @@ def _build(args, cuda_graph: bool):
     return config, model
 
 
-def _kernel_events(prof):
-    """(name, us, 1) per device-side event of the profile (kernels, memcpy, memset), and the device span
-    (first start to last end) in us."""
-    from torch.autograd import DeviceType
-    out, lo, hi = [], None, None
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
-            continue
-        tr = e.time_range
-        out.append((e.name, tr.elapsed_us(), 1))
-        lo = tr.start if lo is None else min(lo, tr.start)
-        hi = tr.end if hi is None else max(hi, tr.end)
-    return out, (hi - lo) if out else 0.0
-
-
 def _kernel_intervals(prof):
-    """(name, start us, end us) per device-side event of the profile."""
+    """(name, start us, end us) per device-side event of the profile (kernels, memcpy, memset)."""
     from torch.autograd import DeviceType
     return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def _timed_step(model, batch, step: int, args) -> tuple[float, float]:
+    """One train_step between two device syncs: (its wall ms, its loss)."""
+    import torch
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    loss, _ = model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)
+    loss = float(loss)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3, loss
 
 
 def profile_eager(args) -> dict:
@@ -389,24 +385,16 @@ def profile_eager(args) -> dict:
     n = args.warmup + args.steps
     batches = make_batches(config.vocab_size, args.B, args.T, n, args.data_seed, pin=True)
 
-    def step(i):
-        loss, norm = model.train_step([batches[i]], args.lr, i + 1, args.weight_decay, args.grad_clip)
-        return float(loss), float(norm)
-
     for i in range(args.warmup):
-        step(i)
-    torch.cuda.synchronize()
-    walls, losses = [], []
+        _timed_step(model, batches[i], i + 1, args)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(args.warmup, n):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            losses.append(step(i)[0])
-            torch.cuda.synchronize()
-            walls.append((time.perf_counter() - t) * 1e3)
+        walls, losses = zip(*(_timed_step(model, batches[i], i + 1, args) for i in range(args.warmup, n)))
+    walls, losses = list(walls), list(losses)
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    events, span_us = _kernel_events(prof)
+    intervals = _kernel_intervals(prof)
+    events = [(nm, e - s, 1) for nm, s, e in intervals]
+    span_us = (max(e for _, _, e in intervals) - min(s for _, s, _ in intervals)) if intervals else 0.0
     # the mean, not the median: kernel time is summed over all profiled steps, so wall must match it
     agg = aggregate(events, args.steps, sum(walls) / len(walls))
     agg.update(wall_ms_each=walls, device_span_ms=span_us / 1e3 / args.steps, losses=losses,
@@ -414,7 +402,7 @@ def profile_eager(args) -> dict:
                gelu_fusion=model.gelu_fusion, recompute=model.recompute, use_cublaslt=model.use_cublaslt)
     if not events:
         print("warning: the profiler recorded no device events (CUPTI unavailable?)", file=sys.stderr)
-    model = None  # not del: step() closes over it; this frees the buffers before the graphed model's
+    del model  # frees the buffers before the graphed model's
     torch.cuda.empty_cache()
     return agg
 
@@ -425,29 +413,15 @@ def time_graphed(args, warmup: int = 3) -> dict:
     config, model = _build(args, cuda_graph=True)
     n = warmup + args.graph_steps
     batches = make_batches(config.vocab_size, args.B, args.T, n, args.data_seed, pin=True)
-    ms = []
-    for i in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss, _ = model.train_step([batches[i]], args.lr, i + 1, args.weight_decay, args.grad_clip)
-        float(loss)
-        torch.cuda.synchronize()
-        ms.append((time.perf_counter() - t) * 1e3)
+    ms = [_timed_step(model, batches[i], i + 1, args)[0] for i in range(n)]
     timed = ms[warmup:] or ms
     out = {"median_ms": statistics.median(timed), "min_ms": min(timed), "step_ms": ms, "warmup": warmup}
     if args.graph_profile_steps:
         # the replays under torch.profiler: each kernel's time inside the real (graphed, power-capped) step
         from torch.profiler import ProfilerActivity, profile
         more = make_batches(config.vocab_size, args.B, args.T, args.graph_profile_steps, args.data_seed + 1, pin=True)
-        walls = []
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for i, batch in enumerate(more):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                loss, _ = model.train_step([batch], args.lr, n + i + 1, args.weight_decay, args.grad_clip)
-                float(loss)
-                torch.cuda.synchronize()
-                walls.append((time.perf_counter() - t) * 1e3)
+            walls = [_timed_step(model, batch, n + i + 1, args)[0] for i, batch in enumerate(more)]
         intervals = _kernel_intervals(prof)
         steps = args.graph_profile_steps
         out["timeline"] = timeline(intervals, steps, walls)

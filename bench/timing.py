@@ -13,6 +13,32 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def sustained_ms(fn, sustain_ms: float, estimate_ms: float | None = None) -> float:
+    """Mean ms of fn() at the card's power cap: enough calls back to back for sustain_ms (from
+    estimate_ms a call, else timed over 5 calls), so that the H200 reaches its 700 W cap and lowers its
+    clock, then the mean of as many more. The whole step runs at that cap, where a kernel's time follows
+    the energy it spends rather than its time at full clock."""
+    import math
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if estimate_ms is None:
+        fn()
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        end.synchronize()
+        estimate_ms = start.elapsed_time(end) / 5
+    n = max(3, math.ceil(sustain_ms / max(estimate_ms, 1e-3)))
+    for _ in range(n):
+        fn()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate, bytes read + written per second (GB/s): the memory ceiling."""
     src = torch.randn(nbytes // 4, device="cuda")

@@ -37,12 +37,10 @@ SUSTAIN_MS = 0.0
 def _ms_per_call(fn, calls=20, rounds=5):
     """ms a call of fn: the best of `rounds` means over `calls` calls back to back (after 3 warm-up calls).
 
-    With SUSTAIN_MS > 0: then enough calls for SUSTAIN_MS back to back, so that the H200 reaches its
-    700 W cap and lowers its clock, and the mean of as many more. The whole step runs at that cap, where
-    a product's time follows the energy it spends rather than its time at full clock."""
-    import math
-
+    With SUSTAIN_MS > 0: then the mean at the card's power cap (timing.sustained_ms)."""
     import torch
+
+    from bench.timing import sustained_ms
     for _ in range(3):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,15 +54,7 @@ def _ms_per_call(fn, calls=20, rounds=5):
         times.append(start.elapsed_time(end) / calls)
     if SUSTAIN_MS <= 0:
         return min(times)
-    n = max(calls, math.ceil(SUSTAIN_MS / min(times)))
-    for _ in range(n):
-        fn()
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
+    return sustained_ms(fn, SUSTAIN_MS, min(times))
 
 
 def _try(fn):

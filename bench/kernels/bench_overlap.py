@@ -19,38 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 # (name, rows, out features, in features): dweight (out, in) += dout (rows, out).T @ inp (rows, in)
 PRODUCTS = [("fc dweight", 65536, 3072, 768), ("qkv dweight", 65536, 2304, 768), ("fcproj dweight", 65536, 768, 3072)]
-
-
-def _mean_ms(issue, sustain_ms: float) -> float:
-    """Mean ms of one issue() (which enqueues one unit of work) over sustain_ms, after as long a warm-up."""
-    import torch
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    n = 0
-    while (time.perf_counter() - t0) * 1e3 < sustain_ms or n < 3:
-        issue()
-        n += 1
-        if n % 8 == 0:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    calls = max(3, n)
-    start.record()
-    for _ in range(calls):
-        issue()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def measure(sustain_ms: float, carveouts: list[int]) -> list[dict]:
     import torch
     from llmpy.kernels import cublaslt as lt
     from llmpy.kernels import layernorm as kln
+
+    from bench.timing import sustained_ms
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -81,14 +60,14 @@ def measure(sustain_ms: float, carveouts: list[int]) -> list[dict]:
             lt.linear_weight_grad(gw, gout, x)
 
         row = dict(product=name, sms=sms)
-        row["product_ms"] = _mean_ms(product, sustain_ms)
-        row["layernorm_ms"] = _mean_ms(layernorm, sustain_ms)
-        row["serial_ms"] = _mean_ms(lambda: (product(), layernorm()), sustain_ms)
+        row["product_ms"] = sustained_ms(product, sustain_ms)
+        row["layernorm_ms"] = sustained_ms(layernorm, sustain_ms)
+        row["serial_ms"] = sustained_ms(lambda: (product(), layernorm()), sustain_ms)
         for k in carveouts:
             with lt.sm_count_target(sms - k if k else 0):
                 product_k = (lambda: lt.linear_weight_grad(gw, gout, x))
                 if k:
-                    row[f"product_ms_carve{k}"] = _mean_ms(product_k, sustain_ms)
+                    row[f"product_ms_carve{k}"] = sustained_ms(product_k, sustain_ms)
 
                 def pair():
                     side.wait_stream(main)
@@ -97,7 +76,7 @@ def measure(sustain_ms: float, carveouts: list[int]) -> list[dict]:
                     layernorm()
                     main.wait_stream(side)
 
-                row[f"overlap_ms_carve{k}"] = _mean_ms(pair, sustain_ms)
+                row[f"overlap_ms_carve{k}"] = sustained_ms(pair, sustain_ms)
         print(json.dumps(row), flush=True)
         rows.append(row)
         gout = x = gw = None

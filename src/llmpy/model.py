@@ -620,12 +620,13 @@ class GPT2Model:
         if ids.shape != (self.B, self.T):
             raise LlmpyError(f"{what} of shape {list(ids.shape)}: the model was built for B={self.B}, T={self.T}")
         if ids.device.type == "cpu":
-            self._check_ids(ids, what)
+            self._check_ids(_host_ids(ids), what)
         buf.copy_(ids)
         return buf
 
-    def _check_ids(self, ids: torch.Tensor, what: str):
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+    def _check_ids(self, ids: np.ndarray, what: str):
+        """Token ids (numpy: no wake-up of torch's CPU thread pool, see _stage) inside the vocabulary."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise LlmpyError(f"{what} hold token ids outside [0, {self.config.vocab_size})")
 
     # ------------------------------------------------------------------------------------------------
@@ -896,6 +897,12 @@ class GPT2Model:
                  [dout, inp, slot_seed], [dweight, dbias, bias_scratch if dbias is not None else None],
                  "matmul_backward dweight")
 
+        def layer_done(l):
+            if on_layer_done is not None:
+                # the data-parallel reduction reads this layer's gradients, some of them the side lane's
+                lanes.wait_side()
+                main(lambda: on_layer_done(l), [], [], "on_layer_done")
+
         lanes.begin()
         dl_btc = a["scratch_btc"]      # the forward's projection scratch is free now
         dl_bt4c = a["scratch_bt4c"]
@@ -965,18 +972,13 @@ class GPT2Model:
             # ln1: dresidual becomes the gradient of this layer's input residual
             ln_backward(dl_btc, b["residual"], p["ln1w"][l], g["ln1w"][l], g["ln1b"][l], b["ln1_mean"], b["ln1_rstd"],
                         seed(0), l - 1 if l > 0 else None, "fcprojb", 5)
-            if on_layer_done is not None:
-                # the data-parallel reduction reads this layer's gradients, some of them the side lane's
-                lanes.wait_side()
-                main(lambda: on_layer_done(l), [], [], "on_layer_done")
+            layer_done(l)
         main(lambda: kenc.encoder_backward(g["wte"], g["wpe"], dresidual, self._cur_inputs, self._seed(0),
                                            scratch=self._enc_scratch),
              [dresidual, self._cur_inputs, self._seed(0)],
              [g["wte"], g["wpe"], *(t for t in vars(self._enc_scratch).values() if isinstance(t, torch.Tensor))],
              "encoder_backward")
-        if on_layer_done is not None:
-            lanes.wait_side()
-            main(lambda: on_layer_done(-1), [], [], "on_layer_done")
+        layer_done(-1)
         lanes.end()
 
     # ------------------------------------------------------------------------------------------------
@@ -1069,9 +1071,8 @@ class GPT2Model:
             if x.shape != (self.B, self.T) or y.shape != (self.B, self.T):
                 raise LlmpyError(f"micro-batch {k}: inputs {list(x.shape)}, targets {list(y.shape)}; the model was "
                                  f"built for B={self.B}, T={self.T}")
-            for ids, what in ((x, "inputs"), (y, "targets")):
-                if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-                    raise LlmpyError(f"{what} hold token ids outside [0, {self.config.vocab_size})")
+            self._check_ids(x, "inputs")
+            self._check_ids(y, "targets")
             host_np[0, k] = x
             host_np[1, k] = y
         # the host buffer is reused next step; the step ends with a sync (loss, norm), so no copy is in flight

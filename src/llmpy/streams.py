@@ -150,10 +150,6 @@ class Lanes:
         if self.on_gpu:
             self._streams["main"].wait_event(self._done["side"][last])
 
-    def main_stream(self):
-        """The stream the main lane's calls go to (inside begin() .. end()), for work issued outside run."""
-        return self._streams.get("main") if self.on_gpu else None
-
     def end(self):
         """Finish a backward: the current stream waits for both lanes."""
         if not self.on_gpu:

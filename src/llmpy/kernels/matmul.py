@@ -593,29 +593,32 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
                 torch.mm(dout2, weight, out=dinp2)
             if pre_gelu is not None:
                 gelu_backward_inplace(dinp, pre_gelu)
-    if dweight is None:
-        if dbias is not None:
-            _bias_reduce(dbias, scratch, dout2, None, seed, None)
-        return dinp, dweight, dbias
-    assert dweight.shape == (OC, C) and dweight.dtype == dout.dtype and dweight.is_contiguous()
+    bias_summed = dweight is not None and _weight_grad(dweight, dbias, dout2, inp2, scratch, seed, use_cublaslt)
+    if dbias is not None and not bias_summed:
+        _bias_reduce(dbias, scratch, dout2, None, seed, None)
+    return dinp, dweight, dbias
+
+
+def _weight_grad(dweight, dbias, dout2, inp2, scratch, seed, use_cublaslt: bool) -> bool:
+    """dweight += dout2.T @ inp2 (matmul_backward's); True when cuBLASLt's BGRADB also summed dbias."""
+    OC, C = dout2.shape[1], inp2.shape[1]
+    assert dweight.shape == (OC, C) and dweight.dtype == dout2.dtype and dweight.is_contiguous()
     if dbias is not None and use_cublaslt and BIAS_GRAD_IN_PRODUCT and scratch is not None \
-            and scratch.numel() * scratch.element_size() >= OC * dout.element_size():
+            and scratch.numel() * scratch.element_size() >= OC * dout2.element_size():
         # BGRADB: the column sums of dout from the weight-gradient product, into scratch (dout's dtype)
-        sums = scratch.view(dout.dtype)[:OC]
-        rank = _tuned("dweight_bgradb", *dout2.shape, C, dout.device)
+        sums = scratch.view(dout2.dtype)[:OC]
+        rank = _tuned("dweight_bgradb", *dout2.shape, C, dout2.device)
         try:
             cublaslt.linear_weight_grad(dweight, dout2, inp2, dbias_sums=sums, algo_index=rank or 0)
         except cublaslt.CublasLtError:
-            pass  # no such algorithm here: the product and our reduction below
+            pass  # no such algorithm here: the product and our reduction (matmul_backward's)
         else:
             _finish_bias(dbias, sums, seed)
-            return dinp, dweight, dbias
-    rank = _tuned("dweight", *dout2.shape, C, dout.device) if use_cublaslt else None
+            return True
+    rank = _tuned("dweight", *dout2.shape, C, dout2.device) if use_cublaslt else None
     if rank is not None:
         cublaslt.linear_weight_grad(dweight, dout2, inp2, algo_index=rank)  # accumulated (beta = 1) as well
     else:
         dweight.addmm_(dout2.t(), inp2)  # beta = 1: cuBLAS accumulates into dweight in the GEMM
-    if dbias is not None:
-        _bias_reduce(dbias, scratch, dout2, None, seed, None)
-    return dinp, dweight, dbias
+    return False
 
