@@ -202,12 +202,14 @@ def test_dispatcher_classic(device):
     C = NH * hs
     if device == "cpu":
         assert A.default_attention_impl(device) == "classic"
-    assert A.ATTENTION_IMPLS == ("classic", "flash", "cudnn", "torch-flash")
+    assert A.ATTENTION_IMPLS == ("classic", "flash", "cudnn", "cudnn+flash", "torch-cudnn", "torch-flash")
     shapes = A.attention_buffer_shapes("classic", B, T, C, NH)
     assert shapes["qkvr"] == ((3, B, NH, T, hs), "floatX") and shapes["att"] == ((B, NH, T, T), "floatX")
-    assert A.attention_buffer_shapes("cudnn", B, T, C, NH) == {"lse": ((B, NH, T), "fp32")}
-    assert A.attention_buffer_shapes("flash", B, T, C, NH) == {"lse": ((B, NH, T), "fp32"),
-                                                               "delta": ((B, NH, T), "fp32")}
+    for impl in ("cudnn", "torch-cudnn", "torch-flash"):
+        assert A.attention_buffer_shapes(impl, B, T, C, NH) == {"lse": ((B, NH, T), "fp32")}
+    for impl in ("flash", "cudnn+flash"):  # the Triton backward's delta scratch
+        assert A.attention_buffer_shapes(impl, B, T, C, NH) == {"lse": ((B, NH, T), "fp32"),
+                                                                "delta": ((B, NH, T), "fp32")}
     with pytest.raises(ValueError):
         A.attention_buffer_shapes("nope", B, T, C, NH)
 
@@ -296,7 +298,7 @@ FUSED_SHAPES = [(4, 1024, 12, 64), (2, 1024, 8, 80), (2, 1024, 8, 96), (4, 1024,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,NH,hs", FUSED_SHAPES)
-@pytest.mark.parametrize("impl", ["cudnn", "torch-flash"])
+@pytest.mark.parametrize("impl", ["cudnn", "cudnn+flash", "torch-cudnn", "torch-flash"])
 def test_fused_vs_reference(impl, B, T, NH, hs):
     qkv, dout = gpu_inputs(B, T, NH, hs)
     qkv_before = qkv.clone()
@@ -338,16 +340,16 @@ def _backward_twice(impl, B, T, NH, hs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", A.ATTENTION_IMPLS)
 def test_backward_deterministic(impl):
-    """Two backward passes on the same inputs give the same bits. Strict for classic and the Triton
-    flash kernel (ours, atomic-free by design). For cuDNN and PyTorch's flash the result is recorded:
-    pass when deterministic; otherwise XFAIL with the observed difference, and whether
-    torch.use_deterministic_algorithms(True) makes it deterministic."""
+    """Two backward passes on the same inputs give the same bits. Strict for classic, the Triton flash
+    backward (ours, atomic-free by design) and cuDNN's through its frontend (built with its deterministic
+    algorithm). For PyTorch's ops the result is recorded: pass when deterministic; otherwise XFAIL with
+    the observed difference, and whether torch.use_deterministic_algorithms(True) makes it deterministic."""
     B, T, NH, hs = 4, 1024, 12, 64
     a, b = _backward_twice(impl, B, T, NH, hs)
     if torch.equal(a, b):
         return
     diff = float((a.float() - b.float()).abs().max())
-    if impl in ("classic", "flash"):
+    if impl in ("classic", "flash", "cudnn", "cudnn+flash"):
         pytest.fail(f"{impl} backward is not bitwise deterministic: max |diff| {diff:.3e}")
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
@@ -387,7 +389,34 @@ def test_cuda_graph_capture(impl):
     replay_out, replay_dqkv = r.out.clone(), r.dqkv.clone()
     eager = Fused(impl, B, T, NH, hs).run(new_qkv, new_dout)
     torch.cuda.synchronize()
-    if impl in ("classic", "flash"):
+    if impl in ("classic", "flash", "cudnn", "cudnn+flash"):
         assert torch.equal(replay_out, eager.out) and torch.equal(replay_dqkv, eager.dqkv)
     else:
         assert rel_err(replay_out, eager.out) < 1e-3 and rel_err(replay_dqkv, eager.dqkv) < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------
+# cuDNN through its frontend (kernels/cudnn_attention.py)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,NH,hs", [(3, 100, 2, 64), (2, 257, 3, 128), (1, 64, 1, 32)])
+def test_cudnn_odd_shapes(B, T, NH, hs):
+    """Odd lengths and head counts, against the fp32 reference; the caller's workspace gives the same bits
+    as the module's own, and a workspace smaller than the graph needs is refused."""
+    from llmpy.kernels import cudnn_attention as CA
+
+    qkv, dout = gpu_inputs(B, T, NH, hs, seed=5)
+    r = Fused("cudnn", B, T, NH, hs).run(qkv, dout)
+    torch.cuda.synchronize()
+    check_against_reference(r, qkv, dout, NH, check_lse=True)
+    nbytes = CA.workspace_bytes(B, T, NH, hs, torch.bfloat16, "cuda")
+    workspace = torch.full((max(1, nbytes),), 0xAB, dtype=torch.uint8, device="cuda")
+    mine = Fused("cudnn", B, T, NH, hs)
+    A.attention_forward_any("cudnn", mine.out, qkv, NH, lse=mine.buf["lse"], workspace=workspace)
+    A.attention_backward_any("cudnn", mine.dqkv, dout, qkv, mine.out, NH, lse=mine.buf["lse"], workspace=workspace)
+    torch.cuda.synchronize()
+    assert torch.equal(mine.out, r.out) and torch.equal(mine.dqkv, r.dqkv) and torch.equal(mine.buf["lse"], r.buf["lse"])
+    if nbytes > 0:
+        with pytest.raises(ValueError, match="workspace"):
+            A.attention_backward_any("cudnn", mine.dqkv, dout, qkv, mine.out, NH, lse=mine.buf["lse"],
+                                     workspace=workspace[:nbytes - 1])

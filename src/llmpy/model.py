@@ -159,19 +159,29 @@ def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
     return [(i * rows // chunks, (i + 1) * rows // chunks) for i in range(chunks)]
 
 
+_FUSED_16BIT = ("cudnn", "cudnn+flash", "torch-cudnn", "torch-flash")  # the CUDA-only paths
+
+
 def _resolve_attention(attention: str, device: torch.device, dtype: torch.dtype, head_size: int = 64) -> str:
     if attention not in ATTENTION_CHOICES:
         raise LlmpyError(f"attention {attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
     if attention == "auto":
         impl = kattn.default_attention_impl(device, head_size)
-        # PyTorch's fused kernels are 16-bit; the fp32 model takes the Triton flash kernel instead
-        if dtype == torch.float32 and impl in ("cudnn", "torch-flash"):
+        # cuDNN's and PyTorch's fused kernels are 16-bit; the fp32 model takes the Triton flash kernel instead
+        if dtype == torch.float32 and impl in _FUSED_16BIT:
             impl = "flash"
         return impl
-    if attention in ("cudnn", "torch-flash") and (device.type != "cuda" or interpreting()):
+    if attention in _FUSED_16BIT and (device.type != "cuda" or interpreting()):
         raise LlmpyError(f"attention {attention!r} needs a CUDA device; use classic or flash here")
-    if attention == "torch-flash" and dtype == torch.float32:
-        raise LlmpyError("attention 'torch-flash' has no fp32 kernels; use flash or classic with fp32")
+    if attention in ("cudnn", "cudnn+flash", "torch-flash") and dtype == torch.float32:
+        raise LlmpyError(f"attention {attention!r} has no fp32 kernels; use flash or classic with fp32")
+    if attention == "cudnn+flash" and head_size > 128:
+        raise LlmpyError(f"attention 'cudnn+flash': the flash backward takes head sizes up to 128, not {head_size}")
+    if attention in ("cudnn", "cudnn+flash"):
+        try:
+            kattn._cudnn().frontend()
+        except ImportError as e:
+            raise LlmpyError(f"attention {attention!r}: {e}") from None
     return attention
 
 
@@ -258,8 +268,14 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     ]
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
-    if attention == "flash":
+    if attention in ("flash", "cudnn+flash"):
         specs.append(BufferSpec("delta", (B, NH, T), f32, "scratch"))
+    if attention in ("cudnn", "cudnn+flash"):
+        # cuDNN's workspace (the deterministic backward's is large); sized by building the graphs, which
+        # needs the GPU: a plan made off it counts none
+        nbytes = (kattn._cudnn().workspace_bytes(B, T, NH, hs, dtype, device, backward=attention == "cudnn")
+                  if torch.device(device).type == "cuda" else 0)
+        specs.append(BufferSpec("cudnn_workspace", (max(1, nbytes),), torch.uint8, "scratch"))
     bias_numel = max([kmm.bias_scratch_numel(B * T, n, device) for n in (3 * C, C, 4 * C)]
                      + [kmm.bias_scratch_numel(B * T, 4 * C, device, gelu=True)])
     specs.append(BufferSpec("bias_scratch", (max(1, bias_numel),), f32, "scratch"))
@@ -341,6 +357,9 @@ class _Arena:
 
     def __contains__(self, name: str) -> bool:
         return name in self.views
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.views.get(name)
 
 
 def _decay_ranges(config: GPT2Config) -> list[tuple[int, int]]:
@@ -696,7 +715,8 @@ class GPT2Model:
                 # no att @ v scratch given: it goes into qkv, which is dead by then
                 kattn.attention_forward_any("classic", b["atty"], qkv, NH, qkvr=b["qkvr"], att=b["att"])
             else:
-                kattn.attention_forward_any(self.attention, b["atty"], qkv, NH, lse=b["lse"])
+                kattn.attention_forward_any(self.attention, b["atty"], qkv, NH, lse=b["lse"],
+                                            workspace=a.get("cudnn_workspace"))
             if self.residual_in_product:
                 kmm.matmul_forward(b["residual2"], b["atty"], p["attprojw"][l], p["attprojb"][l], use_cublaslt=lt,
                                    residual=b["residual"])
@@ -959,10 +979,10 @@ class GPT2Model:
                                                           att=b["att"], dqkvr=dqkvr, datt=datt, scratch=b["atty"]),
                      [dl_btc, b["qkvr"], b["att"]], [dqkv, dqkvr, datt, b["atty"]], "attention_backward")
             else:
-                delta = a["delta"] if "delta" in a else None
+                delta, workspace = a.get("delta"), a.get("cudnn_workspace")
                 main(lambda: kattn.attention_backward_any(self.attention, dqkv, dl_btc, b["qkv"], b["atty"], NH,
-                                                          lse=b["lse"], delta=delta),
-                     [dl_btc, b["qkv"], b["atty"], b["lse"]], [dqkv, delta], "attention_backward")
+                                                          lse=b["lse"], delta=delta, workspace=workspace),
+                     [dl_btc, b["qkv"], b["atty"], b["lse"]], [dqkv, delta, workspace], "attention_backward")
             if self.recompute >= 2:
                 main(lambda: kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"],
                                                    p["ln1w"][l], p["ln1b"][l]),

@@ -387,7 +387,7 @@ def _fused_forward(fwd: _AtenOp, key: str, backend: str, out, lse, qkv, num_head
     lse.copy_(l.squeeze(-1) if l.dim() == 4 else l[..., :T])  # cuDNN: (B, NH, T, 1); flash: (B, NH, T)
     rng_key = (key, qkv.device)
     if rng_key not in _RNG_STATE:
-        seed_name, off_name = ("philox_seed", "philox_offset") if key == "cudnn" else ("rng_state", "unused")
+        seed_name, off_name = ("philox_seed", "philox_offset") if key == "torch-cudnn" else ("rng_state", "unused")
         _RNG_STATE[rng_key] = (fwd.result(res, seed_name, 6), fwd.result(res, off_name, 7))
 
 
@@ -401,46 +401,49 @@ def _fused_backward(bwd: _AtenOp, key: str, backend: str, dqkv, dout, qkv, out, 
         return _sdpa_fallback_backward(backend, dqkv, dout, qkv, num_heads)
     q, k, v = _qkv_views(qkv, num_heads)
     # out and dout as (B, NH, T, hs) views of (B, T, C): the same strides as the op's own output
-    logsumexp = lse.unsqueeze(-1) if key == "cudnn" else lse
+    logsumexp = lse.unsqueeze(-1) if key == "torch-cudnn" else lse
     res = bwd(grad_out=_heads_view(dout, num_heads), query=q, key=k, value=v, out=_heads_view(out, num_heads),
               logsumexp=logsumexp, philox_seed=rng[0], philox_offset=rng[1], attn_bias=None, cum_seq_q=None,
               cum_seq_k=None, max_q=T, max_k=T, dropout_p=0.0, is_causal=True, scale=1.0 / math.sqrt(hs))
     _store_dqkv(dqkv, res[:3], num_heads)
 
 
-def cudnn_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor, num_heads: int):
-    """cuDNN fused causal attention forward: qkv (B, T, 3C) -> out (B, T, C), lse (B, NH, T) fp32.
+def torch_cudnn_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor, num_heads: int):
+    """PyTorch's cuDNN fused causal attention forward: qkv (B, T, 3C) -> out (B, T, C), lse (B, NH, T) fp32.
 
     Runs aten._scaled_dot_product_cudnn_attention on strided views of qkv; the op allocates its output
     (in q's layout) and lse, which are copied into out and lse (one contiguous copy each). CUDA only.
     """
-    _fused_forward(_CUDNN_FWD, "cudnn", "CUDNN_ATTENTION", out, lse, qkv, num_heads)
+    _fused_forward(_CUDNN_FWD, "torch-cudnn", "CUDNN_ATTENTION", out, lse, qkv, num_heads)
 
 
-def cudnn_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
-                             lse: torch.Tensor, num_heads: int):
-    """cuDNN fused causal attention backward: dqkv (B, T, 3C) OVERWRITTEN from dout (B, T, C), given
-    the forward's qkv, out and lse. Needs one cudnn_attention_forward on this device first (for the
-    op's RNG-state tensors); otherwise it recomputes through autograd."""
-    _fused_backward(_CUDNN_BWD, "cudnn", "CUDNN_ATTENTION", dqkv, dout, qkv, out, lse, num_heads)
+def torch_cudnn_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
+                                   lse: torch.Tensor, num_heads: int):
+    """PyTorch's cuDNN fused causal attention backward: dqkv (B, T, 3C) OVERWRITTEN from dout (B, T, C),
+    given the forward's qkv, out and lse. Needs one torch_cudnn_attention_forward on this device first
+    (for the op's RNG-state tensors); otherwise it recomputes through autograd. Not deterministic: PyTorch
+    builds cuDNN's backward without its deterministic algorithm (see kernels/cudnn_attention.py)."""
+    _fused_backward(_CUDNN_BWD, "torch-cudnn", "CUDNN_ATTENTION", dqkv, dout, qkv, out, lse, num_heads)
 
 
 def torch_flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor, num_heads: int):
     """PyTorch's flash attention 2 forward (aten._scaled_dot_product_flash_attention), same contract
-    as cudnn_attention_forward. bf16/fp16 only (flash attention has no fp32 kernels)."""
-    _fused_forward(_FLASH_FWD, "flash", "FLASH_ATTENTION", out, lse, qkv, num_heads)
+    as torch_cudnn_attention_forward. bf16/fp16 only (flash attention has no fp32 kernels)."""
+    _fused_forward(_FLASH_FWD, "torch-flash", "FLASH_ATTENTION", out, lse, qkv, num_heads)
 
 
 def torch_flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
                                    lse: torch.Tensor, num_heads: int):
-    """PyTorch's flash attention 2 backward, same contract as cudnn_attention_backward."""
-    _fused_backward(_FLASH_BWD, "flash", "FLASH_ATTENTION", dqkv, dout, qkv, out, lse, num_heads)
+    """PyTorch's flash attention 2 backward, same contract as torch_cudnn_attention_backward."""
+    _fused_backward(_FLASH_BWD, "torch-flash", "FLASH_ATTENTION", dqkv, dout, qkv, out, lse, num_heads)
 
 
 # ----------------------------------------------------------------------------------------------------
 # dispatcher
 
-ATTENTION_IMPLS = ("classic", "flash", "cudnn", "torch-flash")
+# flash: the Triton kernels; cudnn: cuDNN's through its frontend (deterministic backward); cudnn+flash:
+# cuDNN's forward with the Triton backward; torch-*: PyTorch's private SDPA ops
+ATTENTION_IMPLS = ("classic", "flash", "cudnn", "cudnn+flash", "torch-cudnn", "torch-flash")
 
 
 def attention_buffer_shapes(impl: str, B: int, T: int, C: int, NH: int) -> dict:
@@ -459,7 +462,7 @@ def attention_buffer_shapes(impl: str, B: int, T: int, C: int, NH: int) -> dict:
         return {"qkvr": ((3, B, NH, T, hs), "floatX"), "att": ((B, NH, T, T), "floatX"),
                 "dqkvr": ((3, B, NH, T, hs), "floatX"), "datt": ((B, NH, T, T), "floatX"),
                 "scratch": ((B, NH, T, hs), "floatX")}
-    if impl == "flash":
+    if impl in ("flash", "cudnn+flash"):
         return {"lse": ((B, NH, T), "fp32"), "delta": ((B, NH, T), "fp32")}
     return {"lse": ((B, NH, T), "fp32")}
 
@@ -470,13 +473,20 @@ def _triton_flash():
     return flash_attention
 
 
+def _cudnn():
+    from . import cudnn_attention  # needs the cuDNN frontend package: imported only when asked for
+
+    return cudnn_attention
+
+
 def attention_forward_any(impl: str, out: torch.Tensor, qkv: torch.Tensor, num_heads: int, *,
                           lse: torch.Tensor | None = None, qkvr: torch.Tensor | None = None,
-                          att: torch.Tensor | None = None, scratch: torch.Tensor | None = None):
+                          att: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+                          workspace: torch.Tensor | None = None):
     """Causal attention forward through impl: out (B, T, C) from qkv (B, T, 3C).
 
     classic: qkvr, att (saved), scratch optional (without it qkv is clobbered, see attention_forward);
-    flash, cudnn, torch-flash: lse (saved).
+    the others: lse (saved); cudnn, cudnn+flash: workspace optional (see kernels/cudnn_attention.py).
     """
     if impl == "classic":
         assert qkvr is not None and att is not None, "classic attention needs qkvr and att"
@@ -485,8 +495,10 @@ def attention_forward_any(impl: str, out: torch.Tensor, qkv: torch.Tensor, num_h
     assert lse is not None, f"{impl} attention needs lse"
     if impl == "flash":
         _triton_flash().flash_attention_forward(out, lse, qkv, num_heads)
-    elif impl == "cudnn":
-        cudnn_attention_forward(out, lse, qkv, num_heads)
+    elif impl in ("cudnn", "cudnn+flash"):
+        _cudnn().cudnn_attention_forward(out, lse, qkv, num_heads, workspace=workspace)
+    elif impl == "torch-cudnn":
+        torch_cudnn_attention_forward(out, lse, qkv, num_heads)
     elif impl == "torch-flash":
         torch_flash_attention_forward(out, lse, qkv, num_heads)
     else:
@@ -497,22 +509,25 @@ def attention_backward_any(impl: str, dqkv: torch.Tensor, dout: torch.Tensor, qk
                            out: torch.Tensor, num_heads: int, *, lse: torch.Tensor | None = None,
                            qkvr: torch.Tensor | None = None, att: torch.Tensor | None = None,
                            dqkvr: torch.Tensor | None = None, datt: torch.Tensor | None = None,
-                           scratch: torch.Tensor | None = None, delta: torch.Tensor | None = None):
+                           scratch: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+                           workspace: torch.Tensor | None = None):
     """Causal attention backward through impl: dqkv (B, T, 3C) OVERWRITTEN from dout (B, T, C).
 
     classic: qkvr, att (from the forward), dqkvr, datt, scratch (scratch); qkv and out are not read.
-    flash, cudnn, torch-flash: qkv, out, lse from the forward; flash also takes delta (B, NH, T) fp32
-    scratch (else it allocates one: not inside a CUDA graph capture).
+    the others: qkv, out, lse from the forward; flash and cudnn+flash also take delta (B, NH, T) fp32
+    scratch (else they allocate one: not inside a CUDA graph capture); cudnn a workspace (optional).
     """
     if impl == "classic":
         assert None not in (qkvr, att, dqkvr, datt, scratch), "classic attention needs qkvr, att, dqkvr, datt, scratch"
         attention_backward(dqkv, dqkvr, datt, scratch, dout, qkvr, att, num_heads)
         return
     assert lse is not None, f"{impl} attention needs lse"
-    if impl == "flash":
+    if impl in ("flash", "cudnn+flash"):
         _triton_flash().flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads, delta=delta)
     elif impl == "cudnn":
-        cudnn_attention_backward(dqkv, dout, qkv, out, lse, num_heads)
+        _cudnn().cudnn_attention_backward(dqkv, dout, qkv, out, lse, num_heads, workspace=workspace)
+    elif impl == "torch-cudnn":
+        torch_cudnn_attention_backward(dqkv, dout, qkv, out, lse, num_heads)
     elif impl == "torch-flash":
         torch_flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads)
     else:
@@ -553,25 +568,27 @@ def _probe(impl: str, device: torch.device) -> bool:
         return False
 
 
-# Preference on a CUDA device, the first that runs and agrees with the math. The Triton flash kernel comes
-# first: it is deterministic, alone it is as fast as cuDNN's (1.34 against 1.32 ms a layer, forward +
-# backward, GPT-2 124M shapes, bench/RESULTS.md run J), and in the model the cuDNN path also copies q, k, v
-# out of the qkv layout and dq, dk, dv back into it (36 strided copies, 4.5 ms a step; run E). Flash takes
-# head sizes up to 128.
-DEFAULT_PREFERENCE = ("flash", "cudnn")
+# Preference on a CUDA device, the first that runs and agrees with the math. cuDNN's forward with the Triton
+# flash backward comes first: both deterministic, and cuDNN's forward is the faster (0.31 against 0.37 ms a
+# layer at GPT-2 124M's B=64, T=1024; bench/RESULTS.md run P); it needs the cuDNN frontend package. Then the
+# Triton kernels alone (no extra package). Both take head sizes up to 128 (the Triton backward's limit);
+# above that cuDNN's own backward (deterministic, with a large workspace), and PyTorch's cuDNN op last
+# (not deterministic).
+DEFAULT_PREFERENCE = ("cudnn+flash", "flash", "cudnn", "torch-cudnn")
+_TRITON_BACKWARD = ("flash", "cudnn+flash")
 
 
 def default_attention_impl(device, head_size: int = 64) -> str:
-    """The first of DEFAULT_PREFERENCE that runs and agrees with the math on this CUDA device (flash
-    only for head sizes up to 128), else classic; classic on the CPU (the interpreter). Probes once per
-    device; call it before capturing CUDA graphs (the probe allocates and synchronises)."""
+    """The first of DEFAULT_PREFERENCE that runs and agrees with the math on this CUDA device (the Triton
+    backward only for head sizes up to 128), else classic; classic on the CPU (the interpreter). Probes
+    once per device; call it before capturing CUDA graphs (the probe allocates and synchronises)."""
     device = torch.device(device)
     if device.type != "cuda" or interpreting():
         return "classic"
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     for impl in DEFAULT_PREFERENCE:
-        if impl == "flash" and head_size > 128:
+        if impl in _TRITON_BACKWARD and head_size > 128:
             continue
         if _probe(impl, device):
             return impl
