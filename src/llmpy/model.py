@@ -50,13 +50,15 @@ moved into the forward, so backward() starts from the stored dlnf. Validation is
 (losses only); a forward without targets stops at lnf, and logits_last computes the rows it returns.
 
 Attention: "classic" (llm.c's permute + cuBLAS + softmax path: keeps qkvr and the (B, NH, T, T)
-probabilities per layer), "flash" (the Triton flash kernel), "cudnn" / "torch-flash" (PyTorch's fused
-ops); the fused paths keep qkv and the fp32 log-sum-exp per layer. "auto" asks
-kernels.attention.default_attention_impl.
+probabilities per layer), "flash" (the Triton flash kernels), "cudnn" (cuDNN's through its frontend,
+deterministic backward, with a workspace among the buffers), "cudnn+flash" (cuDNN's forward, the Triton
+backward), "torch-cudnn" / "torch-flash" (PyTorch's fused ops); the fused paths keep qkv and the fp32
+log-sum-exp per layer. "auto" asks kernels.attention.default_attention_impl.
 
 Determinism: every kernel of the step reduces in a fixed order (no atomics), the stochastic-rounding
 seeds live in a device tensor advanced by a fixed recurrence every micro-step, so two runs from the same
-seed give the same bits (the cuDNN path depends on cuDNN's own backward; see tests/test_attention.py).
+seed give the same bits (torch-cudnn and torch-flash excepted: PyTorch's backward ops are not bitwise
+repeatable; see tests/test_attention.py).
 
 A training step (`train_step`) on CUDA is one CUDA graph: after one eager warm-up step (which compiles
 every Triton kernel and fills the fused-attention ops' state), forward + backward of every micro-step,

@@ -19,8 +19,10 @@ so they are still in L2 when the next GEMM (which starts at head 0) reads them.
 
 The 1/sqrt(hs) scale is applied inside the softmax kernels, not in the GEMMs.
 
-Fused paths: PyTorch's private aten ops for cuDNN's fused attention and for flash attention 2, called
-directly (no autograd): q, k, v are strided views into qkv, no copies in. Their outputs are allocated
+Fused paths: "flash" is the Triton flash attention (kernels/flash_attention.py); "cudnn" is cuDNN's
+fused attention through its frontend on our layouts, and "cudnn+flash" its forward with the Triton
+backward (kernels/cudnn_attention.py). "torch-cudnn" and "torch-flash" are PyTorch's private aten ops
+for cuDNN's fused attention and for flash attention 2, called directly (no autograd): q, k, v are strided views into qkv, no copies in. Their outputs are allocated
 by the op (there is no out= variant), in the (B, T, NH, hs) layout of q, so landing them in our
 preallocated (B, T, C) buffers is one contiguous copy. The log-sum-exp (natural log, of the scaled
 scores, fp32 (B, NH, T)) is saved for the backward, which recomputes the probabilities from it.
@@ -29,8 +31,9 @@ Dispatcher: `ATTENTION_IMPLS`, `default_attention_impl(device)`, `attention_forw
 `attention_backward_any` (one set of buffers for every impl; `attention_buffer_shapes` lists what
 each impl needs).
 
-Determinism: the classic path is deterministic (cuBLAS GEMMs with fixed shapes and our atomic-free
-kernels). The fused backward passes are PyTorch/cuDNN's: see tests/test_attention.py for what they do.
+Determinism: classic, flash, cudnn and cudnn+flash are bitwise repeatable (cuBLAS GEMMs with fixed
+shapes, our atomic-free kernels, cuDNN's deterministic backward). PyTorch's ops need not be: see
+tests/test_attention.py for what they do.
 """
 from __future__ import annotations
 
