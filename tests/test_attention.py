@@ -398,6 +398,38 @@ def test_cuda_graph_capture(impl):
 # ----------------------------------------------------------------------------------------------------
 # cuDNN through its frontend (kernels/cudnn_attention.py)
 
+def test_cudnn_layouts_are_the_views():
+    """The dims, strides and pointers the cuDNN graphs are described with are those of the strided views
+    the other paths use: q, k, v inside qkv, out and dout as (B, NH, T, hs), dq, dk, dv inside dqkv."""
+    from llmpy.kernels import cudnn_attention as CA
+
+    B, T, NH, hs = 3, 5, 2, 8
+    C = NH * hs
+    qkv = torch.empty(B, T, 3 * C, dtype=torch.bfloat16)
+    for name, view in zip("qkv", A._qkv_views(qkv, NH)):
+        assert CA._strides(B, T, C, NH, hs, 3) == (list(view.shape), list(view.stride()))
+        assert CA._qkv_pointers(qkv, C)[name] == view.data_ptr()
+        assert CA._qkv_pointers(qkv, C, "d")["d" + name] == view.data_ptr()
+    out = torch.empty(B, T, C, dtype=torch.bfloat16)
+    view = A._heads_view(out, NH)
+    assert CA._strides(B, T, C, NH, hs, 1) == (list(view.shape), list(view.stride()))
+
+
+def test_cudnn_frontend_missing_is_one_clear_line(monkeypatch):
+    """Without the frontend package: an ImportError naming the package to install (the model turns it
+    into its one-line LlmpyError for attention "cudnn" / "cudnn+flash")."""
+    import sys
+
+    from llmpy.kernels import cudnn_attention as CA
+
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # import cudnn -> ImportError
+    CA.frontend.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="pip install nvidia-cudnn-frontend"):
+            CA.frontend()
+    finally:
+        CA.frontend.cache_clear()
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,NH,hs", [(3, 100, 2, 64), (2, 257, 3, 128), (1, 64, 1, 32)])
 def test_cudnn_odd_shapes(B, T, NH, hs):

@@ -47,18 +47,6 @@ def frontend():
     return cudnn
 
 
-def available() -> bool:
-    """True when the cuDNN frontend imports and a CUDA device is present (not a guarantee that the
-    device's cuDNN supports these graphs: building one is the test)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        frontend()
-    except ImportError:
-        return False
-    return True
-
-
 _IO_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
 
 
@@ -133,42 +121,41 @@ def _finish(g, tensors: dict) -> _Graph:
     return _Graph(g, tensors, nbytes)
 
 
+def _begin(device: torch.device, B: int, T: int, NH: int, hs: int, dtype: torch.dtype, name: str):
+    """A new graph on device's handle, with q, k, v described as views of qkv; also the (dims, strides)
+    of out's view and of lse."""
+    cudnn = frontend()
+    C = NH * hs
+    g = _new_graph(_device_state(device), dtype, name)
+    q, k, v = (g.tensor(*_strides(B, T, C, NH, hs, 3), name=n) for n in ("q", "k", "v"))
+    lse_layout = ([B, NH, T, 1], [NH * T, T, 1, 1])
+    return cudnn, g, (q, k, v), _strides(B, T, C, NH, hs, 1), lse_layout
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_graph(device: torch.device, B: int, T: int, NH: int, hs: int, dtype: torch.dtype) -> _Graph:
-    cudnn = frontend()
-    state = _device_state(device)
-    C = NH * hs
-    g = _new_graph(state, dtype, "llmpy_attention_forward")
-    q = g.tensor(*_strides(B, T, C, NH, hs, 3), name="q")
-    k = g.tensor(*_strides(B, T, C, NH, hs, 3), name="k")
-    v = g.tensor(*_strides(B, T, C, NH, hs, 3), name="v")
+    cudnn, g, (q, k, v), out_layout, lse_layout = _begin(device, B, T, NH, hs, dtype, "llmpy_attention_forward")
     out, lse = g.sdpa(q, k, v, generate_stats=True, attn_scale=1.0 / math.sqrt(hs), use_causal_mask=True,
                       name="sdpa")
-    out.set_output(True).set_dim(_strides(B, T, C, NH, hs, 1)[0]).set_stride(_strides(B, T, C, NH, hs, 1)[1])
-    lse.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim([B, NH, T, 1]).set_stride([NH * T, T, 1, 1])
+    out.set_output(True).set_dim(out_layout[0]).set_stride(out_layout[1])
+    lse.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(lse_layout[0]).set_stride(lse_layout[1])
     return _finish(g, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_graph(device: torch.device, B: int, T: int, NH: int, hs: int, dtype: torch.dtype) -> _Graph:
-    cudnn = frontend()
-    state = _device_state(device)
-    C = NH * hs
-    g = _new_graph(state, dtype, "llmpy_attention_backward")
-    qkv_dims, qkv_strides = _strides(B, T, C, NH, hs, 3)
-    out_dims, out_strides = _strides(B, T, C, NH, hs, 1)
-    q = g.tensor(qkv_dims, qkv_strides, name="q")
-    k = g.tensor(qkv_dims, qkv_strides, name="k")
-    v = g.tensor(qkv_dims, qkv_strides, name="v")
-    out = g.tensor(out_dims, out_strides, name="out")
-    dout = g.tensor(out_dims, out_strides, name="dout")
-    lse = g.tensor([B, NH, T, 1], [NH * T, T, 1, 1], data_type=cudnn.data_type.FLOAT, name="lse")
+    """Built with cuDNN's deterministic algorithm: the key blocks' shares of dq are added in a fixed order."""
+    cudnn, g, (q, k, v), out_layout, lse_layout = _begin(device, B, T, NH, hs, dtype, "llmpy_attention_backward")
+    out = g.tensor(*out_layout, name="out")
+    dout = g.tensor(*out_layout, name="dout")
+    lse = g.tensor(*lse_layout, data_type=cudnn.data_type.FLOAT, name="lse")
     dq, dk, dv = g.sdpa_backward(q, k, v, out, dout, lse, attn_scale=1.0 / math.sqrt(hs), use_causal_mask=True,
                                  use_deterministic_algorithm=True, name="sdpa_backward")
+    qkv_dims, qkv_strides = _strides(B, T, NH * hs, NH, hs, 3)
     for t in (dq, dk, dv):
         t.set_output(True).set_dim(qkv_dims).set_stride(qkv_strides)
     return _finish(g, {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse,
-                              "dq": dq, "dk": dk, "dv": dv})
+                       "dq": dq, "dk": dk, "dv": dv})
 
 
 def _shape(qkv: torch.Tensor, num_heads: int):
@@ -191,13 +178,15 @@ def _qkv_pointers(qkv: torch.Tensor, C: int, prefix: str = "") -> dict:
     return {prefix + "q": base, prefix + "k": base + step, prefix + "v": base + 2 * step}
 
 
-def _device(t: torch.Tensor) -> torch.device:
-    return torch.device("cuda", t.device.index if t.device.index is not None else torch.cuda.current_device())
+def _cuda_device(device) -> torch.device:
+    """A CUDA device with its index (the graphs and handles are per device)."""
+    device = torch.device(device)
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _graph_and_state(kind, qkv: torch.Tensor, num_heads: int, workspace: torch.Tensor | None):
     B, T, C, hs = _shape(qkv, num_heads)
-    device = _device(qkv)
+    device = _cuda_device(qkv.device)
     graph = kind(device, B, T, num_heads, hs, qkv.dtype)
     state = _device_state(device)
     if workspace is None:
@@ -209,9 +198,7 @@ def workspace_bytes(B: int, T: int, num_heads: int, head_size: int, dtype: torch
                     backward: bool = True) -> int:
     """Bytes of workspace the forward (and the backward) graph of this shape need on device: builds the
     graphs (cached). The model allocates this much with its other buffers and passes it in."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _cuda_device(device)
     n = _forward_graph(device, B, T, num_heads, head_size, dtype).workspace_bytes
     if backward:
         n = max(n, _backward_graph(device, B, T, num_heads, head_size, dtype).workspace_bytes)
