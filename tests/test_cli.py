@@ -81,6 +81,23 @@ def test_unknown_descriptor_and_flag(shards):
     assert_one_line_error(llmpy("train", "-w", "7", "-i", train, "-e", TINY), "-w 7")
 
 
+def test_attention_flag_takes_every_path(shards):
+    """--attention accepts each of the model's paths (the flag's check and the dispatcher share one list);
+    a GPU-only path on the CPU ends in one line from the model, an unknown name in one line from the flag."""
+    from llmpy.config import ATTENTION_IMPLS
+    from llmpy.errors import LlmpyError
+    from llmpy.trainer import TrainOptions
+
+    for impl in ("auto",) + ATTENTION_IMPLS:
+        TrainOptions(attention=impl).validate()
+    with pytest.raises(LlmpyError, match=r"--attention nope: must be one of auto, classic, flash, cudnn, cudnn\+flash"):
+        TrainOptions(attention="nope").validate()
+    train, _ = shards
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-s", 0, "-g", 0,
+                "--device", "cpu", "--engine", "kernels", "--attention", "cudnn+flash")
+    assert_one_line_error(res, "attention 'cudnn+flash' needs a CUDA device")
+
+
 def test_wrong_model_file(tmp_path, shards):
     train, _ = shards
     assert_one_line_error(llmpy("train", "-i", train, "-e", train, "-x", 1), train.name, "token shard")

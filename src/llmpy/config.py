@@ -45,6 +45,12 @@ GPT3_CHANNELS = {
 
 GPT2_NAMES = {"gpt2": 12, "gpt2-medium": 24, "gpt2-large": 36, "gpt2-xl": 48}
 
+# The attention paths (kernels/attention.py's dispatcher runs them; here so that the trainer checks its flag
+# without importing the kernels): flash: the Triton kernels; cudnn: cuDNN's through its frontend
+# (deterministic backward); cudnn+flash: cuDNN's forward with the Triton backward; torch-*: PyTorch's
+# private SDPA ops; classic: llm.c's unfused path.
+ATTENTION_IMPLS = ("classic", "flash", "cudnn", "cudnn+flash", "torch-cudnn", "torch-flash")
+
 # The 16 parameter tensors, in llm.c's order (the order of its checkpoint files and flat buffer).
 PARAMETER_NAMES = (
     "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .config import GPT2Config, parse_descriptor
+from .config import ATTENTION_IMPLS, GPT2Config, parse_descriptor
 from .errors import LlmpyError
 from .outliers import OutlierDetector
 from .schedulers import SCHEDULES, LRSchedule
@@ -97,8 +97,8 @@ class TrainOptions:
             raise LlmpyError(f"--dtype {self.dtype}: must be bfloat16 or float32")
         if self.engine not in ("auto", "kernels", "reference"):
             raise LlmpyError(f"--engine {self.engine}: must be auto, kernels or reference")
-        if self.attention not in ("auto", "classic", "flash", "cudnn", "torch-cudnn", "torch-flash"):
-            raise LlmpyError(f"--attention {self.attention}: must be auto, classic, flash, cudnn, torch-cudnn or torch-flash")
+        if self.attention not in ("auto",) + ATTENTION_IMPLS:
+            raise LlmpyError(f"--attention {self.attention}: must be one of {', '.join(('auto',) + ATTENTION_IMPLS)}")
         if self.grad_clip < 0:
             raise LlmpyError(f"--grad-clip {self.grad_clip}: must be >= 0 (0 turns clipping off)")
         for name, flag in (("checkpoint_every", "-n"), ("checkpoints_keep", "-nk"), ("major_checkpoint_every", "-nm"),
@@ -156,7 +156,7 @@ EXTRA_FLAGS = [  # long-only flags
     ("--seed", "seed", int, "seed of the model's random init, shuffling and sampling"),
     ("--device", "device", str, "cpu, cuda or auto (cuda when a GPU is visible)"),
     ("--dtype", "dtype", str, "bfloat16 or float32 (default: bfloat16 on the GPU; the CPU is float32)"),
-    ("--attention", "attention", str, "GPU attention: auto, classic, flash, cudnn, torch-cudnn or torch-flash"),
+    ("--attention", "attention", str, "GPU attention: " + ", ".join(("auto",) + ATTENTION_IMPLS)),
     ("--cuda-graph", "cuda_graph", int, "1: capture the whole step in a CUDA graph (GPU)"),
     ("--overlap-reduction", "overlap_reduction", int, "several processes: 1 reduces finished layers during the "
                                                       "backward, 0 after it"),

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import ATTENTION_IMPLS
 from .common import cdiv, interpreting
 
 # ----------------------------------------------------------------------------------------------------
@@ -443,10 +444,6 @@ def torch_flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: 
 
 # ----------------------------------------------------------------------------------------------------
 # dispatcher
-
-# flash: the Triton kernels; cudnn: cuDNN's through its frontend (deterministic backward); cudnn+flash:
-# cuDNN's forward with the Triton backward; torch-*: PyTorch's private SDPA ops
-ATTENTION_IMPLS = ("classic", "flash", "cudnn", "cudnn+flash", "torch-cudnn", "torch-flash")
 
 
 def attention_buffer_shapes(impl: str, B: int, T: int, C: int, NH: int) -> dict:
