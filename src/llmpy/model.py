@@ -179,7 +179,7 @@ def _resolve_attention(attention: str, device: torch.device, dtype: torch.dtype,
         raise LlmpyError(f"attention {attention!r} has no fp32 kernels; use flash or classic with fp32")
     if attention == "cudnn+flash" and head_size > 128:
         raise LlmpyError(f"attention 'cudnn+flash': the flash backward takes head sizes up to 128, not {head_size}")
-    if attention in ("cudnn", "cudnn+flash"):
+    if attention in kattn.CUDNN_FRONTEND:
         try:
             kattn._cudnn().frontend()
         except ImportError as e:
@@ -270,9 +270,9 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     ]
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
-    if attention in ("flash", "cudnn+flash"):
+    if attention in kattn.TRITON_BACKWARD:
         specs.append(BufferSpec("delta", (B, NH, T), f32, "scratch"))
-    if attention in ("cudnn", "cudnn+flash"):
+    if attention in kattn.CUDNN_FRONTEND:
         # cuDNN's workspace (the deterministic backward's is large); sized by building the graphs, which
         # needs the GPU: a plan made off it counts none
         nbytes = (kattn._cudnn().workspace_bytes(B, T, NH, hs, dtype, device, backward=attention == "cudnn")

@@ -446,6 +446,12 @@ def torch_flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: 
 # dispatcher
 
 
+# The paths by their kernels: the Triton backward (its delta scratch; head sizes up to 128), and the cuDNN
+# frontend's forward (cudnn_attention.py; a workspace)
+TRITON_BACKWARD = ("flash", "cudnn+flash")
+CUDNN_FRONTEND = ("cudnn", "cudnn+flash")
+
+
 def attention_buffer_shapes(impl: str, B: int, T: int, C: int, NH: int) -> dict:
     """name -> (shape, dtype kind) of what attention_forward_any / attention_backward_any need besides
     qkv, out, dqkv, dout. "floatX" is the model's storage dtype, "fp32" is float32.
@@ -462,7 +468,7 @@ def attention_buffer_shapes(impl: str, B: int, T: int, C: int, NH: int) -> dict:
         return {"qkvr": ((3, B, NH, T, hs), "floatX"), "att": ((B, NH, T, T), "floatX"),
                 "dqkvr": ((3, B, NH, T, hs), "floatX"), "datt": ((B, NH, T, T), "floatX"),
                 "scratch": ((B, NH, T, hs), "floatX")}
-    if impl in ("flash", "cudnn+flash"):
+    if impl in TRITON_BACKWARD:
         return {"lse": ((B, NH, T), "fp32"), "delta": ((B, NH, T), "fp32")}
     return {"lse": ((B, NH, T), "fp32")}
 
@@ -495,7 +501,7 @@ def attention_forward_any(impl: str, out: torch.Tensor, qkv: torch.Tensor, num_h
     assert lse is not None, f"{impl} attention needs lse"
     if impl == "flash":
         _triton_flash().flash_attention_forward(out, lse, qkv, num_heads)
-    elif impl in ("cudnn", "cudnn+flash"):
+    elif impl in CUDNN_FRONTEND:
         _cudnn().cudnn_attention_forward(out, lse, qkv, num_heads, workspace=workspace)
     elif impl == "torch-cudnn":
         torch_cudnn_attention_forward(out, lse, qkv, num_heads)
@@ -522,7 +528,7 @@ def attention_backward_any(impl: str, dqkv: torch.Tensor, dout: torch.Tensor, qk
         attention_backward(dqkv, dqkvr, datt, scratch, dout, qkvr, att, num_heads)
         return
     assert lse is not None, f"{impl} attention needs lse"
-    if impl in ("flash", "cudnn+flash"):
+    if impl in TRITON_BACKWARD:
         _triton_flash().flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads, delta=delta)
     elif impl == "cudnn":
         _cudnn().cudnn_attention_backward(dqkv, dout, qkv, out, lse, num_heads, workspace=workspace)
@@ -575,7 +581,6 @@ def _probe(impl: str, device: torch.device) -> bool:
 # above that cuDNN's own backward (deterministic, with a large workspace), and PyTorch's cuDNN op last
 # (not deterministic).
 DEFAULT_PREFERENCE = ("cudnn+flash", "flash", "cudnn", "torch-cudnn")
-_TRITON_BACKWARD = ("flash", "cudnn+flash")
 
 
 def default_attention_impl(device, head_size: int = 64) -> str:
@@ -588,7 +593,7 @@ def default_attention_impl(device, head_size: int = 64) -> str:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     for impl in DEFAULT_PREFERENCE:
-        if impl in _TRITON_BACKWARD and head_size > 128:
+        if impl in TRITON_BACKWARD and head_size > 128:
             continue
         if _probe(impl, device):
             return impl

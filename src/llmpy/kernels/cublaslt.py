@@ -27,6 +27,7 @@ tested against the reference within bf16 tolerance, like every other kernel).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
@@ -172,22 +173,16 @@ def reserve_workspace(stream: torch.cuda.Stream):
 _sm_count_target = 0
 
 
-class sm_count_target:
-    """Context manager: the products issued inside it are planned for n SMs (0: all of them), so that a
+@contextlib.contextmanager
+def sm_count_target(n: int):
+    """The products issued inside this context are planned for n SMs (0: all of them), so that a
     memory-bound kernel on another stream finds SMs free while they run."""
-
-    def __init__(self, n: int):
-        self.n = int(n)
-
-    def __enter__(self):
-        global _sm_count_target
-        self._saved, _sm_count_target = _sm_count_target, self.n
-        return self
-
-    def __exit__(self, *exc):
-        global _sm_count_target
-        _sm_count_target = self._saved
-        return False
+    global _sm_count_target
+    saved, _sm_count_target = _sm_count_target, int(n)
+    try:
+        yield
+    finally:
+        _sm_count_target = saved
 
 
 def _alignment(ptr: int) -> int:
