@@ -128,6 +128,8 @@ def add_model_switches(ap: argparse.ArgumentParser) -> None:
                          "(proj_bias_in_layernorm; model default: on)")
     ap.add_argument("--residual-in-product", action="store_true",
                     help="llmpy: the residual add in the projections' product (residual_in_product)")
+    ap.add_argument("--classifier-chunks", type=int, default=None,
+                    help="llmpy: the logits in this many chunks of rows (model default: at most 1 GiB a chunk)")
     ap.add_argument("--overlap-weight-grads", default=None, choices=("off", "on", "priority"),
                     help="llmpy: the backward's weight and bias gradients on a second stream "
                          "(overlap_weight_grads; priority: the input-gradient chain first; model default: off)")
@@ -146,6 +148,8 @@ def model_switches(args) -> dict:
         opts["residual_in_product"] = True
     if args.overlap_weight_grads is not None:
         opts["overlap_weight_grads"] = args.overlap_weight_grads
+    if args.classifier_chunks is not None:
+        opts["classifier_chunks"] = args.classifier_chunks
     return opts
 
 

@@ -4,7 +4,8 @@
 # Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=src:. NCCL_NVLS_ENABLE=0
+# .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
+export PYTHONUNBUFFERED=1 PYTHONPATH=src:.:.vendor NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/llmpy_out}
 mkdir -p "$OUT"
 stages=${*:-tests bench sanitize}
@@ -24,7 +25,8 @@ for stage in $stages; do
       timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_kernels ${BENCH_ARGS:-} --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
       rc=$? ;;
     model)
-      timeout ${MODEL_TIMEOUT:-300} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_gpt2.py 2>&1 | tee "$OUT/model.log"
+      timeout ${MODEL_TIMEOUT:-300} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_gpt2.py ${MODEL_K:+-k "$MODEL_K"} \
+        2>&1 | tee "$OUT/model.log"
       rc=$? ;;
     suite)
       # the trainer-level tests (resume, HellaSwag, CLI, API) where `llmpy train` picks the GPU

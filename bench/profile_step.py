@@ -313,7 +313,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recompute", type=int, default=0, help="llm.c's -r (0, 1, 2)")
     ap.add_argument("--attention", default="auto", help="auto, classic, flash, cudnn, cudnn+flash, torch-cudnn, torch-flash")
     add_model_switches(ap)
-    ap.add_argument("--classifier-chunks", type=int, default=None, help="model default (None) if not given")
     ap.add_argument("--flash-config", default=None, help="JSON of flash attention tile fields to override")
     ap.add_argument("--warmup", type=int, default=5, help="eager steps before profiling")
     ap.add_argument("--steps", type=int, default=5, help="profiled eager steps")
@@ -341,7 +340,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _model_options(args, cuda_graph: bool) -> dict:
     opts = {"master_weights": True, "attention": args.attention, "seed": args.seed, "cuda_graph": cuda_graph,
-            "recompute": args.recompute, "classifier_chunks": args.classifier_chunks}
+            "recompute": args.recompute}
     opts.update(model_switches(args))
     return opts
 

@@ -40,7 +40,7 @@ from llmpy.checkpoint import load_debug_state, save_debug_state
 from llmpy.config import PARAMETER_NAMES, GPT2Config, parameter_views, parse_descriptor
 from llmpy.errors import LlmpyError
 from llmpy.init import init_parameters
-from llmpy.model import GPT2Model, default_classifier_chunks, format_memory, memory_plan
+from llmpy.model import GPT2Model, activation_specs, default_classifier_chunks, format_memory, memory_plan
 from llmpy.reference import GPT2Reference, clip_scale
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -435,7 +435,8 @@ def test_memory_plan():
 
 def test_memory_plan_classifier_chunks():
     """d12, B=64, T=1024: the default cuts the logits into 8 chunks of 8192 rows (0.77 GiB, bf16), the plan
-    drops by 7/8 of the 6.14 GiB logits: 28.79 GB -> 23.02 GB at -r 0 (dlnf reuses scratch_bt4c)."""
+    drops by 7/8 of the 6.14 GiB logits, and the chunk shares its bytes with the backward's scratch (-5
+    B*T*C): 28.80 GB -> 22.53 GB at -r 0 (dlnf reuses scratch_bt4c)."""
     cfg = parse_descriptor("d12")
     Vp = cfg.padded_vocab_size
     assert default_classifier_chunks(cfg, 64, 1024, BF16) == 8
@@ -447,12 +448,45 @@ def test_memory_plan_classifier_chunks():
         auto = memory_plan(cfg, 64, 1024, BF16, True, 0, att)  # None: the default, 8
         assert full["buffers"]["output"] == 64 * 1024 * Vp * 2
         assert auto["buffers"]["output"] == 8192 * Vp * 2
-        assert full["total"] - auto["total"] == 7 * 8192 * Vp * 2
-        assert set(auto["buffers"]) == set(full["buffers"])  # no new buffer
-        assert auto["total"] <= 23.1e9, format_memory(auto)  # under the 24 GB goal (the GPU adds ~0.1-0.6 GB)
+        btc = 64 * 1024 * cfg.channels * 2
+        assert full["total"] - auto["total"] == 7 * 8192 * Vp * 2 + 5 * btc
+        # one new buffer, the region; the chunk and the three scratch buffers are views of it
+        assert set(auto["buffers"]) == set(full["buffers"]) | {"shared_scratch"} and not full["shared"]
+        assert auto["shared"] == dict.fromkeys(("scratch_bt4c", "dresidual", "scratch_btc", "output"),
+                                               "shared_scratch")
+        assert auto["buffers"]["shared_scratch"] == btc + 8192 * Vp * 2
+        # under the 24 GB goal with room for what the GPU adds (CUDA context, libraries: ~0.9 GB on an H200)
+        assert auto["total"] <= 22.6e9, format_memory(auto)
     # classic: the buffer also holds datt (B, NH, T, T), larger than a chunk at T=1024; no datt of its own
     classic = memory_plan(cfg, 64, 1024, BF16, True, 1, "classic")
     assert classic["buffers"]["output"] == 64 * cfg.num_heads * 1024 * 1024 * 2 and "datt" not in classic["buffers"]
+
+
+@pytest.mark.parametrize("B_,T_,k", [(64, 1024, 8), (2, 16, 2), (2, 16, 32), (3, 5, 3)])
+def test_shared_scratch_layout(B_, T_, k):
+    """Chunked, the logits chunk and the backward's scratch are views of one region: the three scratch
+    buffers apart from each other, the chunk inside the region and clear of dlnf (scratch_bt4c's first
+    B*T*C elements, live from the classifier section to the backward's first layernorm), every view
+    aligned; unchunked or classic, nothing is shared."""
+    cfg = parse_descriptor("d12") if B_ == 64 else TINY
+    C = cfg.channels
+    specs = {s.name: s for s in activation_specs(cfg, B_, T_, BF16, 0, "flash", classifier_chunks=k)}
+    region = specs["shared_scratch"].numel
+
+    def span(name):
+        s = specs[name]
+        off = s.within[1]
+        assert s.within[0] == "shared_scratch" and off % 128 == 0 and off + s.numel <= region, name
+        return off, off + s.numel
+
+    bt4c, dres, btc, out = (span(n) for n in ("scratch_bt4c", "dresidual", "scratch_btc", "output"))
+    assert bt4c[1] <= dres[0] and dres[1] <= btc[0]
+    assert out[0] >= bt4c[0] + B_ * T_ * C  # clear of dlnf
+    assert specs["output"].numel == -(-B_ * T_ // k) * cfg.padded_vocab_size
+    assert region == max(btc[1], out[1])
+    for kw in (dict(attention="flash", classifier_chunks=1), dict(attention="classic", classifier_chunks=k)):
+        plain = activation_specs(cfg, B_, T_, BF16, 0, **kw)
+        assert all(s.within is None for s in plain) and "shared_scratch" not in {s.name for s in plain}
 
 
 def test_memory_plan_matches_allocation(tiny):

@@ -48,6 +48,8 @@ wte^T into a chunk-sized buffer; the fused classifier writes losses[r] and the l
 then at once dlnf[r] = dlogits_r @ wte and dwte += dlogits_r^T @ lnf[r] - the classifier's backward,
 moved into the forward, so backward() starts from the stored dlnf. Validation is chunked the same way
 (losses only); a forward without targets stops at lnf, and logits_last computes the rows it returns.
+The chunk's buffer is not memory of its own: it overlays the backward's scratch, dead in the classifier
+section (see _shared_scratch_specs).
 
 Attention: "classic" (llm.c's permute + cuBLAS + softmax path: keeps qkvr and the (B, NH, T, T)
 probabilities per layer), "flash" (the Triton flash kernels), "cudnn" (cuDNN's through its frontend,
@@ -196,6 +198,9 @@ class BufferSpec:
     shape: tuple
     dtype: torch.dtype
     group: str  # parameters, gradients, optimizer, master, activations, scratch
+    # a view into an earlier buffer of the same dtype (its name, and an element offset in it) instead of
+    # memory of its own: buffers whose lives never overlap share bytes
+    within: tuple[str, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -227,6 +232,11 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     # the buffer grows to hold datt (the chunk is small, and max(chunk, datt) < chunk + datt).
     chunk_rows = -(-B * T // classifier_chunks)
     out_numel = chunk_rows * Vp
+    # Chunked (and not classic), a logits chunk lives only inside the training forward's classifier
+    # section, where the backward's scratch is dead: scratch_bt4c past its first B*T*C (which holds dlnf),
+    # dresidual and scratch_btc. So those and the chunk share one region (-0.5 GB at d12, B=64):
+    # [scratch_bt4c | dresidual | scratch_btc], the chunk from element B*T*C on (see _shared_scratch_specs).
+    shared = classifier_chunks > 1 and not classic
     if classic:
         out_numel = max(out_numel, B * T * 3 * C)
         if classifier_chunks > 1:
@@ -256,6 +266,8 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         BufferSpec("lnf_mean", (B, T), f32, "activations"),
         BufferSpec("lnf_rstd", (B, T), f32, "activations"),
         BufferSpec("losses", (B, T), f32, "activations"),
+    ]
+    specs += _shared_scratch_specs(B, T, C, out_numel, dtype) if shared else [
         BufferSpec("output", (out_numel,), dtype, "activations"),
         # forward: the attention / MLP projection output; backward: dl_btc, the (B, T, C) gradient
         BufferSpec("scratch_btc", (B, T, C), dtype, "scratch"),
@@ -264,6 +276,8 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         BufferSpec("scratch_bt4c", (B, T, 4 * C), dtype, "scratch"),
         # backward: the gradient of the residual stream, accumulated by every layernorm backward
         BufferSpec("dresidual", (B, T, C), dtype, "scratch"),
+    ]
+    specs += [
         # flat: viewed as the plain backward's (chunks, 2, C) or, where the attproj / fcproj bias gradients
         # ride along (proj_bias_in_layernorm), the (chunks', 3, C) of that variant
         BufferSpec("ln_scratch", (max(math.prod(s) for s in ln_scratch_shapes(B * T, C)),), f32, "scratch"),
@@ -285,6 +299,30 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     specs.append(BufferSpec("encoder_partial", (2 * kenc.cdiv(B * T, kenc.ENC_PIECE), C), f32, "scratch"))
     specs.append(BufferSpec("norm_partials", (knorm.num_norm_partials(config.num_parameters),), f32, "scratch"))
     return specs
+
+
+def _shared_scratch_specs(B: int, T: int, C: int, out_numel: int, dtype: torch.dtype) -> list[BufferSpec]:
+    """The logits chunk and the backward's (B, T, *) scratch as views of one region "shared_scratch":
+    scratch_bt4c at 0, dresidual after it, scratch_btc after that (each at an aligned offset); the chunk
+    ("output") from the aligned end of dlnf (scratch_bt4c's first B*T*C elements) on, over the rest of
+    scratch_bt4c, dresidual and scratch_btc, and on past them if it is the larger. Safe because the chunk
+    is written and read only between the last layer's forward and the end of the classifier section, and
+    none of the three is live there: the forward's projection scratch (scratch_btc) is spent, the backward
+    zeroes dresidual and writes its dl_btc / dl_bt4c before reading them, and dlnf stays clear of it."""
+    align = _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    up = lambda n: -(-n // align) * align  # noqa: E731
+    btc, bt4c = B * T * C, B * T * 4 * C
+    o_dres = up(bt4c)
+    o_btc = o_dres + up(btc)
+    o_out = up(btc)
+    region = max(o_btc + btc, o_out + out_numel)
+    return [
+        BufferSpec("shared_scratch", (region,), dtype, "scratch"),
+        BufferSpec("scratch_bt4c", (B, T, 4 * C), dtype, "scratch", within=("shared_scratch", 0)),
+        BufferSpec("dresidual", (B, T, C), dtype, "scratch", within=("shared_scratch", o_dres)),
+        BufferSpec("scratch_btc", (B, T, C), dtype, "scratch", within=("shared_scratch", o_btc)),
+        BufferSpec("output", (out_numel,), dtype, "activations", within=("shared_scratch", o_out)),
+    ]
 
 
 def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.bfloat16,
@@ -313,15 +351,18 @@ def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.b
     buffers: dict[str, int] = {}
     for s in specs:
         b = _aligned(s.nbytes)
-        buffers[s.name] = b
-        groups[s.group] = groups.get(s.group, 0) + b
-    return {"groups": groups, "buffers": buffers, "total": sum(groups.values())}
+        buffers[s.name] = b  # a view's own size, though it costs nothing more
+        if s.within is None:
+            groups[s.group] = groups.get(s.group, 0) + b
+    return {"groups": groups, "buffers": buffers, "total": sum(groups.values()),
+            "shared": {s.name: s.within[0] for s in specs if s.within is not None}}
 
 
 def format_memory(plan: dict) -> str:
     gib = 1 << 30
     parts = [f"{g} {b / gib:.2f}" for g, b in plan["groups"].items()]
-    big = sorted(plan["buffers"].items(), key=lambda kv: -kv[1])[:6]
+    views = plan.get("shared", {})  # views into another buffer: not memory of their own
+    big = sorted(((n, b) for n, b in plan["buffers"].items() if n not in views), key=lambda kv: -kv[1])[:6]
     return (f"{plan['total'] / gib:.2f} GiB ({plan['total'] / 1e9:.2f} GB): " + ", ".join(parts) + " GiB"
             + " | largest: " + ", ".join(f"{n} {b / gib:.2f}" for n, b in big))
 
@@ -345,13 +386,21 @@ class _Arena:
         for dt, group in by_dtype.items():
             itemsize = torch.empty((), dtype=dt).element_size()
             align = _ALIGN_BYTES // itemsize
-            offsets, total = [], 0
+            offsets, total = {}, 0
             for s in group:
-                offsets.append(total)
-                total += (s.numel + align - 1) // align * align
+                if s.within is None:
+                    offsets[s.name] = total
+                    total += (s.numel + align - 1) // align * align
             flat = torch.empty(total, dtype=dt, device=device)
             self.buffers.append(flat)
-            for s, off in zip(group, offsets):
+            for s in group:
+                if s.within is None:
+                    off = offsets[s.name]
+                else:  # a view into an earlier buffer of this dtype, inside its bounds
+                    host, rel = s.within
+                    host_spec = next(h for h in group if h.name == host)
+                    assert rel % align == 0 and rel + s.numel <= host_spec.numel, (s.name, host)
+                    off = offsets[host] + rel
                 self.views[s.name] = flat[off:off + s.numel].view(s.shape)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -550,7 +599,8 @@ class GPT2Model:
 
     def memory_report(self) -> dict:
         """The bytes allocated at construction: {"groups": {group: bytes}, "buffers": {name: bytes},
-        "total": bytes} (format_memory(model.memory_report()) for one line)."""
+        "total": bytes, "shared": {view: the buffer it lies in}} (format_memory(model.memory_report()) for
+        one line). A view's bytes are listed under "buffers" but counted only once, in its host's."""
         return self._plan
 
     def describe(self) -> str:
