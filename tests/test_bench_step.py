@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from bench.bench_step import format_losses, parse_args
+from bench.bench_step import format_losses, llmpy_options, parse_args
 
 
 def runs(n, offset_at=None, offset=0.0, bad_at=None):
@@ -35,3 +35,9 @@ def test_ln_proj_chunks_flag():
     assert parse_args(["--systems", "llmpy"]).ln_proj_chunks is None  # the module's constant stays
     with pytest.raises(SystemExit):
         parse_args(["--systems", "llmpy", "--ln-proj-chunks", "0"])
+
+
+def test_classifier_chunks_flag():
+    # given: the model gets it (shared with profile_step); not given: the model's automatic choice
+    assert llmpy_options(parse_args(["--systems", "llmpy", "--classifier-chunks", "4"]))["classifier_chunks"] == 4
+    assert "classifier_chunks" not in llmpy_options(parse_args(["--systems", "llmpy"]))
