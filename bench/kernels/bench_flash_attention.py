@@ -45,6 +45,9 @@ BWD_SWEEP = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages,
     (32, 64, 64, 64, 4, 3, "fused", True), (32, 64, 64, 64, 4, 2, "fused", True),
     (32, 64, 64, 64, 4, 4, "fused", True), (64, 64, 64, 64, 4, 3, "fused", True),
     (32, 64, 64, 128, 4, 3, "fused", True), (32, 64, 64, 64, 4, 3, "split", True),
+    (16, 64, 64, 64, 4, 3, "fused", True), (32, 64, 64, 32, 4, 3, "fused", True),
+    (32, 128, 128, 64, 4, 3, "fused", True), (32, 128, 128, 64, 8, 3, "fused", True),
+    (64, 64, 64, 32, 4, 3, "fused", True), (16, 32, 32, 32, 4, 3, "fused", True),
 ]
 
 
