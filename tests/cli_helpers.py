@@ -8,9 +8,9 @@ from pathlib import Path
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def llmpy(*args, cwd=None):
-    """`python -m llmpy ARGS` with this checkout's src first on PYTHONPATH."""
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def llmpy(*args, cwd=None, env=None):
+    """`python -m llmpy ARGS` with this checkout's src first on PYTHONPATH (env: more variables)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "llmpy", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=300)
 

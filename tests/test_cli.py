@@ -93,8 +93,10 @@ def test_attention_flag_takes_every_path(shards):
     with pytest.raises(LlmpyError, match=r"--attention nope: must be one of auto, classic, flash, cudnn, cudnn\+flash"):
         TrainOptions(attention="nope").validate()
     train, _ = shards
+    # the kernel model on the CPU runs in Triton's interpreter: set it here too, for a GPU machine's run
     res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-s", 0, "-g", 0,
-                "--device", "cpu", "--engine", "kernels", "--attention", "cudnn+flash")
+                "--device", "cpu", "--engine", "kernels", "--attention", "cudnn+flash",
+                env={"TRITON_INTERPRET": "1"})
     assert_one_line_error(res, "attention 'cudnn+flash' needs a CUDA device")
 
 
