@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 # .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
@@ -96,6 +96,20 @@ for stage in $stages; do
       # every product of a step: torch's cuBLAS against cuBLASLt's ranked algorithms and its GELU / bias
       # epilogues (what kernels.matmul.TUNED_ALGOS is read from)
       timeout ${LT_TIMEOUT:-200} python3 -m bench.kernels.bench_cublaslt ${LT_ARGS:-} --json "$OUT/lt.json" 2>&1 | tee "$OUT/lt.log"
+      rc=$? ;;
+    dgelu-ab)
+      # fcproj's DGELU product at cuBLASLt ranks 2 and 3 (DGELU_RANKS) against the table's rank 0, alone:
+      # each variant's table is TUNED_ALGOS plus that one entry (bench_step --tuned-from replaces the table)
+      for r in ${DGELU_RANKS:-2 3}; do
+        python3 -c "import json, sys; from llmpy.kernels.matmul import TUNED_ALGOS as t
+e = [{'key': list(k[:4]), 'rank': v} for k, v in t.items() if k[4] == (9, 0)]
+e.append({'key': ['dinp_dgelu', 65536, 768, 3072], 'rank': int(sys.argv[1])})
+json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OUT/dgelu$r.json"
+      done
+      variants=(--variant default=)
+      for r in ${DGELU_RANKS:-2 3}; do variants+=(--variant "dg$r=--tuned-from=$OUT/dgelu$r.json"); done
+      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step "${variants[@]}" --rounds ${AB_ROUNDS:-2} \
+        --json "$OUT/ab.json" -- --recompute 0 2>&1 | tee "$OUT/ab.log"
       rc=$? ;;
     bias)
       timeout ${BIAS_TIMEOUT:-240} python3 -m bench.kernels.sweep_bias ${BIAS_ARGS:-} --json "$OUT/bias.json" 2>&1 | tee "$OUT/bias.log"
