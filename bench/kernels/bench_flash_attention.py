@@ -176,8 +176,8 @@ def bench(head_sizes=None, sweeps=("fwd", "bwd"), schedules=None) -> list[dict]:
         for bm, bn, w, s, tma in FWD_SWEEP if "fwd" in sweeps else ():
             FLASH_CONFIGS[hs] = dict(BLOCK_M=bm, BLOCK_N=bn, fwd_warps=w, fwd_stages=s, fwd_tma=tma)
             name = f"sweep fwd hs{hs} BM{bm} BN{bn} w{w} s{s}" + (" tma" if tma else "")
-            rows.append(_sweep_row(name, case.fwd, lambda: rel_err(case.out, ref_out), case.bytes_fwd, flops[0],
-                                   flash[0]))
+            err = lambda case=case: rel_err(case.out, ref_out)  # noqa: E731 (case is deleted below)
+            rows.append(_sweep_row(name, case.fwd, err, case.bytes_fwd, flops[0], flash[0]))
             rows[-1]["fields"] = dict(FLASH_CONFIGS[hs])
         FLASH_CONFIGS.clear()
         case.fwd()
@@ -189,8 +189,8 @@ def bench(head_sizes=None, sweeps=("fwd", "bwd"), schedules=None) -> list[dict]:
                                      bwd_schedule=schedule, bwd_tma=tma)
             tiles = f"M1 {m1} N1 {n1} M2 {m2} N2 {n2}"
             name = f"sweep bwd hs{hs} {tiles} w{w} s{s} {schedule}" + (" tma" if tma else "")
-            rows.append(_sweep_row(name, case.bwd, lambda: rel_err(case.dqkv, ref_dqkv), case.bytes_bwd, flops[1],
-                                   flash[1]))
+            err = lambda case=case: rel_err(case.dqkv, ref_dqkv)  # noqa: E731 (case is deleted below)
+            rows.append(_sweep_row(name, case.bwd, err, case.bytes_bwd, flops[1], flash[1]))
             rows[-1]["fields"] = dict(FLASH_CONFIGS[hs])
         FLASH_CONFIGS.clear()
         del case
