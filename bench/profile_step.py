@@ -1,7 +1,7 @@
 """Profile one GPT-2 training step of llmpy: GPU kernel time per kernel and per group, against the floors.
 
     PYTHONPATH=src:. python -m bench.profile_step [--model d12] [--B 64] [--T 1024] [--recompute 0] \
-        [--attention auto|classic|flash|cudnn|cudnn+flash|torch-cudnn|torch-flash] [--gelu-fusion N] [--classifier-chunks K] \
+        [--attention auto|classic|flash|cudnn|...] [--gelu-fusion N] [--classifier-chunks K] \
         [--warmup 5] [--steps 5] [--graph-steps 20] [--graph-profile-steps 3] [--no-graph-compare] \
         [--json out.json] [--md out.md]
 
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from bench.bench_step import add_model_switches, model_switches
+from llmpy.config import ATTENTION_IMPLS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -311,7 +312,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--B", type=int, default=64)
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--recompute", type=int, default=0, help="llm.c's -r (0, 1, 2)")
-    ap.add_argument("--attention", default="auto", help="auto, classic, flash, cudnn, cudnn+flash, torch-cudnn, torch-flash")
+    ap.add_argument("--attention", default="auto", help="auto or one of " + ", ".join(ATTENTION_IMPLS))
     add_model_switches(ap)
     ap.add_argument("--flash-config", default=None, help="JSON of flash attention tile fields to override")
     ap.add_argument("--warmup", type=int, default=5, help="eager steps before profiling")

@@ -387,6 +387,7 @@ class _Arena:
             itemsize = torch.empty((), dtype=dt).element_size()
             align = _ALIGN_BYTES // itemsize
             offsets, total = {}, 0
+            numels = {s.name: s.numel for s in group}
             for s in group:
                 if s.within is None:
                     offsets[s.name] = total
@@ -398,8 +399,7 @@ class _Arena:
                     off = offsets[s.name]
                 else:  # a view into an earlier buffer of this dtype, inside its bounds
                     host, rel = s.within
-                    host_spec = next(h for h in group if h.name == host)
-                    assert rel % align == 0 and rel + s.numel <= host_spec.numel, (s.name, host)
+                    assert rel % align == 0 and rel + s.numel <= numels[host], (s.name, host)
                     off = offsets[host] + rel
                 self.views[s.name] = flat[off:off + s.numel].view(s.shape)
 

@@ -29,6 +29,9 @@ from .schedulers import SCHEDULES, LRSchedule
 # in about two minutes (byte-level tokens, so vocab 257).
 DEFAULT_CPU_MODEL = "layers=4,channels=192,heads=4,seq=128,vocab=257"
 
+# --attention: "auto" (kernels.attention.default_attention_impl) or one of the paths
+ATTENTION_CHOICES = ("auto",) + ATTENTION_IMPLS
+
 
 @dataclass
 class TrainOptions:
@@ -97,8 +100,8 @@ class TrainOptions:
             raise LlmpyError(f"--dtype {self.dtype}: must be bfloat16 or float32")
         if self.engine not in ("auto", "kernels", "reference"):
             raise LlmpyError(f"--engine {self.engine}: must be auto, kernels or reference")
-        if self.attention not in ("auto",) + ATTENTION_IMPLS:
-            raise LlmpyError(f"--attention {self.attention}: must be one of {', '.join(('auto',) + ATTENTION_IMPLS)}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise LlmpyError(f"--attention {self.attention}: must be one of {', '.join(ATTENTION_CHOICES)}")
         if self.grad_clip < 0:
             raise LlmpyError(f"--grad-clip {self.grad_clip}: must be >= 0 (0 turns clipping off)")
         for name, flag in (("checkpoint_every", "-n"), ("checkpoints_keep", "-nk"), ("major_checkpoint_every", "-nm"),
@@ -156,7 +159,7 @@ EXTRA_FLAGS = [  # long-only flags
     ("--seed", "seed", int, "seed of the model's random init, shuffling and sampling"),
     ("--device", "device", str, "cpu, cuda or auto (cuda when a GPU is visible)"),
     ("--dtype", "dtype", str, "bfloat16 or float32 (default: bfloat16 on the GPU; the CPU is float32)"),
-    ("--attention", "attention", str, "GPU attention: " + ", ".join(("auto",) + ATTENTION_IMPLS)),
+    ("--attention", "attention", str, "GPU attention: " + ", ".join(ATTENTION_CHOICES)),
     ("--cuda-graph", "cuda_graph", int, "1: capture the whole step in a CUDA graph (GPU)"),
     ("--overlap-reduction", "overlap_reduction", int, "several processes: 1 reduces finished layers during the "
                                                       "backward, 0 after it"),

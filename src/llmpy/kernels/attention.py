@@ -22,9 +22,10 @@ The 1/sqrt(hs) scale is applied inside the softmax kernels, not in the GEMMs.
 Fused paths: "flash" is the Triton flash attention (kernels/flash_attention.py); "cudnn" is cuDNN's
 fused attention through its frontend on our layouts, and "cudnn+flash" its forward with the Triton
 backward (kernels/cudnn_attention.py). "torch-cudnn" and "torch-flash" are PyTorch's private aten ops
-for cuDNN's fused attention and for flash attention 2, called directly (no autograd): q, k, v are strided views into qkv, no copies in. Their outputs are allocated
-by the op (there is no out= variant), in the (B, T, NH, hs) layout of q, so landing them in our
-preallocated (B, T, C) buffers is one contiguous copy. The log-sum-exp (natural log, of the scaled
+for cuDNN's fused attention and for flash attention 2, called directly (no autograd): q, k, v are
+strided views into qkv, no copies in. Their outputs are allocated by the op (there is no out=
+variant), in the (B, T, NH, hs) layout of q, so landing them in our preallocated (B, T, C) buffers is
+one contiguous copy. The log-sum-exp (natural log, of the scaled
 scores, fp32 (B, NH, T)) is saved for the backward, which recomputes the probabilities from it.
 
 Dispatcher: `ATTENTION_IMPLS`, `default_attention_impl(device)`, `attention_forward_any` and
@@ -450,6 +451,8 @@ def torch_flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: 
 # frontend's forward (cudnn_attention.py; a workspace)
 TRITON_BACKWARD = ("flash", "cudnn+flash")
 CUDNN_FRONTEND = ("cudnn", "cudnn+flash")
+# the paths whose backward gives the same bits every run (PyTorch's ops need not: tests/test_attention.py)
+DETERMINISTIC = ("classic", "flash", "cudnn", "cudnn+flash")
 
 
 def attention_buffer_shapes(impl: str, B: int, T: int, C: int, NH: int) -> dict:

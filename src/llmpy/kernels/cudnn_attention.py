@@ -123,18 +123,19 @@ def _finish(g, tensors: dict) -> _Graph:
 
 def _begin(device: torch.device, B: int, T: int, NH: int, hs: int, dtype: torch.dtype, name: str):
     """A new graph on device's handle, with q, k, v described as views of qkv; also the (dims, strides)
-    of out's view and of lse."""
+    of those views (dq, dk, dv have them too), of out's view and of lse."""
     cudnn = frontend()
     C = NH * hs
     g = _new_graph(_device_state(device), dtype, name)
-    q, k, v = (g.tensor(*_strides(B, T, C, NH, hs, 3), name=n) for n in ("q", "k", "v"))
+    qkv_layout = _strides(B, T, C, NH, hs, 3)
+    q, k, v = (g.tensor(*qkv_layout, name=n) for n in ("q", "k", "v"))
     lse_layout = ([B, NH, T, 1], [NH * T, T, 1, 1])
-    return cudnn, g, (q, k, v), _strides(B, T, C, NH, hs, 1), lse_layout
+    return cudnn, g, (q, k, v), qkv_layout, _strides(B, T, C, NH, hs, 1), lse_layout
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_graph(device: torch.device, B: int, T: int, NH: int, hs: int, dtype: torch.dtype) -> _Graph:
-    cudnn, g, (q, k, v), out_layout, lse_layout = _begin(device, B, T, NH, hs, dtype, "llmpy_attention_forward")
+    cudnn, g, (q, k, v), _, out_layout, lse_layout = _begin(device, B, T, NH, hs, dtype, "llmpy_attention_forward")
     out, lse = g.sdpa(q, k, v, generate_stats=True, attn_scale=1.0 / math.sqrt(hs), use_causal_mask=True,
                       name="sdpa")
     out.set_output(True).set_dim(out_layout[0]).set_stride(out_layout[1])
@@ -145,15 +146,15 @@ def _forward_graph(device: torch.device, B: int, T: int, NH: int, hs: int, dtype
 @functools.lru_cache(maxsize=None)
 def _backward_graph(device: torch.device, B: int, T: int, NH: int, hs: int, dtype: torch.dtype) -> _Graph:
     """Built with cuDNN's deterministic algorithm: the key blocks' shares of dq are added in a fixed order."""
-    cudnn, g, (q, k, v), out_layout, lse_layout = _begin(device, B, T, NH, hs, dtype, "llmpy_attention_backward")
+    cudnn, g, (q, k, v), qkv_layout, out_layout, lse_layout = _begin(device, B, T, NH, hs, dtype,
+                                                                    "llmpy_attention_backward")
     out = g.tensor(*out_layout, name="out")
     dout = g.tensor(*out_layout, name="dout")
     lse = g.tensor(*lse_layout, data_type=cudnn.data_type.FLOAT, name="lse")
     dq, dk, dv = g.sdpa_backward(q, k, v, out, dout, lse, attn_scale=1.0 / math.sqrt(hs), use_causal_mask=True,
                                  use_deterministic_algorithm=True, name="sdpa_backward")
-    qkv_dims, qkv_strides = _strides(B, T, NH * hs, NH, hs, 3)
     for t in (dq, dk, dv):
-        t.set_output(True).set_dim(qkv_dims).set_stride(qkv_strides)
+        t.set_output(True).set_dim(qkv_layout[0]).set_stride(qkv_layout[1])
     return _finish(g, {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse,
                        "dq": dq, "dk": dk, "dv": dv})
 
