@@ -1,0 +1,105 @@
+"""The classifier section of a training step with the logits kept in L2: lm_head forward and fused classifier
+in sub-chunks of S rows, so that a sub-chunk's logits (S x Vp bf16: 25.8 MB at S=256) are still in the
+H200's 50 MB L2 when the classifier reads them, and only the logit gradient goes to HBM.
+
+In the model (model._chunked_classifier), for each chunk of 8192 rows the lm_head product writes an 824 MB
+buffer (to HBM); the classifier reads it back (HBM) and writes the gradient over it (HBM); then the lm_head
+backward (dlnf and dwte) reads the gradient. With sub-chunks the forward product and the
+classifier alternate S rows at a time over the same chunk buffer; the backward products still run on the
+whole chunk (their efficiency needs the long K of 8192 rows). Same math; whether the
+bits stay those of the whole-chunk path (cuBLAS may pick a kernel with another summation order at another
+M) is checked against the first configuration, and printed.
+
+Measured (bench/RESULTS.md run R): every sub-chunk size is slower than the whole chunk, 27.2-32.4 ms against
+25.4 (26.2 at the power cap): the products at small M lose more than the classifier gains from L2.
+
+Run on a GPU: PYTHONPATH=src:. python -m bench.kernels.bench_classifier_l2 [--json F]
+Every configuration runs the whole classifier section of one step (B*T = 65536 rows in 8 chunks of 8192,
+the lm_head backward included) as one CUDA graph, timed as the median of replays and sustained at the power
+cap (bench.timing.sustained_ms), against the whole-chunk path in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.timing import median_ms, sustained_ms
+from llmpy.kernels import matmul as kmm
+from llmpy.kernels.fused_classifier import fused_classifier
+
+ROWS, C, V, Vp, CHUNK = 65536, 768, 50257, 50304, 8192
+
+
+def section(S: int, lnf, wte, dlnf, dwte, logits, losses, tgt, use_lt: bool, fc_knobs: dict):
+    """The classifier section of a training step: per chunk of CHUNK rows, forward + classifier S rows at a
+    time, then dlnf and dwte on the whole chunk."""
+    dloss = 1.0 / ROWS
+    for r0 in range(0, ROWS, CHUNK):
+        for s0 in range(0, CHUNK, S):
+            out = logits[s0:s0 + S]
+            kmm.matmul_forward(out, lnf[r0 + s0:r0 + s0 + S], wte, use_cublaslt=use_lt)
+            fused_classifier(out, losses[r0 + s0:r0 + s0 + S], dloss, tgt[r0 + s0:r0 + s0 + S], V, **fc_knobs)
+        kmm.matmul_backward(dlnf[r0:r0 + CHUNK], dwte, None, logits, lnf[r0:r0 + CHUNK], wte, use_cublaslt=use_lt)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="8192,2048,1024,512,256,128", help="sub-chunk rows S to time")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = "cuda"
+    lnf = torch.randn(ROWS, C, device=dev).bfloat16()
+    wte = (torch.randn(Vp, C, device=dev) * 0.02).bfloat16()
+    wte[V:] = 0
+    tgt = torch.randint(0, V, (ROWS,), device=dev, dtype=torch.int32)
+    logits = torch.empty(CHUNK, Vp, device=dev, dtype=torch.bfloat16)
+    losses = torch.empty(ROWS, device=dev, dtype=torch.float32)
+    dlnf = torch.empty(ROWS, C, device=dev, dtype=torch.bfloat16)
+    dwte = torch.empty(Vp, C, device=dev, dtype=torch.bfloat16)
+
+    variants = []
+    for S in [int(s) for s in args.sizes.split(",")]:
+        variants.append((f"S={S} twopass", S, True, {}))
+        if S <= 1024:
+            variants.append((f"S={S} twopass cuBLAS-default", S, False, {}))
+            variants.append((f"S={S} onepass p w16", S, True, dict(variant="onepass", keep="p", num_warps=16,
+                                                                   progs_per_sm=0)))
+    ref_losses = ref_dlnf = None
+    results = []
+    for label, S, use_lt, knobs in variants:
+        def run():
+            dwte.zero_()
+            section(S, lnf, wte, dlnf, dwte, logits, losses, tgt, use_lt, knobs)
+        losses.fill_(float("nan"))
+        dlnf.fill_(float("nan"))
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            print(f"{label}: failed: {type(e).__name__}: {e}")
+            continue
+        if ref_losses is None:
+            ref_losses, ref_dlnf, ref_dwte = losses.clone(), dlnf.clone(), dwte.clone()
+        same = (torch.equal(losses, ref_losses) and torch.equal(dlnf, ref_dlnf) and torch.equal(dwte, ref_dwte))
+        err = float((losses - ref_losses).abs().max())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        g.replay()
+        torch.cuda.synchronize()
+        ms = median_ms(g.replay, warmup_ms=100, rep_ms=500)
+        cap_ms = sustained_ms(g.replay, 3000, ms)
+        results.append(dict(label=label, S=S, ms=ms, cap_ms=cap_ms, bitwise=same, loss_err=err))
+        print(f"{label:34s} median {ms:7.3f} ms  at the cap {cap_ms:7.3f} ms  bitwise {same}  loss err {err:.2e}",
+              flush=True)
+        del g
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
