@@ -179,7 +179,8 @@ def _op_load(base, O: tl.constexpr, R: tl.constexpr, S: tl.constexpr, EDGE: tl.c
     if EDGE:
         c = O + tl.arange(0, R)[:, None] * S + tl.arange(0, S)[None, :]
         x = tl.load(rows + tl.arange(0, S)[None, :], mask=c < Vp, other=float("-inf"))
-        x = tl.where(c < V, x, float("-inf")).to(base.dtype.element_ty)
+        # where() in fp32: triton 3.8's interpreter cannot make a bf16 scalar (the same bits either way)
+        x = tl.where(c < V, x.to(tl.float32), float("-inf")).to(base.dtype.element_ty)
     else:
         x = tl.load(rows + tl.arange(0, S)[None, :])
     return x
