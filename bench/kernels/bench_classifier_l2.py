@@ -10,8 +10,8 @@ whole chunk (their efficiency needs the long K of 8192 rows). Same math; whether
 bits stay those of the whole-chunk path (cuBLAS may pick a kernel with another summation order at another
 M) is checked against the first configuration, and printed.
 
-Measured (bench/RESULTS.md run R): every sub-chunk size is slower than the whole chunk, 27.2-32.4 ms against
-25.4 (26.2 at the power cap): the products at small M lose more than the classifier gains from L2.
+Measured (bench/RESULTS.md run R): every sub-chunk size is slower than the whole chunk, also with the best
+of cuBLASLt's ranked algorithms for each sub-chunk's product: 27.1-28.4 ms against 25.7 (S = 2048 ... 256).
 
 Run on a GPU: PYTHONPATH=src:. python -m bench.kernels.bench_classifier_l2 [--json F]
 Every configuration runs the whole classifier section of one step (B*T = 65536 rows in 8 chunks of 8192,
@@ -26,22 +26,46 @@ import json
 import torch
 
 from bench.timing import median_ms, sustained_ms
+from llmpy.kernels import cublaslt
 from llmpy.kernels import matmul as kmm
 from llmpy.kernels.fused_classifier import fused_classifier
 
 ROWS, C, V, Vp, CHUNK = 65536, 768, 50257, 50304, 8192
 
 
-def section(S: int, lnf, wte, dlnf, dwte, logits, losses, tgt, use_lt: bool, fc_knobs: dict):
+def forward_product(out, inp, wte, rank: int | None):
+    """The lm_head product of some rows: the model's call (rank None: its tuned rank at 8192 rows, cuBLAS's
+    heuristic elsewhere) or cuBLASLt's algorithm of that heuristic rank."""
+    if rank is None:
+        kmm.matmul_forward(out, inp, wte, use_cublaslt=True)
+    else:
+        cublaslt.linear_forward(out, inp, wte, algo_index=rank)
+
+
+def section(S: int, lnf, wte, dlnf, dwte, logits, losses, tgt, rank: int | None):
     """The classifier section of a training step: per chunk of CHUNK rows, forward + classifier S rows at a
     time, then dlnf and dwte on the whole chunk."""
     dloss = 1.0 / ROWS
     for r0 in range(0, ROWS, CHUNK):
         for s0 in range(0, CHUNK, S):
             out = logits[s0:s0 + S]
-            kmm.matmul_forward(out, lnf[r0 + s0:r0 + s0 + S], wte, use_cublaslt=use_lt)
-            fused_classifier(out, losses[r0 + s0:r0 + s0 + S], dloss, tgt[r0 + s0:r0 + s0 + S], V, **fc_knobs)
-        kmm.matmul_backward(dlnf[r0:r0 + CHUNK], dwte, None, logits, lnf[r0:r0 + CHUNK], wte, use_cublaslt=use_lt)
+            forward_product(out, lnf[r0 + s0:r0 + s0 + S], wte, rank)
+            fused_classifier(out, losses[r0 + s0:r0 + s0 + S], dloss, tgt[r0 + s0:r0 + s0 + S], V)
+        kmm.matmul_backward(dlnf[r0:r0 + CHUNK], dwte, None, logits, lnf[r0:r0 + CHUNK], wte, use_cublaslt=True)
+
+
+def best_rank(S: int, lnf, wte, logits, ranks: int = 8) -> int | None:
+    """The fastest of cuBLASLt's first `ranks` algorithms for the S-row forward product (None: none ran)."""
+    times = {}
+    for rank in range(ranks):
+        try:
+            forward_product(logits[:S], lnf[:S], wte, rank)
+            torch.cuda.synchronize()
+        except cublaslt.CublasLtError:
+            continue
+        times[rank] = median_ms(lambda: forward_product(logits[:S], lnf[:S], wte, rank))
+    print(f"S={S}: forward product ms by rank " + ", ".join(f"{r}: {t:.4f}" for r, t in times.items()), flush=True)
+    return min(times, key=times.get) if times else None
 
 
 def main():
@@ -60,19 +84,20 @@ def main():
     dlnf = torch.empty(ROWS, C, device=dev, dtype=torch.bfloat16)
     dwte = torch.empty(Vp, C, device=dev, dtype=torch.bfloat16)
 
+    # per S: the model's call, and cuBLASLt's fastest ranked algorithm for that many rows (the model has a
+    # tuned rank only for 8192)
     variants = []
     for S in [int(s) for s in args.sizes.split(",")]:
-        variants.append((f"S={S} twopass", S, True, {}))
-        if S <= 1024:
-            variants.append((f"S={S} twopass cuBLAS-default", S, False, {}))
-            variants.append((f"S={S} onepass p w16", S, True, dict(variant="onepass", keep="p", num_warps=16,
-                                                                   progs_per_sm=0)))
+        variants.append((f"S={S} model's product", S, None))
+        rank = best_rank(S, lnf, wte, logits)
+        if rank is not None:
+            variants.append((f"S={S} rank {rank}", S, rank))
     ref_losses = ref_dlnf = None
     results = []
-    for label, S, use_lt, knobs in variants:
+    for label, S, rank in variants:
         def run():
             dwte.zero_()
-            section(S, lnf, wte, dlnf, dwte, logits, losses, tgt, use_lt, knobs)
+            section(S, lnf, wte, dlnf, dwte, logits, losses, tgt, rank)
         losses.fill_(float("nan"))
         dlnf.fill_(float("nan"))
         try:
@@ -92,7 +117,7 @@ def main():
         torch.cuda.synchronize()
         ms = median_ms(g.replay, warmup_ms=100, rep_ms=500)
         cap_ms = sustained_ms(g.replay, 3000, ms)
-        results.append(dict(label=label, S=S, ms=ms, cap_ms=cap_ms, bitwise=same, loss_err=err))
+        results.append(dict(label=label, S=S, rank=rank, ms=ms, cap_ms=cap_ms, bitwise=same, loss_err=err))
         print(f"{label:34s} median {ms:7.3f} ms  at the cap {cap_ms:7.3f} ms  bitwise {same}  loss err {err:.2e}",
               flush=True)
         del g
