@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [ablate] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 # .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
@@ -114,6 +114,10 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
     classifier-l2)
       # the classifier section with the lm_head forward and the classifier in sub-chunks small enough for L2
       timeout ${L2_TIMEOUT:-200} python3 -m bench.kernels.bench_classifier_l2 ${L2_ARGS:-} --json "$OUT/l2.json" 2>&1 | tee "$OUT/l2.log"
+      rc=$? ;;
+    ablate)
+      # the graphed step timed with groups of kernels left out: what each group costs at the power cap
+      timeout ${ABLATE_TIMEOUT:-300} python3 -m bench.ablate_step ${ABLATE_ARGS:-} --json "$OUT/ablate.json" 2>&1 | tee "$OUT/ablate.log"
       rc=$? ;;
     bias)
       timeout ${BIAS_TIMEOUT:-240} python3 -m bench.kernels.sweep_bias ${BIAS_ARGS:-} --json "$OUT/bias.json" 2>&1 | tee "$OUT/bias.log"
