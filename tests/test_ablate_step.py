@@ -17,8 +17,22 @@ TINY = GPT2Config(max_seq_len=16, vocab_size=100, num_layers=1, num_heads=2, cha
 def test_every_group_names_a_launcher():
     for group, entries in ab.GROUPS.items():
         for module, path in entries:
+            if module == ab.LANE:
+                continue
             owner, attr = ab._owner(module, path)
             assert callable(owner.__dict__[attr]), f"{group}: {module}.{path} is not a launcher"
+
+
+def test_lane_calls_are_the_backward_s():
+    """The Lanes.run names the groups skip are names the backward really issues (a renamed call would
+    silently stay in, and its group's figure would be wrong)."""
+    import inspect
+    from llmpy import model
+    source = inspect.getsource(model.GPT2Model.backward)
+    for entries in ab.GROUPS.values():
+        for module, name in entries:
+            if module == ab.LANE:
+                assert f'"{name}")' in source, f"the backward issues no call named {name!r}"
 
 
 @pytest.mark.parametrize("variant,groups", [
@@ -80,6 +94,26 @@ def test_left_out_optimizer_leaves_parameters(device):
     assert torch.equal(model.params_memory, before)
     model.train_step([(x, y)], 1e-2, 2, 0.0, 1.0)
     assert not torch.equal(model.params_memory, before)
+
+
+def test_left_out_ln_backward_keeps_the_residual_gradient(device):
+    """Without the LayerNorm backward the residual gradient must keep its last values, not be zeroed
+    (products on zeros would be timed), and the real backward comes back afterwards."""
+    model, x, y = _model(device)
+    model.zero_grad()
+    model.forward(x, y, dloss=1.0 / x.numel())
+    model.backward()
+    last = model.acts["dresidual"].clone()
+    assert last.abs().sum() > 0
+    model.zero_grad()
+    model.forward(x, y, dloss=1.0 / x.numel())
+    with ab.left_out(["ln-backward"]):
+        model.backward()
+    assert torch.equal(model.acts["dresidual"], last)
+    model.forward(x, y, dloss=1.0 / x.numel())
+    model.acts["dresidual"].fill_(float("nan"))
+    model.backward()
+    assert model.acts["dresidual"].isfinite().all()
 
 
 def test_summarize_and_table():
