@@ -93,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ln-proj-chunks", type=int, default=None,
                     help="llmpy: row chunks of the LayerNorm backward that sums a projection's bias "
                          "(layernorm.LN_BACKWARD_PROJ_CHUNKS)")
+    ap.add_argument("--ln-proj-pieces", type=int, default=None, choices=(1, 3),
+                    help="llmpy: the LayerNorm backward that sums a projection's bias takes a row as 1 tile "
+                         "or 3 (layernorm.BWD_PIECES_PROJ)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
     ap.add_argument("--flash-config", default=None,
                     help='llmpy: JSON of flash attention tile fields to override, e.g. \'{"bwd_schedule": "fused"}\'')
@@ -230,6 +233,9 @@ def _build_llmpy(args, config, flat):
     if args.ln_proj_chunks is not None:  # read when the model sizes its ln_scratch and at every backward
         from llmpy.kernels import layernorm
         layernorm.LN_BACKWARD_PROJ_CHUNKS = args.ln_proj_chunks
+    if args.ln_proj_pieces is not None:  # read at every backward
+        from llmpy.kernels import layernorm
+        layernorm.BWD_PIECES_PROJ = args.ln_proj_pieces
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

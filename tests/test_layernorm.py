@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmpy import reference as ref
+from llmpy.kernels import layernorm
 from llmpy.kernels.layernorm import (LN_BACKWARD_CHUNKS, LN_BACKWARD_PROJ_CHUNKS, LN_BWD_SWEEP, LN_FWD_SWEEP,
                                      fused_residual_forward, layernorm_backward, layernorm_backward_scratch_shape,
                                      layernorm_forward, residual_forward)
@@ -316,6 +317,11 @@ def check_backward_proj_bias(shape, dtype, device, seed, num_chunks=None, **cfg)
     dproj0 = randn((C,), make_gen(seed + 1000), device, dtype)
     # bf16: stochastic rounding, seeds as a graph passes them (device tensors)
     seeds = dict(seed=torch.tensor([5], device=device), proj_seed=torch.tensor([9], device=device))
+    # the plain call with the same chunks and tiles (its defaults differ: LN_BACKWARD_CHUNKS, BWD_PIECES)
+    inp_rows = args[0].numel() // C
+    if num_chunks is None:
+        num_chunks = layernorm_backward_scratch_shape(inp_rows, C, proj_bias=True)[0]
+    cfg.setdefault("pieces", layernorm.BWD_PIECES_PROJ)
     dinp, dweight, dbias, dproj = run_backward(*args, num_chunks=num_chunks, dproj_bias0=dproj0, **seeds, **cfg)
     plain = run_backward(*args, num_chunks=num_chunks, seed=seeds["seed"], **cfg)
     assert bitwise_equal(dinp, plain[0])
@@ -349,6 +355,23 @@ def test_layernorm_backward_proj_bias_sweep_candidates(name, dtype, device):
     # every benchmarked tiling with the projection's bias summed along (bench_layernorm times both)
     cfg = {k: v for k, v in LN_BWD_SWEEP[name].items() if k != "chunks"}
     check_backward_proj_bias((37, 40), dtype, device, seed=25, num_chunks=3, **cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,num_chunks,rows", [((37, 48), 3, 1), ((2, 5, 96), 4, 2), ((3, 48), 8, 2)])
+def test_layernorm_backward_three_pieces(shape, num_chunks, rows, dtype, device):
+    # C = 3 x a power of two as three tiles without padding (pieces=3); 8 chunks over 3 rows leave empty
+    # chunks, 37 rows in 3 chunks and 10 rows at 2 a time leave partial iterations
+    check_backward(shape, dtype, device, seed=51, num_chunks=num_chunks, pieces=3, rows=rows, num_warps=2)
+    check_backward_proj_bias(shape, dtype, device, seed=52, num_chunks=num_chunks, pieces=3, rows=rows,
+                             num_warps=2)
+
+
+def test_layernorm_backward_three_pieces_falls_back_where_c_does_not_split(device):
+    # C = 40 is not 3 x a power of two: pieces=3 runs the one-tile kernel, bit for bit
+    args = backward_inputs((5, 40), F32, device, seed=53)
+    assert all(bitwise_equal(x, y) for x, y in zip(run_backward(*args, num_chunks=2, pieces=3),
+                                                    run_backward(*args, num_chunks=2)))
 
 
 def test_layernorm_backward_stochastic_rounding(device):

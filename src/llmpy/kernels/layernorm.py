@@ -61,8 +61,14 @@ FWD_PROGRAMS_PER_SM = 8 if not interpreting() else 0
 FWD_STAGES = 3
 FUSED_PROGRAMS_PER_SM = 0
 FUSED_STAGES = 1
-# Backward: pipelining depth of each chunk's row loop.
+# Backward: pipelining depth of each chunk's row loop, and the row as one next_pow2(C) tile (1) or, where C
+# is 3 x a power of two, three tiles without padding (3). With the projection's bias summed along, three
+# tiles: 0.120 against 0.132 ms a call at C = 768 on the H200 (its third accumulator had the one-tile
+# kernel at 139 registers a thread, 6 programs an SM; bench/RESULTS.md run S); the plain backward stays
+# one tile (0.114 against 0.118).
 BWD_STAGES = 3
+BWD_PIECES = 1
+BWD_PIECES_PROJ = 3
 # residual_forward: values per program (32 per thread at 4 warps: a few 16-byte vectors each)
 RESIDUAL_BLOCK = 4096
 # Chunks of rows in the backward's first level: about 8 programs per SM of a 132-SM H200 - all resident at
@@ -70,9 +76,10 @@ RESIDUAL_BLOCK = 4096
 # level reads only num_chunks * 2 * C fp32 values (6 MiB at C=768, against ~400 MB for the first level at
 # B=64, T=1024). A constant, not a device query: the split, and so the bits, depend on the row count only.
 LN_BACKWARD_CHUNKS = 1024
-# With the projection's bias summed along (a third accumulator a thread), twice the chunks: 0.132 against
-# 0.146 ms a call at 1024 on the H200 (bench_layernorm, run N), where the plain backward is the faster at 1024.
-LN_BACKWARD_PROJ_CHUNKS = 2048
+# With the projection's bias summed along (a third accumulator a thread): run N's one-tile kernel was
+# faster at 2048 chunks (0.132 against 0.146 ms a call), the three-tile kernel is at 1024 (0.120 against
+# 0.126, run S).
+LN_BACKWARD_PROJ_CHUNKS = 1024
 # second level: a program sums [REDUCE_BLOCK_K chunks, REDUCE_BLOCK_C columns] tiles (48 programs at C=768)
 REDUCE_BLOCK_K, REDUCE_BLOCK_C, REDUCE_WARPS = 512, 16, 8
 
@@ -101,7 +108,8 @@ LN_FWD_SWEEP = {
     "r4 w4 p0 s1": dict(rows=4, num_warps=4, programs_per_sm=0, stages=1),
     "r8 w4 p8 s2": dict(rows=8, num_warps=4, programs_per_sm=8, stages=2),
 }
-# Backward names: r=rows per iteration w=num_warps k=chunks (the scratch's first dim) s=stages.
+# Backward names: r=rows per iteration w=num_warps k=chunks (the scratch's first dim) s=stages p3=pieces=3
+# m=maxnreg.
 LN_BWD_SWEEP = {
     "r1 w4 k1024 s1": dict(rows=1, num_warps=4, chunks=1024, stages=1),
     "r1 w4 k1024 s3": dict(rows=1, num_warps=4, chunks=1024, stages=3),
@@ -115,6 +123,25 @@ LN_BWD_SWEEP = {
     "r1 w2 k1024 s4": dict(rows=1, num_warps=2, chunks=1024, stages=4),
     "r1 w2 k2048 s3": dict(rows=1, num_warps=2, chunks=2048, stages=3),
     "r1 w4 k1024 s2": dict(rows=1, num_warps=4, chunks=1024, stages=2),
+    # session 13: a warp a row (rows == warps, the row sums stay in the warp) and deeper pipelines
+    "r2 w2 k2048 s3": dict(rows=2, num_warps=2, chunks=2048, stages=3),
+    "r2 w2 k2048 s2": dict(rows=2, num_warps=2, chunks=2048, stages=2),
+    "r1 w1 k4096 s3": dict(rows=1, num_warps=1, chunks=4096, stages=3),
+    "r1 w1 k2048 s4": dict(rows=1, num_warps=1, chunks=2048, stages=4),
+    "r4 w4 k2048 s2": dict(rows=4, num_warps=4, chunks=2048, stages=2),
+    "r1 w2 k4096 s3": dict(rows=1, num_warps=2, chunks=4096, stages=3),
+    "r1 w2 k2048 s4": dict(rows=1, num_warps=2, chunks=2048, stages=4),
+    "r2 w4 k2048 s3": dict(rows=2, num_warps=4, chunks=2048, stages=3),
+    # the row as three 256-wide tiles at C = 768 (pieces=3: no padding lanes, fewer registers), and
+    # register caps (139 registers a thread at r1 w2 with the projection's sum: 6 programs an SM, ncu)
+    "r1 w2 k2048 s3 p3": dict(rows=1, num_warps=2, chunks=2048, stages=3, pieces=3),
+    "r2 w2 k2048 s3 p3": dict(rows=2, num_warps=2, chunks=2048, stages=3, pieces=3),
+    "r2 w4 k2048 s3 p3": dict(rows=2, num_warps=4, chunks=2048, stages=3, pieces=3),
+    "r1 w1 k2048 s4 p3": dict(rows=1, num_warps=1, chunks=2048, stages=4, pieces=3),
+    "r1 w2 k1024 s3 p3": dict(rows=1, num_warps=2, chunks=1024, stages=3, pieces=3),
+    "r1 w2 k2048 s3 p3 m96": dict(rows=1, num_warps=2, chunks=2048, stages=3, pieces=3, maxnreg=96),
+    "r1 w2 k2048 s3 m104": dict(rows=1, num_warps=2, chunks=2048, stages=3, maxnreg=104),
+    "r2 w4 k2048 s3 m96": dict(rows=2, num_warps=4, chunks=2048, stages=3, maxnreg=96),
 }
 
 
@@ -232,6 +259,92 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
     tl.store(base + C + cols, tl.sum(db_acc, axis=0), mask=col_ok)
     if PROJ_BIAS:
         tl.store(base + 2 * C + cols, tl.sum(pb_acc, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _ln_bwd_piece(dout_ptr, inp_ptr, offs, mask, w, mean, rstd):
+    """One column piece of a row tile: (dout, norm, dnorm) in fp32."""
+    dout = tl.load(dout_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    norm = (x - mean[:, None]) * rstd[:, None]
+    return dout, norm, dout * w[None, :]
+
+
+@triton.jit
+def _ln_bwd_piece_update(dinp_ptr, offs, mask, dnorm, norm, dnorm_mean, dnorm_norm_mean, rstd):
+    """dinp += the piece's input gradient; returns the updated values as stored (fp32)."""
+    dval = (dnorm - dnorm_mean[:, None] - norm * dnorm_norm_mean[:, None]) * rstd[:, None]
+    old = tl.load(dinp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    new = round_to(old + dval, dinp_ptr)
+    tl.store(dinp_ptr + offs, new, mask=mask)
+    return new.to(tl.float32)
+
+
+@triton.jit
+def _layernorm_backward_pieces3_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_ptr, mean_ptr, rstd_ptr,
+                                       N, rows_per_chunk, PIECE: tl.constexpr, ROWS: tl.constexpr,
+                                       STAGES: tl.constexpr, PROJ_BIAS: tl.constexpr):
+    """_layernorm_backward_kernel for C = 3 * PIECE (PIECE a power of two, e.g. 768 = 3 x 256): each row
+    as three PIECE-wide tiles, so no lane holds padding (a next_pow2(C) block wastes a quarter of its
+    registers at C = 768, and registers bound this kernel's occupancy). Same outputs, same scratch layout;
+    its sums run in another order than the one-block kernel's (other bits, equally deterministic)."""
+    C: tl.constexpr = 3 * PIECE
+    SLOTS: tl.constexpr = 3 if PROJ_BIAS else 2
+    chunk = tl.program_id(0)
+    start = chunk * rows_per_chunk
+    end = tl.minimum(start + rows_per_chunk, N)
+    cols = tl.arange(0, PIECE)
+    wa = tl.load(weight_ptr + cols).to(tl.float32)
+    wb = tl.load(weight_ptr + PIECE + cols).to(tl.float32)
+    wc = tl.load(weight_ptr + 2 * PIECE + cols).to(tl.float32)
+    dw_a = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    dw_b = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    dw_c = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    db_a = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    db_b = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    db_c = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    pb_a = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    pb_b = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    pb_c = tl.zeros([ROWS, PIECE], dtype=tl.float32)
+    for r0 in tl.range(start, end, ROWS, num_stages=STAGES):
+        rows = r0 + tl.arange(0, ROWS)
+        row_ok = rows < end
+        mask = row_ok[:, None] & (cols < PIECE)[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        dout_a, norm_a, dnorm_a = _ln_bwd_piece(dout_ptr, inp_ptr, offs, mask, wa, mean, rstd)
+        dout_b, norm_b, dnorm_b = _ln_bwd_piece(dout_ptr, inp_ptr, offs + PIECE, mask, wb, mean, rstd)
+        dout_c, norm_c, dnorm_c = _ln_bwd_piece(dout_ptr, inp_ptr, offs + 2 * PIECE, mask, wc, mean, rstd)
+        dnorm_mean = (tl.sum(dnorm_a, axis=1) + tl.sum(dnorm_b, axis=1) + tl.sum(dnorm_c, axis=1)) / C
+        dnorm_norm_mean = (tl.sum(dnorm_a * norm_a, axis=1) + tl.sum(dnorm_b * norm_b, axis=1)
+                           + tl.sum(dnorm_c * norm_c, axis=1)) / C
+        new_a = _ln_bwd_piece_update(dinp_ptr, offs, mask, dnorm_a, norm_a, dnorm_mean, dnorm_norm_mean, rstd)
+        new_b = _ln_bwd_piece_update(dinp_ptr, offs + PIECE, mask, dnorm_b, norm_b, dnorm_mean, dnorm_norm_mean,
+                                     rstd)
+        new_c = _ln_bwd_piece_update(dinp_ptr, offs + 2 * PIECE, mask, dnorm_c, norm_c, dnorm_mean,
+                                     dnorm_norm_mean, rstd)
+        dw_a += dout_a * norm_a
+        dw_b += dout_b * norm_b
+        dw_c += dout_c * norm_c
+        db_a += dout_a
+        db_b += dout_b
+        db_c += dout_c
+        if PROJ_BIAS:
+            pb_a += new_a
+            pb_b += new_b
+            pb_c += new_c
+    base = scratch_ptr + chunk.to(tl.int64) * SLOTS * C
+    tl.store(base + cols, tl.sum(dw_a, axis=0))
+    tl.store(base + PIECE + cols, tl.sum(dw_b, axis=0))
+    tl.store(base + 2 * PIECE + cols, tl.sum(dw_c, axis=0))
+    tl.store(base + C + cols, tl.sum(db_a, axis=0))
+    tl.store(base + C + PIECE + cols, tl.sum(db_b, axis=0))
+    tl.store(base + C + 2 * PIECE + cols, tl.sum(db_c, axis=0))
+    if PROJ_BIAS:
+        tl.store(base + 2 * C + cols, tl.sum(pb_a, axis=0))
+        tl.store(base + 2 * C + PIECE + cols, tl.sum(pb_b, axis=0))
+        tl.store(base + 2 * C + 2 * PIECE + cols, tl.sum(pb_c, axis=0))
 
 
 @triton.jit(do_not_specialize=["seed", "proj_seed"])  # a new seed every step must not mean a new compilation
@@ -407,7 +520,7 @@ def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int | No
 def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd,
                        seed: int | torch.Tensor = 0, stochastic: bool | None = None, rows: int | None = None,
                        num_warps: int | None = None, stages: int = BWD_STAGES, dproj_bias=None,
-                       proj_seed: int | torch.Tensor = 0):
+                       proj_seed: int | torch.Tensor = 0, pieces: int | None = None, maxnreg: int | None = None):
     """Accumulate the LayerNorm gradients: dinp += dL/dinp, dweight += sum(dout * norm), dbias += sum(dout).
 
     scratch: fp32 (num_chunks, 2, C), contiguous, any num_chunks >= 1 (see layernorm_backward_scratch_shape);
@@ -415,7 +528,10 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     kernel (so a captured CUDA graph can be replayed with a fresh seed). stochastic: round dweight/dbias
     stochastically; by default when they are bf16 (only then allowed). dinp must not alias dout or inp.
     Tuning (defaults: the BWD_* constants): rows per iteration, num_warps, stages (pipelining of each
-    chunk's row loop); the number of chunks is scratch.shape[0].
+    chunk's row loop), pieces (3: a row as three power-of-two tiles where C is 3 x a power of two, e.g.
+    768, so no lane holds padding; other C run as 1; None: BWD_PIECES_PROJ with dproj_bias, else
+    BWD_PIECES), maxnreg (a register cap a thread, None: the compiler's); the number of chunks is
+    scratch.shape[0].
 
     dproj_bias (C,), optional, with a (num_chunks, 3, C) scratch: the bias gradient of the projection
     whose output joined the residual stream just before this LayerNorm (attproj before ln2, fcproj
@@ -457,9 +573,19 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     num_chunks = scratch.shape[0]
     rows_per_chunk = cdiv(N, num_chunks)
     block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD, rows, num_warps)
-    args = (dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows_per_chunk)
-    launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
-                     PROJ_BIAS=proj, num_warps=num_warps)
+    if pieces is None:
+        pieces = BWD_PIECES_PROJ if proj else BWD_PIECES
+    assert pieces in (1, 3), f"pieces must be 1 or 3, got {pieces}"
+    piece = C // 3
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    if pieces == 3 and C % 3 == 0 and piece >= 16 and piece & (piece - 1) == 0:
+        args = (dinp, scratch, dout, inp, weight, mean, rstd, N, rows_per_chunk)
+        launch_pipelined(_layernorm_backward_pieces3_kernel, (num_chunks,), args, stages, PIECE=piece, ROWS=rows,
+                         PROJ_BIAS=proj, num_warps=num_warps, **extra)
+    else:
+        args = (dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows_per_chunk)
+        launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
+                         PROJ_BIAS=proj, num_warps=num_warps, **extra)
     _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](
         dweight, dbias, dproj_bias if proj else dbias, scratch, num_chunks, C, seed, proj_seed if proj else seed,
         BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C, SEED_IN_MEMORY=seed_in_memory, STOCHASTIC=stochastic,
