@@ -46,7 +46,7 @@ GROUPS: dict[str, list[tuple[str, str]]] = {
     # less power, and so runs faster, than real data), so the zeroing goes too and the buffer keeps the
     # last real step's values
     "ln-backward": [("llmpy.kernels.layernorm", "layernorm_backward"), (LANE, "zero dresidual")],
-    "bias": [("llmpy.kernels.matmul", "_bias_reduce")],
+    "bias": [("llmpy.kernels.matmul", "_bias_reduce"), ("llmpy.kernels.matmul", "bias_through_weight")],
     "encoder": [("llmpy.kernels.encoder", "encoder_forward"), ("llmpy.kernels.encoder", "encoder_backward")],
     "attention": [("llmpy.kernels.attention", "attention_forward_any"),
                   ("llmpy.kernels.attention", "attention_backward_any")],

@@ -96,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ln-proj-pieces", type=int, default=None, choices=(1, 3),
                     help="llmpy: the LayerNorm backward that sums a projection's bias takes a row as 1 tile "
                          "or 3 (layernorm.BWD_PIECES_PROJ)")
+    ap.add_argument("--qkv-bias-full-pass", action="store_true",
+                    help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
+                         "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
     ap.add_argument("--flash-config", default=None,
                     help='llmpy: JSON of flash attention tile fields to override, e.g. \'{"bwd_schedule": "fused"}\'')
@@ -233,6 +236,9 @@ def _build_llmpy(args, config, flat):
     if args.ln_proj_chunks is not None:  # read when the model sizes its ln_scratch and at every backward
         from llmpy.kernels import layernorm
         layernorm.LN_BACKWARD_PROJ_CHUNKS = args.ln_proj_chunks
+    if args.qkv_bias_full_pass:
+        from llmpy.kernels import matmul
+        matmul.QKV_BIAS_FROM_IDENTITIES = False
     if args.ln_proj_pieces is not None:  # read at every backward
         from llmpy.kernels import layernorm
         layernorm.BWD_PIECES_PROJ = args.ln_proj_pieces

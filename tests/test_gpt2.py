@@ -217,6 +217,26 @@ def test_matches_reference(tiny, tmp_path, device, name):
     check_against(model, state, state["inputs"], state["targets"], dtype, name)
 
 
+@pytest.mark.parametrize("proj_bias_in_layernorm", [True, False])
+def test_qkv_bias_gradient_parts(tiny, device, proj_bias_in_layernorm):
+    """The QKV bias gradient as kernels.matmul.qkv_bias_backward makes it: the key part exactly zero (the
+    loss does not depend on the key bias), the value part equal to the column sums of dv within fp32
+    rounding, whether it comes through attproj's weight (proj_bias_in_layernorm) or from dv."""
+    params, x, y, state = tiny
+    model = GPT2Model(TINY, params, B, T, device=device, dtype=FP32, attention="flash",
+                      proj_bias_in_layernorm=proj_bias_in_layernorm)
+    model.zero_grad()
+    model.forward(x, y, dloss=1.0 / x.numel())
+    model.backward()
+    C = TINY.channels
+    got = parameter_views(model.gradients_fp32(), TINY)["qkvb"].view(TINY.num_layers, 3 * C)
+    expected = parameter_views(state["grads"], TINY)["qkvb"].view(TINY.num_layers, 3 * C)
+    assert torch.equal(got[:, C:2 * C], torch.zeros_like(got[:, C:2 * C]))
+    assert expected[:, C:2 * C].abs().max() < 1e-6 * expected.abs().max()  # the reference's: rounding only
+    for part in (slice(0, C), slice(2 * C, 3 * C)):
+        assert rel_err(got[:, part], expected[:, part]) < 1e-5
+
+
 def test_odd_shape_matches_reference(device):
     """Head size 16, C = 48, vocab 250: fp32, both attention paths, both GELU epilogues (-ge 2)."""
     params = trained_like(ODD, seed=3)

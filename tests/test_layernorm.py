@@ -358,6 +358,26 @@ def test_layernorm_backward_proj_bias_sweep_candidates(name, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,pieces", [((3, 5, 40), 1), ((37, 48), 3)])
+def test_layernorm_backward_proj_sum(shape, pieces, dtype, device):
+    """dproj_sum (poisoned first) receives, in fp32, what the call adds to dproj_bias: the column sums of
+    dinp as stored; dproj_bias and the rest bit for bit as without it."""
+    args = backward_inputs(shape, dtype, device, seed=61)
+    C = shape[-1]
+    dproj0 = randn((C,), make_gen(62), device, dtype)
+    seeds = dict(seed=torch.tensor([5], device=device), proj_seed=torch.tensor([9], device=device))
+    without = run_backward(*args, num_chunks=3, dproj_bias0=dproj0, pieces=pieces, **seeds)
+    proj_sum = Guarded((C,), F32, device)
+    with_sum = run_backward(*args, num_chunks=3, dproj_bias0=dproj0, pieces=pieces, dproj_sum=proj_sum.t, **seeds)
+    proj_sum.check_guard()
+    assert all(bitwise_equal(x, y) for x, y in zip(without, with_sum))
+    dinp = with_sum[0]
+    assert rel_err(proj_sum.t, dinp.double().reshape(-1, C).sum(0)) < 1e-6
+    if dtype == F32:
+        assert rel_err(with_sum[3] - dproj0, proj_sum.t) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,num_chunks,rows", [((37, 48), 3, 1), ((2, 5, 96), 4, 2), ((3, 48), 8, 2)])
 def test_layernorm_backward_three_pieces(shape, num_chunks, rows, dtype, device):
     # C = 3 x a power of two as three tiles without padding (pieces=3); 8 chunks over 3 rows leave empty

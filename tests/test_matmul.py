@@ -419,6 +419,105 @@ def test_fc_backward_with_fused_bias_gelu(device):
     check(dln, e_dln, dtype, "dln")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("OC, C", [(48, 48), (70, 50), (130, 64)])
+def test_bias_through_weight(device, dtype, OC, C):
+    """dbias += grad_sum @ weight, the sum over OC in a fixed order; partial blocks both ways; nothing
+    written past dbias; bf16 within a bf16 ulp (stochastic) of the exact sum; bitwise repeatable."""
+    rand = Rand(device, dtype, 21)
+    weight, dbias0 = rand(OC, C, scale=C ** -0.5), rand(C)
+    grad_sum = rand(OC).float() * 30.0  # fp32: a column sum over many rows
+    seed = torch.tensor([4321], device=device) if dtype == torch.bfloat16 else None
+    results = []
+    for _ in range(2):
+        dbias, buf = guarded((C,), dtype, device)
+        dbias.copy_(dbias0)
+        mm.bias_through_weight(dbias, grad_sum, weight, seed)
+        assert_guard_intact(buf)
+        results.append(dbias)
+    exact = dbias0.double() + grad_sum.double() @ weight.double()
+    if dtype == torch.float32:
+        check(results[0], exact, dtype, "dbias")
+    else:
+        ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs()))
+        assert ((results[0].double() - exact).abs() <= ulp * 1.01).all()
+    assert torch.equal(results[0], results[1])
+
+
+def _attention_with_projection(device, dtype, B=2, T=7, NH=2, hs=8, seed=31):
+    """A causal attention block with its output projection, in float64 for the identities: qkv, the
+    projection's weight, the output gradient G of the projection; returns (qkv, W, G, dqkv, datt_out)
+    with dqkv from reference.attention_backward of datt_out = G @ W."""
+    C = NH * hs
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, 3 * C, generator=g, dtype=torch.float64)
+    W = torch.randn(C, C, generator=g, dtype=torch.float64) * C ** -0.5
+    G = torch.randn(B, T, C, generator=g, dtype=torch.float64)
+    _, _, att = ref.attention_forward(qkv, NH)
+    datt_out = G @ W
+    return qkv, W, G, ref.attention_backward(datt_out, qkv, att, NH), datt_out
+
+
+def test_qkv_bias_identities_hold():
+    """The math qkv_bias_backward rests on (float64): the key part of the QKV bias gradient sums to zero,
+    and the value part equals the projection's bias gradient through its weight."""
+    qkv, W, G, dqkv, datt_out = _attention_with_projection("cpu", torch.float64)
+    C = W.shape[0]
+    sums = dqkv.reshape(-1, 3 * C).sum(0)
+    scale = dqkv.abs().max()
+    assert sums[C:2 * C].abs().max() < 1e-12 * scale * dqkv.shape[0] * dqkv.shape[1]
+    torch.testing.assert_close(sums[2 * C:], G.reshape(-1, C).sum(0) @ W, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sums[2 * C:], datt_out.reshape(-1, C).sum(0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("through_projection", [True, False])
+def test_qkv_bias_backward(device, dtype, through_projection):
+    """Query part: dbias0 + the column sums of dq; key part: dbias0 unchanged, bit for bit (its gradient is
+    exactly zero); value part: the column sums of dv, from the projection's bias gradient through its
+    weight or from dv itself. Nothing written past dbias; repeatable bit for bit."""
+    qkv, W, G, dqkv64, _ = _attention_with_projection(device, dtype)
+    C = W.shape[0]
+    rand = Rand(device, dtype, 22)
+    dqkv = dqkv64.to(device, dtype)
+    weight = W.to(device, dtype)
+    dbias0 = rand(3 * C)
+    # the projection's bias gradient as the LayerNorm backward hands it over: fp32 column sums of G
+    proj_sum = G.reshape(-1, C).sum(0).to(device, torch.float32)
+    extra = dict(proj_bias_grad=proj_sum, proj_weight=weight) if through_projection else {}
+    seed = torch.tensor([99], device=device) if dtype == torch.bfloat16 else None
+    results = []
+    for _ in range(2):
+        dbias, buf = guarded((3 * C,), dtype, device)
+        dbias.copy_(dbias0)
+        mm.qkv_bias_backward(dbias, dqkv, seed=seed, **extra)
+        assert_guard_intact(buf)
+        results.append(dbias)
+    got = results[0]
+    assert torch.equal(got[C:2 * C], dbias0[C:2 * C]), "the key bias's gradient must add exactly zero"
+    sums = up(dqkv, dtype).double().reshape(-1, 3 * C).sum(0)
+    check(got[:C], up(dbias0[:C], dtype) + sums[:C], dtype, "query part")
+    if through_projection:  # the same value from the projection's side, in its own precision
+        value = up(dbias0[2 * C:], dtype) + proj_sum.double() @ up(weight, dtype).double()
+    else:
+        value = up(dbias0[2 * C:], dtype) + sums[2 * C:]
+    check(got[2 * C:], value, dtype, "value part")
+    # and that is the exact value part (float64) within the storage's tolerance
+    check(got[2 * C:], dbias0[2 * C:].double() + dqkv64.reshape(-1, 3 * C).sum(0)[2 * C:], dtype, "exact value part")
+    assert torch.equal(results[0], results[1])
+
+
+def test_qkv_bias_backward_full_pass(device, monkeypatch):
+    """QKV_BIAS_FROM_IDENTITIES = False: llm.c's one reduction over all of dqkv (matmul_backward_bias)."""
+    _, W, _, dqkv64, _ = _attention_with_projection(device, torch.float32)
+    C = W.shape[0]
+    dqkv = dqkv64.to(device, torch.float32)
+    dbias0 = Rand(device, torch.float32, 23)(3 * C)
+    monkeypatch.setattr(mm, "QKV_BIAS_FROM_IDENTITIES", False)
+    got = mm.qkv_bias_backward(dbias0.clone(), dqkv)
+    assert torch.equal(got, mm.matmul_backward_bias(dbias0.clone(), dqkv))
+
+
 def test_dbias_stochastic_rounding(device):
     """With a seed tensor, bf16 dbias is rounded stochastically: each element lands on one of the two bf16
     neighbours of the fp32 result, the seed changes the pick, the same seed repeats it; and the rounding is

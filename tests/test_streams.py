@@ -189,9 +189,9 @@ def test_model_overlap_plan(kw, monkeypatch, device):
             log = model._lanes.log
             assert check_plan(log) > 0
             side = {name for lane, name, *_ in log if lane == "side"}
-            assert side == {"matmul_backward dweight"}
+            assert side == {"matmul_backward dweight", "qkv bias"}
             n_side = sum(lane == "side" for lane, *_ in log)
-            assert n_side == 4 * SMALL.num_layers + (model.classifier_chunks == 1)
+            assert n_side == 5 * SMALL.num_layers + (model.classifier_chunks == 1)
     assert torch.equal(grads["on"], grads["off"])
     assert grads["on"].abs().sum() > 0
 

@@ -281,6 +281,9 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         # flat: viewed as the plain backward's (chunks, 2, C) or, where the attproj / fcproj bias gradients
         # ride along (proj_bias_in_layernorm), the (chunks', 3, C) of that variant
         BufferSpec("ln_scratch", (max(math.prod(s) for s in ln_scratch_shapes(B * T, C)),), f32, "scratch"),
+        # backward: attproj's bias gradient of this micro-step in fp32, from the LayerNorm backward that sums
+        # it (proj_bias_in_layernorm) to the QKV bias gradient's value part (kernels.matmul.qkv_bias_backward)
+        BufferSpec("proj_bias_sum", (C,), f32, "scratch"),
     ]
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
@@ -943,16 +946,17 @@ class GPT2Model:
         lanes = self._lanes
         main, side = functools.partial(lanes.run, "main"), functools.partial(lanes.run, "side")
 
-        def ln_backward(dout, inp, w, dw, db, mean, rstd, ln_seed, proj_layer, proj_name, proj_slot):
+        def ln_backward(dout, inp, w, dw, db, mean, rstd, ln_seed, proj_layer, proj_name, proj_slot, proj_sum=None):
             """layernorm_backward into dresidual; with fuse, also the bias gradient of proj_name in layer
-            proj_layer (None: no projection before this LayerNorm), rounded with that bias's own seed slot."""
+            proj_layer (None: no projection before this LayerNorm), rounded with that bias's own seed slot,
+            and its fp32 increment into proj_sum when given."""
             reads, writes = [dout, inp, w, mean, rstd, ln_seed], [dresidual, dw, db, a["ln_scratch"]]
             if fuse and proj_layer is not None:
                 proj_seed = self._layer_seed(proj_layer, proj_slot)
                 main(lambda: kln.layernorm_backward(dresidual, dw, db, ln_scratch3, dout, inp, w, mean, rstd,
                                                     seed=ln_seed, dproj_bias=g[proj_name][proj_layer],
-                                                    proj_seed=proj_seed),
-                     reads + [proj_seed], writes + [g[proj_name][proj_layer]], "layernorm_backward")
+                                                    proj_seed=proj_seed, dproj_sum=proj_sum),
+                     reads + [proj_seed], writes + [g[proj_name][proj_layer], proj_sum], "layernorm_backward")
             else:
                 main(lambda: kln.layernorm_backward(dresidual, dw, db, ln_scratch, dout, inp, w, mean, rstd,
                                                     seed=ln_seed),
@@ -988,6 +992,7 @@ class GPT2Model:
         ln_backward(dlnf, a["residual3"][L - 1], p["lnfw"], g["lnfw"], g["lnfb"], a["lnf_mean"], a["lnf_rstd"],
                     self._seed(1), L - 1, "fcprojb", 5)
         dqkv = bt4c_flat[:B * T * 3 * C].view(B, T, 3 * C)
+        proj_sum = a["proj_bias_sum"] if fuse else None
 
         for l in reversed(range(L)):
             b = self._layer_buffers(l)
@@ -1018,7 +1023,7 @@ class GPT2Model:
             linear_backward(dl_btc, g["fcw"][l], fc_dbias, dl_bt4c, b["ln2"], p["fcw"][l], seed(4))
             # ln2: dresidual becomes the gradient of residual2 (the MLP branch added to the skip path)
             ln_backward(dl_btc, b["residual2"], p["ln2w"][l], g["ln2w"][l], g["ln2b"][l], b["ln2_mean"], b["ln2_rstd"],
-                        seed(1), l, "attprojb", 3)
+                        seed(1), l, "attprojb", 3, proj_sum)
             linear_backward(dl_btc, g["attprojw"][l], None if fuse else g["attprojb"][l], dresidual, b["atty"],
                             p["attprojw"][l], seed(3))
             if self.attention == "classic":
@@ -1040,7 +1045,13 @@ class GPT2Model:
                                                    p["ln1w"][l], p["ln1b"][l]),
                      [b["residual"], p["ln1w"][l], p["ln1b"][l]], [b["ln1"], b["ln1_mean"], b["ln1_rstd"]],
                      "layernorm_forward")
-            linear_backward(dl_btc, g["qkvw"][l], g["qkvb"][l], dqkv, b["ln1"], p["qkvw"][l], seed(2))
+            linear_backward(dl_btc, g["qkvw"][l], None, dqkv, b["ln1"], p["qkvw"][l], seed(2))
+            # the QKV bias gradient: the query part summed over dq, the key part exactly zero and the value
+            # part through attproj's weight from its bias gradient (fused: no pass over dk and dv); see
+            # kernels.matmul.qkv_bias_backward
+            side(lambda: kmm.qkv_bias_backward(g["qkvb"][l], dqkv, bias_scratch, seed(2), proj_sum,
+                                               p["attprojw"][l] if fuse else None),
+                 [dqkv, seed(2), proj_sum, p["attprojw"][l]], [g["qkvb"][l], bias_scratch], "qkv bias")
             # ln1: dresidual becomes the gradient of this layer's input residual
             ln_backward(dl_btc, b["residual"], p["ln1w"][l], g["ln1w"][l], g["ln1b"][l], b["ln1_mean"], b["ln1_rstd"],
                         seed(0), l - 1 if l > 0 else None, "fcprojb", 5)

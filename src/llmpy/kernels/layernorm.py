@@ -348,12 +348,13 @@ def _layernorm_backward_pieces3_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr,
 
 
 @triton.jit(do_not_specialize=["seed", "proj_seed"])  # a new seed every step must not mean a new compilation
-def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, dproj_bias_ptr, scratch_ptr, num_chunks, C, seed,
-                                      proj_seed, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, dproj_bias_ptr, dproj_sum_ptr, scratch_ptr, num_chunks,
+                                      C, seed, proj_seed, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                                       SEED_IN_MEMORY: tl.constexpr, STOCHASTIC: tl.constexpr,
-                                      PROJ_BIAS: tl.constexpr):
+                                      PROJ_BIAS: tl.constexpr, PROJ_SUM: tl.constexpr):
     """Sum scratch[:, 0|1, cols] over the chunks in a fixed order; dweight/dbias[cols] += the sums (and
-    with PROJ_BIAS dproj_bias[cols] += the sum of scratch[:, 2, cols], rounded with proj_seed)."""
+    with PROJ_BIAS dproj_bias[cols] += the sum of scratch[:, 2, cols], rounded with proj_seed; with
+    PROJ_SUM that sum also goes, in fp32, to dproj_sum[cols])."""
     SLOTS: tl.constexpr = 3 if PROJ_BIAS else 2
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
@@ -387,7 +388,10 @@ def _layernorm_backward_reduce_kernel(dweight_ptr, dbias_ptr, dproj_bias_ptr, sc
         tl.store(dweight_ptr + cols, round_to(dw, dweight_ptr), mask=col_ok)
         tl.store(dbias_ptr + cols, round_to(db, dbias_ptr), mask=col_ok)
     if PROJ_BIAS:
-        pb = tl.load(dproj_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(pb_acc, axis=0)
+        pb_sum = tl.sum(pb_acc, axis=0)
+        if PROJ_SUM:
+            tl.store(dproj_sum_ptr + cols, pb_sum, mask=col_ok)
+        pb = tl.load(dproj_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + pb_sum
         store_rounded(dproj_bias_ptr + cols, pb, col_ok, ps, cols, STOCHASTIC)
 
 
@@ -520,7 +524,8 @@ def layernorm_backward_scratch_shape(num_rows: int, C: int, num_chunks: int | No
 def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd,
                        seed: int | torch.Tensor = 0, stochastic: bool | None = None, rows: int | None = None,
                        num_warps: int | None = None, stages: int = BWD_STAGES, dproj_bias=None,
-                       proj_seed: int | torch.Tensor = 0, pieces: int | None = None, maxnreg: int | None = None):
+                       proj_seed: int | torch.Tensor = 0, dproj_sum=None, pieces: int | None = None,
+                       maxnreg: int | None = None):
     """Accumulate the LayerNorm gradients: dinp += dL/dinp, dweight += sum(dout * norm), dbias += sum(dout).
 
     scratch: fp32 (num_chunks, 2, C), contiguous, any num_chunks >= 1 (see layernorm_backward_scratch_shape);
@@ -538,7 +543,9 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     before the next ln1 or lnf). The updated dinp is that projection's output gradient, so its column
     sums (of the values as stored) are added into dproj_bias in the same two levels, rounded as
     kernels.matmul's bias reduction rounds with proj_seed (same kind as seed): the pass over dinp that
-    matmul_backward's bias reduction would make is saved.
+    matmul_backward's bias reduction would make is saved. dproj_sum (C,) fp32, optional with dproj_bias:
+    OVERWRITTEN with what this call adds to dproj_bias, before rounding (kernels.matmul.qkv_bias_backward
+    takes the value bias's gradient from it).
     """
     C = inp.shape[-1]
     N = inp.numel() // C
@@ -557,6 +564,8 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     slots = 3 if proj else 2
     assert scratch.dim() == 3 and scratch.shape[1:] == (slots, C), \
         f"scratch {tuple(scratch.shape)}: want (chunks, {slots}, {C})"
+    assert dproj_sum is None or (proj and dproj_sum.shape == (C,) and dproj_sum.dtype == torch.float32
+                                 and dproj_sum.is_contiguous()), "dproj_sum: fp32 (C,), with dproj_bias"
     if proj:
         _check_param(dproj_bias, "dproj_bias", C)
         assert dproj_bias.dtype == dweight.dtype, "dproj_bias and dweight must share a dtype"
@@ -587,7 +596,8 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
         launch_pipelined(_layernorm_backward_kernel, (num_chunks,), args, stages, BLOCK_C=block_c, ROWS=rows,
                          PROJ_BIAS=proj, num_warps=num_warps, **extra)
     _layernorm_backward_reduce_kernel[(cdiv(C, REDUCE_BLOCK_C),)](
-        dweight, dbias, dproj_bias if proj else dbias, scratch, num_chunks, C, seed, proj_seed if proj else seed,
+        dweight, dbias, dproj_bias if proj else dbias, dproj_sum if dproj_sum is not None else scratch, scratch,
+        num_chunks, C, seed, proj_seed if proj else seed,
         BLOCK_K=REDUCE_BLOCK_K, BLOCK_C=REDUCE_BLOCK_C, SEED_IN_MEMORY=seed_in_memory, STOCHASTIC=stochastic,
-        PROJ_BIAS=proj, num_warps=REDUCE_WARPS)
+        PROJ_BIAS=proj, PROJ_SUM=dproj_sum is not None, num_warps=REDUCE_WARPS)
     return dinp, dweight, dbias

@@ -233,12 +233,13 @@ def _seed(seed_ptr, STOCHASTIC: tl.constexpr):
 # bias gradient: column sums of (M, N), two deterministic levels; optionally dgelu in place on the way
 
 @triton.jit
-def _bias_partial_kernel(d_ptr, pre_ptr, part_ptr, dbias_ptr, seed_ptr, M, N, stride_m, rows_per_chunk,
+def _bias_partial_kernel(d_ptr, pre_ptr, part_ptr, dbias_ptr, seed_ptr, M, N, stride_m, rows_per_chunk, col0,
                          HAS_GELU: tl.constexpr, FINAL: tl.constexpr, STOCHASTIC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (column block, row chunk): sum of d[chunk rows, block cols] in fp32. HAS_GELU: first
     d = d * gelu'(pre), written back in place, and the sum is of the values as stored. FINAL (one chunk):
-    dbias += sum; else part[chunk, cols] = sum."""
+    dbias += sum; else part[chunk, cols] = sum. col0: where dbias's columns start in the parameter they
+    belong to (the stochastic rounding's counters)."""
     pid_n = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,15 +260,16 @@ def _bias_partial_kernel(d_ptr, pre_ptr, part_ptr, dbias_ptr, seed_ptr, M, N, st
     col_sum = tl.sum(acc, axis=0)
     if FINAL:
         total = tl.load(dbias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + col_sum
-        store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), cols, STOCHASTIC)
+        store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), col0 + cols, STOCHASTIC)
     else:
         tl.store(part_ptr + chunk * N + cols, col_sum, mask=col_mask)
 
 
 @triton.jit
-def _bias_finish_kernel(part_ptr, dbias_ptr, seed_ptr, N, num_chunks, STOCHASTIC: tl.constexpr,
+def _bias_finish_kernel(part_ptr, dbias_ptr, seed_ptr, N, num_chunks, col0, STOCHASTIC: tl.constexpr,
                         BLOCK_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dbias[cols] += sum over chunks of part[chunk, cols], in a fixed order (llm.c's reduce_add_sum)."""
+    """dbias[cols] += sum over chunks of part[chunk, cols], in a fixed order (llm.c's reduce_add_sum);
+    col0 as in _bias_partial_kernel."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     acc = tl.zeros((BLOCK_CHUNKS, BLOCK_N), dtype=tl.float32)
@@ -276,7 +278,26 @@ def _bias_finish_kernel(part_ptr, dbias_ptr, seed_ptr, N, num_chunks, STOCHASTIC
         mask = (chunks < num_chunks)[:, None] & col_mask[None, :]
         acc += tl.load(part_ptr + chunks[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     total = tl.load(dbias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + tl.sum(acc, axis=0)
-    store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), cols, STOCHASTIC)
+    store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), col0 + cols, STOCHASTIC)
+
+
+@triton.jit
+def _bias_through_weight_kernel(dbias_ptr, grad_ptr, w_ptr, seed_ptr, OC, N, col0, STOCHASTIC: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dbias[cols] += sum over k of grad[k] * w[k, cols] (grad fp32 (OC,), w row-major (OC, N)), the k
+    in a fixed order; rounded like the bias reductions, counters col0 + cols."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, OC, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < OC
+        g = tl.load(grad_ptr + ks, mask=k_ok, other=0.0)
+        w = tl.load(w_ptr + ks.to(tl.int64)[:, None] * N + cols[None, :], mask=k_ok[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += g[:, None] * w
+    total = tl.load(dbias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + tl.sum(acc, axis=0)
+    store_rounded(dbias_ptr + cols, total, col_mask, _seed(seed_ptr, STOCHASTIC), col0 + cols, STOCHASTIC)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -492,7 +513,7 @@ def bias_scratch_numel(M: int, N: int, device, gelu: bool = False) -> int:
     return chunks * N if chunks > 1 else 0
 
 
-def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks):
+def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks, col0: int = 0):
     M, N = d2.shape
     assert dbias.shape == (N,) and dbias.is_contiguous() and dbias.dtype in _FLOAT_DTYPES
     block_m, block_n, warps = _bias_tiles(pre2 is not None)
@@ -511,19 +532,19 @@ def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks):
     part = scratch if chunks > 1 else dbias
     _bias_partial_kernel[(cdiv(N, block_n), chunks)](
         d2, pre2 if pre2 is not None else d2, part, dbias, seed if stochastic else dbias, M, N, d2.stride(0), rows,
-        HAS_GELU=pre2 is not None, FINAL=chunks == 1, STOCHASTIC=stochastic,
+        col0, HAS_GELU=pre2 is not None, FINAL=chunks == 1, STOCHASTIC=stochastic,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if chunks > 1:
-        _finish_bias(dbias, scratch, seed, chunks)
+        _finish_bias(dbias, scratch, seed, chunks, col0)
 
 
-def _finish_bias(dbias, part, seed, num_chunks: int = 1):
+def _finish_bias(dbias, part, seed, num_chunks: int = 1, col0: int = 0):
     """dbias += the sum of part's num_chunks rows of len(dbias) (any float dtype) in a fixed order, rounded
     stochastically with a seed for bf16 dbias (the reduction's second level; one row: BGRADB's sums)."""
     N = dbias.shape[0]
     stochastic = seed is not None and dbias.dtype == torch.bfloat16
     _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
-        part, dbias, seed if stochastic else dbias, N, num_chunks, STOCHASTIC=stochastic,
+        part, dbias, seed if stochastic else dbias, N, num_chunks, col0, STOCHASTIC=stochastic,
         BLOCK_CHUNKS=FINISH_BLOCK_CHUNKS if num_chunks > 1 else 2, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
 
 
@@ -537,6 +558,57 @@ def matmul_backward_bias(dbias, dout, scratch=None, seed=None, num_chunks: int |
     """
     OC = dbias.shape[0]
     _bias_reduce(dbias, scratch, _rows(dout, OC), None, seed, num_chunks)
+    return dbias
+
+
+# qkv_bias_backward's parts from attention's identities (True), or one reduction over all of dqkv as
+# llm.c does (False: bench_step --qkv-bias-full-pass, the comparison of bench/RESULTS.md run S)
+QKV_BIAS_FROM_IDENTITIES = True
+
+
+def bias_through_weight(dbias, grad_sum, weight, seed=None, col0: int = 0):
+    """dbias (C) += grad_sum (OC) @ weight (OC, C): the column sums of a linear layer's input gradient
+    (dout @ weight) from those of its output gradient (grad_sum, fp32), without a pass over the rows.
+    Rounded as matmul_backward_bias rounds (seed), with the counters col0 + column (col0: where dbias
+    starts in its parameter)."""
+    OC, C = weight.shape
+    assert dbias.shape == (C,) and dbias.is_contiguous() and dbias.dtype in _FLOAT_DTYPES
+    assert grad_sum.shape == (OC,) and grad_sum.dtype == torch.float32 and grad_sum.is_contiguous()
+    assert weight.is_contiguous() and weight.dtype in _FLOAT_DTYPES
+    stochastic = seed is not None and dbias.dtype == torch.bfloat16
+    _bias_through_weight_kernel[(cdiv(C, FINISH_BLOCK_N),)](
+        dbias, grad_sum, weight, seed if stochastic else dbias, OC, C, col0, STOCHASTIC=stochastic,
+        BLOCK_K=FINISH_BLOCK_CHUNKS, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+    return dbias
+
+
+def qkv_bias_backward(dbias, dqkv, scratch=None, seed=None, proj_bias_grad=None, proj_weight=None):
+    """dbias (3C) += the QKV projection's bias gradient, from dqkv (..., 3C) and what attention's math gives
+    for free (exact identities, whatever the attention kernel):
+
+    - query part: the column sums of dq (a reduction over dqkv's first C columns);
+    - key part: zero, exactly. The key bias adds q . b_k to every score of a query's row, and softmax
+      ignores a shift of a whole row, so the loss does not depend on it; the column sums of dk are zero
+      but for rounding (what llm.c and PyTorch add up), so nothing is added;
+    - value part: each row of the attention matrix sums to one, so the column sums of dv are those of
+      the attention output's gradient, which is dout @ proj_weight for the output projection's dout:
+      proj_bias_grad (fp32, C: the column sums of that dout, the projection's bias gradient of this same
+      backward) @ proj_weight, with no pass over the rows. Without them: the column sums of dv.
+
+    Rounded as matmul_backward_bias rounds (seed), each part with the counters of its columns in dbias.
+    QKV_BIAS_FROM_IDENTITIES = False: one reduction over all of dqkv instead (llm.c's; for comparison)."""
+    C3 = dbias.shape[0]
+    assert C3 % 3 == 0 and dqkv.shape[-1] == C3, (tuple(dbias.shape), tuple(dqkv.shape))
+    C = C3 // 3
+    d2 = _rows(dqkv, C3)
+    if not QKV_BIAS_FROM_IDENTITIES:
+        _bias_reduce(dbias, scratch, d2, None, seed, None)
+        return dbias
+    _bias_reduce(dbias[:C], scratch, d2[:, :C], None, seed, None, col0=0)
+    if proj_bias_grad is not None:
+        bias_through_weight(dbias[2 * C:], proj_bias_grad, proj_weight, seed, col0=2 * C)
+    else:
+        _bias_reduce(dbias[2 * C:], scratch, d2[:, 2 * C:], None, seed, None, col0=2 * C)
     return dbias
 
 
