@@ -503,7 +503,8 @@ def test_qkv_bias_backward(device, dtype, through_projection):
         value = up(dbias0[2 * C:], dtype) + sums[2 * C:]
     check(got[2 * C:], value, dtype, "value part")
     # and that is the exact value part (float64) within the storage's tolerance
-    check(got[2 * C:], dbias0[2 * C:].double() + dqkv64.reshape(-1, 3 * C).sum(0)[2 * C:], dtype, "exact value part")
+    exact = dqkv64.reshape(-1, 3 * C).sum(0)[2 * C:].to(device)
+    check(got[2 * C:], dbias0[2 * C:].double() + exact, dtype, "exact value part")
     assert torch.equal(results[0], results[1])
 
 
