@@ -34,6 +34,13 @@ residual stream in the attproj / fcproj product itself (cuBLASLt's beta = 1 onto
 addmm elsewhere) and then runs a plain LayerNorm, instead of writing the product to a scratch and
 running the fused residual + LayerNorm pass.
 
+The QKV bias gradient (kernels.matmul.qkv_bias_backward) uses what attention's math gives: its key part
+is exactly zero (softmax ignores the shift q . b_k of a whole row of scores: llm.c and PyTorch add up
+rounding noise there), its value part equals attproj's bias gradient through attproj's weight (each row
+of the attention matrix sums to one), handed over in fp32 by the LayerNorm backward that sums it under
+proj_bias_in_layernorm (else reduced over dv), and only its query part is a reduction (over dq): 100 MB
+read a layer at B=64, T=1024 instead of 300 (bench/RESULTS.md run S).
+
 overlap_weight_grads ("off" by default): the backward issues every call through llmpy.streams.Lanes with
 the tensors it reads and writes; "on" puts the weight-gradient products and bias reductions on a second
 CUDA stream (the chain of input gradients stays on the first, "priority" gives it a high-priority
