@@ -21,6 +21,9 @@ Weights are (OC, C) as in llm.c: out = inp @ weight.T + bias.
   is bitwise reproducible. Level 1: a fixed grid of (column block, row chunk) programs, each summing its
   chunk of rows in fp32 into a scratch row; level 2: one program per column block adds the chunk sums in
   a fixed order into dbias. With a single chunk, level 1 adds into dbias directly.
+- QKV bias gradient (`qkv_bias_backward`): the reduction over dq only; the key part is exactly zero and
+  the value part is the attention projection's bias gradient through its weight (`bias_through_weight`),
+  identities of attention's math (see its docstring).
 
 GELU is the tanh form of kernels/gelu.py (gelu_fp32, gelu_grad_fp32): one definition, so the epilogue's
 output has the bits of gelu_forward and a GELU recomputed in the backward equals the stored one.
