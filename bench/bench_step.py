@@ -230,18 +230,15 @@ def _build_llmpy(args, config, flat):
             capability = tuple(suggested["capability"])
             TUNED_ALGOS.update({(*entry["key"], capability): entry["rank"] for entry in suggested["tuned"]})
             print(f"TUNED_ALGOS from {args.tuned_from}: {TUNED_ALGOS}", file=sys.stderr)
+    from llmpy.kernels import layernorm, matmul
     if args.bias_in_product:
-        from llmpy.kernels import matmul
         matmul.BIAS_GRAD_IN_PRODUCT = True
     if args.ln_proj_chunks is not None:  # read when the model sizes its ln_scratch and at every backward
-        from llmpy.kernels import layernorm
         layernorm.LN_BACKWARD_PROJ_CHUNKS = args.ln_proj_chunks
-    if args.qkv_bias_full_pass:
-        from llmpy.kernels import matmul
-        matmul.QKV_BIAS_FROM_IDENTITIES = False
     if args.ln_proj_pieces is not None:  # read at every backward
-        from llmpy.kernels import layernorm
         layernorm.BWD_PIECES_PROJ = args.ln_proj_pieces
+    if args.qkv_bias_full_pass:
+        matmul.QKV_BIAS_FROM_IDENTITIES = False
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

@@ -215,6 +215,25 @@ def _residual_forward_kernel(out_ptr, inp1_ptr, inp2_ptr, numel, BLOCK: tl.const
 
 
 @triton.jit
+def _ln_bwd_piece(dout_ptr, inp_ptr, offs, mask, w, mean, rstd):
+    """A piece of a row tile (the LayerNorm backward's first loads): (dout, norm, dnorm) in fp32."""
+    dout = tl.load(dout_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    norm = (x - mean[:, None]) * rstd[:, None]
+    return dout, norm, dout * w[None, :]
+
+
+@triton.jit
+def _ln_bwd_piece_update(dinp_ptr, offs, mask, dnorm, norm, dnorm_mean, dnorm_norm_mean, rstd):
+    """dinp += a row tile's (or a piece's) input gradient; returns the updated values as stored (fp32)."""
+    dval = (dnorm - dnorm_mean[:, None] - norm * dnorm_norm_mean[:, None]) * rstd[:, None]
+    old = tl.load(dinp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    new = round_to(old + dval, dinp_ptr)
+    tl.store(dinp_ptr + offs, new, mask=mask)
+    return new.to(tl.float32)
+
+
+@triton.jit
 def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_ptr, mean_ptr, rstd_ptr,
                                N, C, rows_per_chunk, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
                                STAGES: tl.constexpr, PROJ_BIAS: tl.constexpr):
@@ -246,38 +265,16 @@ def _layernorm_backward_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr, weight_
         dnorm = dout * w[None, :]
         dnorm_mean = tl.sum(dnorm, axis=1) / C
         dnorm_norm_mean = tl.sum(dnorm * norm, axis=1) / C
-        dval = (dnorm - dnorm_mean[:, None] - norm * dnorm_norm_mean[:, None]) * rstd[:, None]
-        old = tl.load(dinp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        new = round_to(old + dval, dinp_ptr)
-        tl.store(dinp_ptr + offs, new, mask=mask)
+        new = _ln_bwd_piece_update(dinp_ptr, offs, mask, dnorm, norm, dnorm_mean, dnorm_norm_mean, rstd)
         dw_acc += dout * norm
         db_acc += dout
         if PROJ_BIAS:  # the residual gradient as stored is the projection's output gradient
-            pb_acc += new.to(tl.float32)
+            pb_acc += new
     base = scratch_ptr + chunk.to(tl.int64) * SLOTS * C
     tl.store(base + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     tl.store(base + C + cols, tl.sum(db_acc, axis=0), mask=col_ok)
     if PROJ_BIAS:
         tl.store(base + 2 * C + cols, tl.sum(pb_acc, axis=0), mask=col_ok)
-
-
-@triton.jit
-def _ln_bwd_piece(dout_ptr, inp_ptr, offs, mask, w, mean, rstd):
-    """One column piece of a row tile: (dout, norm, dnorm) in fp32."""
-    dout = tl.load(dout_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    norm = (x - mean[:, None]) * rstd[:, None]
-    return dout, norm, dout * w[None, :]
-
-
-@triton.jit
-def _ln_bwd_piece_update(dinp_ptr, offs, mask, dnorm, norm, dnorm_mean, dnorm_norm_mean, rstd):
-    """dinp += the piece's input gradient; returns the updated values as stored (fp32)."""
-    dval = (dnorm - dnorm_mean[:, None] - norm * dnorm_norm_mean[:, None]) * rstd[:, None]
-    old = tl.load(dinp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    new = round_to(old + dval, dinp_ptr)
-    tl.store(dinp_ptr + offs, new, mask=mask)
-    return new.to(tl.float32)
 
 
 @triton.jit
@@ -309,7 +306,7 @@ def _layernorm_backward_pieces3_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr,
     for r0 in tl.range(start, end, ROWS, num_stages=STAGES):
         rows = r0 + tl.arange(0, ROWS)
         row_ok = rows < end
-        mask = row_ok[:, None] & (cols < PIECE)[None, :]
+        mask = row_ok[:, None] & (cols < PIECE)[None, :]  # columns all valid: this gives the tile's shape
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
