@@ -67,6 +67,7 @@ def main(argv=None, runner=None) -> int:
     runner = runner or bench_step.run_child_process
     medians: dict[str, list[float | None]] = {name: [] for name, _ in variants}
     quartiles: dict[str, list[float | None]] = {name: [] for name, _ in variants}
+    joules: dict[str, list[float | None]] = {name: [] for name, _ in variants}
     for r in range(args.rounds):
         for name, extra in variants:
             step_argv = ["--systems", "llmpy", *common, *extra]
@@ -75,8 +76,12 @@ def main(argv=None, runner=None) -> int:
             ms = res.get("median_ms") if res.get("ok") else None
             medians[name].append(ms)
             quartiles[name].append(res.get("p25_ms") if ms is not None else None)
+            joules[name].append(res.get("joules_per_step") if ms is not None else None)
             shown = (f"{ms:.1f} ms (lower quartile {quartiles[name][-1]:.1f})" if ms is not None
                      else f"FAILED: {res.get('error')}")
+            if joules[name][-1] is not None:
+                shown += f", {joules[name][-1]:.2f} J/step at {res['watts']:.0f} W"
+
             print(f"round {r + 1} {name}: {shown}", flush=True)
     first = variants[0][0]
 
@@ -86,18 +91,22 @@ def main(argv=None, runner=None) -> int:
 
     # the medians are the acceptance figure; the lower quartiles leave out the slow spells the power cap
     # puts into some runs (steps of 130+ ms among 106-110 ms ones), which can swamp a 1 % difference
-    for label, table in (("medians ms", medians), ("lower quartiles ms", quartiles)):
+    # and the energy of a step (NVML; none where it is missing): at the cap, time is energy over 700 W
+    tables = [("medians ms", medians, "ms"), ("lower quartiles ms", quartiles, "ms")]
+    if any(x is not None for xs in joules.values() for x in xs):
+        tables.append(("J per step", joules, "J"))
+    for label, table, unit in tables:
         print(f"\n{'variant':<16} {label:<32} {'mean':>8} {'vs ' + first:>12}")
         base = mean(table[first])
         for name, _ in variants:
             m = mean(table[name])
             runs = " ".join(f"{x:.1f}" if x is not None else "fail" for x in table[name])
-            diff = f"{m - base:+.1f} ms" if m is not None and base is not None else "-"
+            diff = f"{m - base:+.1f} {unit}" if m is not None and base is not None else "-"
             print(f"{name:<16} {runs:<32} {m if m is not None else float('nan'):8.1f} {diff:>12}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"variants": {n: e for n, e in variants}, "common": common, "medians_ms": medians,
-                       "lower_quartiles_ms": quartiles}, f, indent=1)
+                       "lower_quartiles_ms": quartiles, "joules_per_step": joules}, f, indent=1)
     return 0 if all(None not in v for v in medians.values()) else 1
 
 

@@ -249,6 +249,18 @@ def _used_bytes(torch) -> int:
     return int(total - free)
 
 
+def _energy_counter():
+    """bench.energy's NVML counter, or None where NVML is missing (the figures are extra, never needed)."""
+    try:
+        import torch
+
+        from bench.energy import EnergyCounter
+        return EnergyCounter(torch.cuda.current_device())
+    except Exception as e:  # noqa: BLE001
+        print(f"no energy figures: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
 def _write(path, obj) -> None:
     if path:
         tmp = f"{path}.tmp"
@@ -298,7 +310,11 @@ def run_system(args, system: str) -> dict:
             torch.cuda.synchronize()
         res["build_s"] = time.perf_counter() - t
         used = []
+        counter = _energy_counter() if cuda else None
+        lo = args.warmup_median_from - 1
         for i in range(args.steps):
+            if counter is not None and i == lo:
+                e0, w0 = counter.millijoules(), time.perf_counter()
             t0 = time.perf_counter()
             loss, norm = step_fn(i + 1, batches[i])
             loss, norm = float(loss), float(norm)  # reading the loss waits for the step, as llm.c's log does
@@ -322,6 +338,11 @@ def run_system(args, system: str) -> dict:
                 res["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
                 res["device_used_bytes"] = max(used) if used else None
             _write(args.result_file, res)
+        if counter is not None and args.steps > lo:
+            # the median window's energy a step and mean power (the step runs at the 700 W cap: run I)
+            joules, secs = (counter.millijoules() - e0) * 1e-3, time.perf_counter() - w0
+            res["joules_per_step"] = joules / (args.steps - lo)
+            res["watts"] = joules / secs
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 -- the parent reports it; KeyboardInterrupt too
         res["error"] = f"{type(e).__name__}: {e}"
@@ -395,6 +416,10 @@ def format_table(results: dict, args) -> str:
             f"{_fmt(r.get('peak_allocated_bytes'), '9.1f', 1 / GB)} {_fmt(r.get('device_used_bytes'), '8.1f', 1 / GB)} "
             f"{_fmt(r.get('first_step_s'), '8.1f')} {_fmt(r.get('compile_s'), '9.1f')} "
             f"{_fmt(r.get('time_to_first_step_s'), '10.1f')}  {status}")
+    energy = [f"{name} {r['joules_per_step']:.1f} J/step at {r['watts']:.0f} W" for name, r in results.items()
+              if r.get("joules_per_step") is not None]
+    if energy:
+        lines.append(f"energy (NVML, steps {lo}..{args.steps}): " + "; ".join(energy))
     lines.append("anchors (H200, shared/ANCHORS.md): " + "; ".join(
         f"{k} {v['ms']:.1f} ms, {v['mem_gb']:.1f} GB" for k, v in ANCHORS.items()))
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [ablate] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [ablate] [energy] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 # .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
@@ -118,6 +118,11 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
     ablate)
       # the graphed step timed with groups of kernels left out: what each group costs at the power cap
       timeout ${ABLATE_TIMEOUT:-300} python3 -m bench.ablate_step ${ABLATE_ARGS:-} --json "$OUT/ablate.json" 2>&1 | tee "$OUT/ablate.log"
+      rc=$? ;;
+    energy)
+      # the memory-bound passes' energy by grid size, alone and beside a product, from NVML's counter
+      timeout ${ENERGY_TIMEOUT:-300} python3 -m bench.kernels.bench_energy ${ENERGY_ARGS:-} --json "$OUT/energy.json" \
+        2>&1 | tee "$OUT/energy.log"
       rc=$? ;;
     bias)
       timeout ${BIAS_TIMEOUT:-240} python3 -m bench.kernels.sweep_bias ${BIAS_ARGS:-} --json "$OUT/bias.json" 2>&1 | tee "$OUT/bias.log"

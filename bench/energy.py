@@ -1,0 +1,82 @@
+"""The GPU's energy counter, read through NVML (ctypes on the driver's libnvidia-ml; nothing to install).
+
+At the H200's 700 W cap a step's time is its energy over 700 W, so what a kernel costs the step is the
+energy it spends, which its time alone does not say (a memory-bound pass draws less than a product).
+NVML's total-energy counter (millijoules since the driver loaded) gives that energy over an interval
+without polling, which earlier runs found disturbs the steps (bench/RESULTS.md, run M).
+"""
+from __future__ import annotations
+
+import ctypes
+
+_NVML_CLOCK_SM = 1
+
+
+class EnergyCounter:
+    """The energy counter, SM clock and power limit of the NVML device behind a CUDA device."""
+
+    def __init__(self, device_index: int = 0):
+        import torch
+        self._nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        self._check(self._nvml.nvmlInit_v2(), "nvmlInit")
+        self._handle = ctypes.c_void_p()
+        props = torch.cuda.get_device_properties(device_index)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is not None:  # by PCI address: CUDA's and NVML's device orders can differ
+            address = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+            self._check(self._nvml.nvmlDeviceGetHandleByPciBusId_v2(address.encode(), ctypes.byref(self._handle)),
+                        f"handle of {address}")
+        else:
+            self._check(self._nvml.nvmlDeviceGetHandleByIndex_v2(device_index, ctypes.byref(self._handle)),
+                        f"handle of device {device_index}")
+
+    @staticmethod
+    def _check(rc: int, what: str):
+        if rc != 0:
+            raise RuntimeError(f"NVML: {what} failed (NVML error {rc})")
+
+    def millijoules(self) -> int:
+        """Energy the device has used since the driver loaded, mJ."""
+        value = ctypes.c_ulonglong()
+        self._check(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(value)), "energy")
+        return int(value.value)
+
+    def sm_clock_mhz(self) -> int:
+        value = ctypes.c_uint()
+        self._check(self._nvml.nvmlDeviceGetClockInfo(self._handle, _NVML_CLOCK_SM, ctypes.byref(value)), "SM clock")
+        return int(value.value)
+
+    def power_limit_w(self) -> float:
+        value = ctypes.c_uint()
+        self._check(self._nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle, ctypes.byref(value)), "power limit")
+        return value.value / 1000
+
+
+def sustained_energy(fn, sustain_ms: float, counter: EnergyCounter) -> dict:
+    """fn() back to back for sustain_ms to reach the power cap, then as many calls again, measured:
+    {"ms": mean ms a call, "mj": mean mJ a call, "watts": mean power, "mhz": the SM clock at the end}.
+    The counter is read around a synchronised stretch of at least sustain_ms (use ~1 s: NVML updates it
+    every few ms)."""
+    import math
+
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    end.synchronize()
+    n = max(3, math.ceil(sustain_ms / max(start.elapsed_time(end) / 5, 1e-3)))
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    e0 = counter.millijoules()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    e1 = counter.millijoules()
+    ms = start.elapsed_time(end)
+    return {"ms": ms / n, "mj": (e1 - e0) / n, "watts": (e1 - e0) / ms, "mhz": counter.sm_clock_mhz()}

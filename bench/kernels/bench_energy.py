@@ -1,0 +1,124 @@
+"""Benchmark: the energy of the step's memory-bound passes by grid size, alone and beside a product.
+
+Why: at the 700 W cap a step's time is its energy over 700 W (bench/RESULTS.md, runs I, M, S), and the
+ablation of run S found the memory-bound passes cost the step about their kernel time, i.e. they draw
+nearly as much as the products. A memory-bound pass needs far fewer than 132 SMs' worth of issue to
+keep HBM busy; SMs left without work are clock-gated. So a pass spread over fewer programs may take about
+as long and spend less energy, which the products then get as clock. This measures that, with NVML's
+energy counter (bench/energy.py), for each variant:
+
+  alone: ms, mJ and W a call, sustained at the cap;
+  paired: the fc weight-gradient product then the pass, one stream, sustained at the cap: ms and mJ a
+  pair. The pair's ms minus the product's alone is what the pass costs a step's products.
+
+Variants (GPT-2 124M, B*T = 65536 rows, C = 768, bf16): a plain copy of the same bytes (the floor); the
+fused residual + LayerNorm forward at programs_per_sm = 0 (a program per row block, the model's) and
+persistent grids of 8, 4, 2, 1 a SM; the LayerNorm backward with the projection's bias at 1024 row chunks
+(the model's), 512, 264, 132; fc's bias reduction (65536 x 3072) at its default and at half / a quarter
+of its chunks.
+
+    PYTHONPATH=src:. python -m bench.kernels.bench_energy [--sustain-ms 1000] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def workloads():
+    """[(name, fn)] of the passes, on fresh random inputs."""
+    import torch
+
+    from llmpy.kernels import layernorm as kln
+    from llmpy.kernels import matmul as kmm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    N, C = 65536, 768
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(bf)
+
+    src, dst = randn(2, N, C), randn(2, N, C)
+    out = [("copy 2x(N,C) -> 2x(N,C)", lambda: dst.copy_(src))]
+
+    inp1, inp2, w, b = randn(N, C), randn(N, C), randn(C, scale=0.1) + 1, randn(C, scale=0.1)
+    residual, normed = randn(N, C), randn(N, C)
+    mean, rstd = torch.empty(N, device="cuda"), torch.empty(N, device="cuda")
+    for ppsm in (0, 8, 4, 2, 1):
+        out.append((f"residual+LN fwd, {ppsm or 'all'} programs/SM" if ppsm else "residual+LN fwd, a program a block",
+                    lambda p=ppsm: kln.fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, w, b,
+                                                              programs_per_sm=p)))
+
+    dout, x = randn(N, C), randn(N, C)
+    xm = x.float().mean(-1)
+    xr = (x.float().var(-1, unbiased=False) + 1e-5).rsqrt()
+    dinp = randn(N, C)
+    dw, db, dproj = (torch.zeros(C, dtype=bf, device="cuda") for _ in range(3))
+    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for chunks in (1024, 512, 264, 132):
+        scratch = torch.empty(kln.layernorm_backward_scratch_shape(N, C, chunks, proj_bias=True), device="cuda")
+        out.append((f"LN bwd + proj bias, {chunks} chunks",
+                    lambda s=scratch: kln.layernorm_backward(dinp, dw, db, s, dout, x, w, xm, xr, seed=seed,
+                                                             dproj_bias=dproj, proj_seed=seed)))
+
+    d4 = randn(N, 4 * C)
+    dbias = torch.zeros(4 * C, dtype=bf, device="cuda")
+    default_chunks, _ = kmm.bias_backward_chunks(N, 4 * C, d4.device)
+    bias_scratch = torch.empty(default_chunks * 4 * C, device="cuda")
+    for div in (1, 2, 4):
+        chunks = max(1, default_chunks // div)
+        out.append((f"fc bias reduction, {chunks} chunks",
+                    lambda k=chunks: kmm.matmul_backward_bias(dbias, d4, bias_scratch, seed, num_chunks=k)))
+    return out
+
+
+def measure(sustain_ms: float) -> list[dict]:
+    import torch
+
+    from bench.energy import EnergyCounter, sustained_energy
+    from llmpy.kernels import cublaslt as lt
+    counter = EnergyCounter(torch.cuda.current_device())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bf = torch.bfloat16
+    # fc's weight gradient, as the model runs it (65536 x 3072 by 65536 x 768)
+    gout = torch.randn(65536, 3072, generator=g, device="cuda").to(bf)
+    xin = torch.randn(65536, 768, generator=g, device="cuda").to(bf)
+    gw = torch.randn(3072, 768, generator=g, device="cuda").to(bf)
+
+    def product():
+        lt.linear_weight_grad(gw, gout, xin)
+
+    base = sustained_energy(product, sustain_ms, counter)
+    rows = [dict(name="fc dweight product", power_limit_w=counter.power_limit_w(), **{f"alone_{k}": v for k, v in base.items()})]
+    print(json.dumps(rows[-1]), flush=True)
+    for name, fn in workloads():
+        alone = sustained_energy(fn, sustain_ms, counter)
+        pair = sustained_energy(lambda f=fn: (product(), f()), sustain_ms, counter)
+        row = dict(name=name, **{f"alone_{k}": v for k, v in alone.items()}, **{f"pair_{k}": v for k, v in pair.items()})
+        row["pair_cost_ms"] = pair["ms"] - base["ms"]
+        row["pair_cost_mj"] = pair["mj"] - base["mj"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sustain-ms", type=float, default=1000.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = measure(args.sustain_ms)
+    print(f"\n{'pass':40s} {'ms':>7s} {'mJ':>7s} {'W':>5s} {'MHz':>5s} | {'pair ms':>7s} {'pair W':>6s} {'cost ms':>7s} {'cost mJ':>7s}")
+    for r in rows:
+        line = f"{r['name']:40s} {r['alone_ms']:7.3f} {r['alone_mj']:7.1f} {r['alone_watts']:5.0f} {r['alone_mhz']:5d}"
+        if "pair_ms" in r:
+            line += f" | {r['pair_ms']:7.3f} {r['pair_watts']:6.0f} {r['pair_cost_ms']:7.3f} {r['pair_cost_mj']:7.1f}"
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
