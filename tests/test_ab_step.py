@@ -77,3 +77,24 @@ def test_lower_quartiles_leave_out_slow_spells(capsys, tmp_path):
     assert report["medians_ms"]["base"][0] >= 106.0
     text = capsys.readouterr().out
     assert "lower quartiles ms" in text and "(lower quartile 106." in text
+
+
+def test_energy_per_step_is_compared_when_the_runs_have_it(capsys, tmp_path):
+    """Runs that report NVML's J per step get a third table; its difference is in joules."""
+    def with_energy(system, args, argv):
+        new = "--no-graph" in argv
+        return {"system": system, "ok": True, "step_ms": [5000.0] + [100.0] * 39, "losses": [], "norms": [],
+                "joules_per_step": 70.0 if new else 73.5, "watts": 700.0}
+    out = tmp_path / "ab.json"
+    assert ab_step.main(["--variant", "base=", "--variant", "new=--no-graph", "--rounds", "2", "--json", str(out)],
+                        runner=with_energy) == 0
+    report = json.loads(out.read_text())
+    assert report["joules_per_step"] == {"base": [73.5, 73.5], "new": [70.0, 70.0]}
+    text = capsys.readouterr().out
+    assert "J per step" in text and "-3.5 J" in text and "73.50 J/step at 700 W" in text
+
+
+def test_no_energy_table_without_energy(capsys):
+    assert ab_step.main(["--variant", "a=", "--variant", "b=--no-graph", "--rounds", "1"],
+                        runner=fake_runner([])) == 0
+    assert "J per step" not in capsys.readouterr().out

@@ -41,3 +41,16 @@ def test_classifier_chunks_flag():
     # given: the model gets it (shared with profile_step); not given: the model's automatic choice
     assert llmpy_options(parse_args(["--systems", "llmpy", "--classifier-chunks", "4"]))["classifier_chunks"] == 4
     assert "classifier_chunks" not in llmpy_options(parse_args(["--systems", "llmpy"]))
+
+
+def test_the_table_names_each_system_s_energy_when_measured():
+    from bench.bench_step import format_table, summarize
+    args = parse_args(["--systems", "torch-compile,llmpy", "--device", "cpu"])
+    results = {}
+    for name, ms, joules in (("torch-compile", 135.0, 94.5), ("llmpy", 104.0, None)):
+        res = {"system": name, "ok": True, "step_ms": [9000.0] + [ms] * (args.steps - 1)}
+        if joules is not None:
+            res.update(joules_per_step=joules, watts=joules / ms * 1e3)
+        results[name] = summarize(res, args)
+    lines = [l for l in format_table(results, args).splitlines() if l.startswith("energy")]
+    assert lines == [f"energy (NVML, steps {args.warmup_median_from}..{args.steps}): torch-compile 94.5 J/step at 700 W"]
