@@ -72,7 +72,41 @@ def workloads():
     return out
 
 
-def measure(sustain_ms: float) -> list[dict]:
+# flash backward tilings for --flash (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages, schedule, tma):
+# the default first, then the runners-up of the time sweeps (bench/RESULTS.md runs J, Q), larger tiles
+# (more reuse of each loaded tile a FLOP, so maybe less energy at the cap though slower alone) among them
+FLASH_BWD = [(32, 64, 64, 64, 4, 3, "fused", True), (64, 64, 64, 64, 4, 3, "fused", True),
+             (32, 64, 64, 64, 4, 3, "split", True), (32, 128, 128, 64, 8, 3, "fused", True),
+             (64, 128, 128, 64, 8, 3, "fused", False), (32, 64, 64, 128, 4, 3, "fused", True),
+             (32, 64, 64, 64, 4, 2, "fused", True)]
+
+
+def flash_workloads():
+    """[(name, fn)]: the flash backward (delta kernel included) at B=64, T=1024, NH=12, hs=64 per tiling."""
+    import torch
+
+    from llmpy.kernels import flash_attention as fa
+    g = torch.Generator(device="cuda").manual_seed(2)
+    B, T, NH, hs = 64, 1024, 12, 64
+    C = NH * hs
+    qkv = torch.randn(B, T, 3 * C, generator=g, device="cuda").to(torch.bfloat16)
+    dout = torch.randn(B, T, C, generator=g, device="cuda").to(torch.bfloat16)
+    out, dqkv = torch.empty(B, T, C, device="cuda", dtype=torch.bfloat16), torch.empty_like(qkv)
+    lse, delta = (torch.empty(B, NH, T, device="cuda") for _ in range(2))
+    fa.flash_attention_forward(out, lse, qkv, NH)
+    rows = []
+    for m1, n1, m2, n2, w, st, schedule, tma in FLASH_BWD:
+        cfg = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_warps=w, bwd_stages=st,
+                   bwd_schedule=schedule, bwd_tma=tma)
+
+        def bwd(cfg=cfg):
+            fa.FLASH_CONFIGS[hs] = cfg
+            fa.flash_attention_backward(dqkv, dout, qkv, out, lse, NH, delta=delta)
+        rows.append((f"flash bwd {m1}x{n1}/{m2}x{n2} w{w} s{st} {schedule}" + (" tma" if tma else ""), bwd))
+    return rows
+
+
+def measure(sustain_ms: float, flash: bool = False) -> list[dict]:
     import torch
 
     from bench.energy import EnergyCounter, sustained_energy
@@ -91,7 +125,7 @@ def measure(sustain_ms: float) -> list[dict]:
     base = sustained_energy(product, sustain_ms, counter)
     rows = [dict(name="fc dweight product", power_limit_w=counter.power_limit_w(), **{f"alone_{k}": v for k, v in base.items()})]
     print(json.dumps(rows[-1]), flush=True)
-    for name, fn in workloads():
+    for name, fn in (flash_workloads() if flash else workloads()):
         alone = sustained_energy(fn, sustain_ms, counter)
         pair = sustained_energy(lambda f=fn: (product(), f()), sustain_ms, counter)
         row = dict(name=name, **{f"alone_{k}": v for k, v in alone.items()}, **{f"pair_{k}": v for k, v in pair.items()})
@@ -105,9 +139,10 @@ def measure(sustain_ms: float) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sustain-ms", type=float, default=1000.0)
+    ap.add_argument("--flash", action="store_true", help="the flash backward's tilings instead of the memory-bound passes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = measure(args.sustain_ms)
+    rows = measure(args.sustain_ms, args.flash)
     print(f"\n{'pass':40s} {'ms':>7s} {'mJ':>7s} {'W':>5s} {'MHz':>5s} | {'pair ms':>7s} {'pair W':>6s} {'cost ms':>7s} {'cost mJ':>7s}")
     for r in rows:
         line = f"{r['name']:40s} {r['alone_ms']:7.3f} {r['alone_mj']:7.1f} {r['alone_watts']:5.0f} {r['alone_mhz']:5d}"
