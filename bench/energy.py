@@ -57,17 +57,11 @@ def sustained_energy(fn, sustain_ms: float, counter: EnergyCounter) -> dict:
     {"ms": mean ms a call, "mj": mean mJ a call, "watts": mean power, "mhz": the SM clock at the end}.
     The counter is read around a synchronised stretch of at least sustain_ms (use ~1 s: NVML updates it
     every few ms)."""
-    import math
-
     import torch
+
+    from bench.timing import calls_to_sustain
+    n = calls_to_sustain(fn, sustain_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    for _ in range(5):
-        fn()
-    end.record()
-    end.synchronize()
-    n = max(3, math.ceil(sustain_ms / max(start.elapsed_time(end) / 5, 1e-3)))
     for _ in range(n):
         fn()
     torch.cuda.synchronize()

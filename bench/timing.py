@@ -13,14 +13,12 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def sustained_ms(fn, sustain_ms: float, estimate_ms: float | None = None) -> float:
-    """Mean ms of fn() at the card's power cap: enough calls back to back for sustain_ms (from
-    estimate_ms a call, else timed over 5 calls), so that the H200 reaches its 700 W cap and lowers its
-    clock, then the mean of as many more. The whole step runs at that cap, where a kernel's time follows
-    the energy it spends rather than its time at full clock."""
+def calls_to_sustain(fn, sustain_ms: float, estimate_ms: float | None = None) -> int:
+    """How many fn() calls back to back take about sustain_ms (at least 3), from estimate_ms a call or,
+    without one, from timing 5 calls (after one untimed)."""
     import math
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if estimate_ms is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         fn()
         start.record()
         for _ in range(5):
@@ -28,9 +26,18 @@ def sustained_ms(fn, sustain_ms: float, estimate_ms: float | None = None) -> flo
         end.record()
         end.synchronize()
         estimate_ms = start.elapsed_time(end) / 5
-    n = max(3, math.ceil(sustain_ms / max(estimate_ms, 1e-3)))
+    return max(3, math.ceil(sustain_ms / max(estimate_ms, 1e-3)))
+
+
+def sustained_ms(fn, sustain_ms: float, estimate_ms: float | None = None) -> float:
+    """Mean ms of fn() at the card's power cap: enough calls back to back for sustain_ms (from
+    estimate_ms a call, else timed over 5 calls), so that the H200 reaches its 700 W cap and lowers its
+    clock, then the mean of as many more. The whole step runs at that cap, where a kernel's time follows
+    the energy it spends rather than its time at full clock."""
+    n = calls_to_sustain(fn, sustain_ms, estimate_ms)
     for _ in range(n):
         fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):
         fn()
