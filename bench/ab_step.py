@@ -81,7 +81,6 @@ def main(argv=None, runner=None) -> int:
                      else f"FAILED: {res.get('error')}")
             if joules[name][-1] is not None:
                 shown += f", {joules[name][-1]:.2f} J/step at {res['watts']:.0f} W"
-
             print(f"round {r + 1} {name}: {shown}", flush=True)
     first = variants[0][0]
 
