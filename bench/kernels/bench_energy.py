@@ -17,7 +17,11 @@ persistent grids of 8, 4, 2, 1 a SM; the LayerNorm backward with the projection'
 (the model's), 512, 264, 132; fc's bias reduction (65536 x 3072) at its default and at half / a quarter
 of its chunks.
 
-    PYTHONPATH=src:. python -m bench.kernels.bench_energy [--sustain-ms 1000] [--json F]
+With --flash, the same for the flash attention backward (delta kernel included) at several tilings
+instead (FLASH_BWD; B=64, T=1024, NH=12, hs=64): larger tiles reuse each loaded tile for more FLOPs.
+bench/RESULTS.md run T has both tables.
+
+    PYTHONPATH=src:. python -m bench.kernels.bench_energy [--flash] [--sustain-ms 1000] [--json F]
 """
 from __future__ import annotations
 
