@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from bench.timing import copy_bandwidth_gbs, median_ms, row
 from llmpy.kernels import matmul as mm
-from llmpy.kernels.gelu import gelu_backward_inplace, gelu_forward
+from llmpy.kernels.gelu import gelu_backward_inplace
 
 M = 64 * 1024
 BF16 = torch.bfloat16
