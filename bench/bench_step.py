@@ -100,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
                          "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
+    ap.add_argument("--classifier-config", default=None,
+                    help="llmpy: JSON of fused_classifier keywords replacing its TRAIN_CONFIG and VAL_CONFIG "
+                         "(validation keeps training's reduction order), e.g. '{\"variant\": \"onepass\"}'")
     ap.add_argument("--flash-config", default=None,
                     help='llmpy: JSON of flash attention tile fields to override, e.g. \'{"bwd_schedule": "fused"}\'')
     # internal: one system in this process, its result to a file
@@ -221,6 +224,12 @@ def _build_llmpy(args, config, flat):
     import torch
     from llmpy.model import GPT2Model
     set_flash_config(args.flash_config, config)
+    if args.classifier_config:
+        from llmpy.kernels import fused_classifier as kfc
+        chosen = json.loads(args.classifier_config)
+        for mode in (kfc.TRAIN_CONFIG, kfc.VAL_CONFIG):
+            mode.clear()
+            mode.update(chosen)
     if args.untuned or args.tuned_from:
         from llmpy.kernels.matmul import TUNED_ALGOS
         TUNED_ALGOS.clear()

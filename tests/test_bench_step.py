@@ -54,3 +54,9 @@ def test_the_table_names_each_system_s_energy_when_measured():
         results[name] = summarize(res, args)
     lines = [l for l in format_table(results, args).splitlines() if l.startswith("energy")]
     assert lines == [f"energy (NVML, steps {args.warmup_median_from}..{args.steps}): torch-compile 94.5 J/step at 700 W"]
+
+
+def test_classifier_config_flag():
+    text = '{"variant": "onepass", "keep": "p", "num_warps": 16}'
+    assert parse_args(["--systems", "llmpy", "--classifier-config", text]).classifier_config == text
+    assert parse_args(["--systems", "llmpy"]).classifier_config is None  # the module's configs stay

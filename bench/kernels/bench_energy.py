@@ -17,11 +17,12 @@ persistent grids of 8, 4, 2, 1 a SM; the LayerNorm backward with the projection'
 (the model's), 512, 264, 132; fc's bias reduction (65536 x 3072) at its default and at half / a quarter
 of its chunks.
 
-With --flash, the same for the flash attention backward (delta kernel included) at several tilings
+With --classifier, the fused classifier's variants on one chunk of logits (CLASSIFIER_VARIANTS). With
+--flash, the same for the flash attention backward (delta kernel included) at several tilings
 instead (FLASH_BWD; B=64, T=1024, NH=12, hs=64): larger tiles reuse each loaded tile for more FLOPs.
 bench/RESULTS.md run T has both tables.
 
-    PYTHONPATH=src:. python -m bench.kernels.bench_energy [--flash] [--sustain-ms 1000] [--json F]
+    PYTHONPATH=src:. python -m bench.kernels.bench_energy [--flash | --classifier] [--sustain-ms 1000] [--json F]
 """
 from __future__ import annotations
 
@@ -110,7 +111,40 @@ def flash_workloads():
     return rows
 
 
-def measure(sustain_ms: float, flash: bool = False) -> list[dict]:
+# the classifier's variants for --classifier (fused_classifier keywords): twopass reads a row twice (the
+# second time mostly from L2) and takes two exps an element; onepass holds the row in registers (one read,
+# one exp) at one program an SM's worth of registers, so it is slower alone (latency) but may spend less
+CLASSIFIER_VARIANTS = [
+    ("twopass B8192 w16 (the model's)", dict(variant="twopass", block_size=8192, num_warps=16, stages=1, tile=8,
+                                             progs_per_sm=0)),
+    ("onepass p w16", dict(variant="onepass", keep="p", num_warps=16, progs_per_sm=0)),
+    ("onepass p w16 pps1 prefetch", dict(variant="onepass", keep="p", num_warps=16, progs_per_sm=1, prefetch=True)),
+    ("onepass pl w16", dict(variant="onepass", keep="pl", num_warps=16, progs_per_sm=0)),
+    ("onepass xw w16", dict(variant="onepass", keep="xw", num_warps=16)),
+]
+
+
+def classifier_workloads():
+    """[(name, fn)]: one chunk of the model's classifier (8192 rows of 50304 bf16 logits, training: the
+    gradient written over them), each call on a fresh copy of the same logits (the copy is a row of its
+    own: subtract it), so that every variant and every call sees real logits, not the last gradient."""
+    import torch
+
+    from llmpy.kernels.fused_classifier import fused_classifier
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows, V, Vp = 8192, 50257, 50304
+    pristine = (torch.randn(rows, Vp, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    logits = torch.empty_like(pristine)
+    targets = torch.randint(0, V, (rows,), generator=g, device="cuda", dtype=torch.int32)
+    losses = torch.empty(rows, device="cuda")
+    out = [("copy of the logits chunk alone", lambda: logits.copy_(pristine))]
+    for name, kw in CLASSIFIER_VARIANTS:
+        out.append((f"copy + {name}", lambda kw=kw: (logits.copy_(pristine),
+                                                      fused_classifier(logits, losses, 1 / 65536, targets, V, **kw))))
+    return out
+
+
+def measure(sustain_ms: float, flash: bool = False, classifier: bool = False) -> list[dict]:
     import torch
 
     from bench.energy import EnergyCounter, sustained_energy
@@ -129,7 +163,7 @@ def measure(sustain_ms: float, flash: bool = False) -> list[dict]:
     base = sustained_energy(product, sustain_ms, counter)
     rows = [dict(name="fc dweight product", power_limit_w=counter.power_limit_w(), **{f"alone_{k}": v for k, v in base.items()})]
     print(json.dumps(rows[-1]), flush=True)
-    for name, fn in (flash_workloads() if flash else workloads()):
+    for name, fn in (flash_workloads() if flash else classifier_workloads() if classifier else workloads()):
         alone = sustained_energy(fn, sustain_ms, counter)
         pair = sustained_energy(lambda f=fn: (product(), f()), sustain_ms, counter)
         row = dict(name=name, **{f"alone_{k}": v for k, v in alone.items()}, **{f"pair_{k}": v for k, v in pair.items()})
@@ -144,9 +178,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sustain-ms", type=float, default=1000.0)
     ap.add_argument("--flash", action="store_true", help="the flash backward's tilings instead of the memory-bound passes")
+    ap.add_argument("--classifier", action="store_true", help="the fused classifier's variants instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = measure(args.sustain_ms, args.flash)
+    rows = measure(args.sustain_ms, args.flash, args.classifier)
     print(f"\n{'pass':40s} {'ms':>7s} {'mJ':>7s} {'W':>5s} {'MHz':>5s} | {'pair ms':>7s} {'pair W':>6s} {'cost ms':>7s} {'cost mJ':>7s}")
     for r in rows:
         line = f"{r['name']:40s} {r['alone_ms']:7.3f} {r['alone_mj']:7.1f} {r['alone_watts']:5.0f} {r['alone_mhz']:5d}"
