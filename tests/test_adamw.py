@@ -46,8 +46,13 @@ def test_fp32_matches_reference(device):
     for step in range(1, 4):
         reference_step(p, grads[step - 1].cpu(), m, v, step, 0.7)
     assert torch.allclose(state["params"].cpu(), p, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(state["m"].cpu(), m, rtol=1e-5, atol=1e-7)
-    assert torch.allclose(state["v"].cpu(), v, rtol=1e-5, atol=1e-8)
+    # m and v: the kernel's lerp (two FMAs) and torch's round differently, each within an ulp or so of
+    # the largest term it adds; where the terms cancel (m ~ 1e-3 from g ~ 1) a tolerance relative to the
+    # result is too tight (it failed ~1 seed in 5), so bound the difference by 4 ulps of that term
+    ulp = 2.0 ** -23
+    scale = torch.stack(grads).abs().amax(0).cpu() * 0.7
+    assert ((state["m"].cpu() - m).abs() <= 4 * ulp * scale).all()
+    assert ((state["v"].cpu() - v).abs() <= 4 * ulp * scale ** 2).all()
 
 
 def bf16_neighbours(x):
