@@ -17,7 +17,7 @@ persistent grids of 8, 4, 2, 1 a SM; the LayerNorm backward with the projection'
 (the model's), 512, 264, 132; fc's bias reduction (65536 x 3072) at its default and at half / a quarter
 of its chunks.
 
-With --classifier, the fused classifier's variants on one chunk of logits (CLASSIFIER_VARIANTS). With
+With --classifier, the fused classifier's variants on one chunk of logits (classifier_variants()). With
 --flash, the same for the flash attention backward (delta kernel included) at several tilings
 instead (FLASH_BWD; B=64, T=1024, NH=12, hs=64): larger tiles reuse each loaded tile for more FLOPs.
 bench/RESULTS.md run T has both tables.
@@ -111,17 +111,19 @@ def flash_workloads():
     return rows
 
 
-# the classifier's variants for --classifier (fused_classifier keywords): twopass reads a row twice (the
-# second time mostly from L2) and takes two exps an element; onepass holds the row in registers (one read,
-# one exp) at one program an SM's worth of registers, so it is slower alone (latency) but may spend less
-CLASSIFIER_VARIANTS = [
-    ("twopass B8192 w16 (the model's)", dict(variant="twopass", block_size=8192, num_warps=16, stages=1, tile=8,
-                                             progs_per_sm=0)),
-    ("onepass p w16", dict(variant="onepass", keep="p", num_warps=16, progs_per_sm=0)),
-    ("onepass p w16 pps1 prefetch", dict(variant="onepass", keep="p", num_warps=16, progs_per_sm=1, prefetch=True)),
-    ("onepass pl w16", dict(variant="onepass", keep="pl", num_warps=16, progs_per_sm=0)),
-    ("onepass xw w16", dict(variant="onepass", keep="xw", num_warps=16)),
-]
+# the classifier's variants for --classifier: the model's TRAIN_CONFIG, then one-pass entries of
+# bench_fused_classifier's sweep. twopass reads a row twice (the second time mostly from L2) and takes two
+# exps an element; onepass holds the row in registers (one read, one exp) at one program an SM's worth of
+# registers, so it is slower alone (latency) but may spend less
+CLASSIFIER_LABELS = ["onepass p w16", "onepass p w16 pps1 prefetch", "onepass pl w16", "onepass xw w16"]
+
+
+def classifier_variants() -> list[tuple[str, dict]]:
+    """[(label, fused_classifier keywords)]: the model's configuration, then CLASSIFIER_LABELS."""
+    from bench.kernels.bench_fused_classifier import TRAIN_SWEEP
+    from llmpy.kernels.fused_classifier import TRAIN_CONFIG
+    sweep = dict(TRAIN_SWEEP)
+    return [("the model's TRAIN_CONFIG", dict(TRAIN_CONFIG))] + [(label, sweep[label]) for label in CLASSIFIER_LABELS]
 
 
 def classifier_workloads():
@@ -138,13 +140,15 @@ def classifier_workloads():
     targets = torch.randint(0, V, (rows,), generator=g, device="cuda", dtype=torch.int32)
     losses = torch.empty(rows, device="cuda")
     out = [("copy of the logits chunk alone", lambda: logits.copy_(pristine))]
-    for name, kw in CLASSIFIER_VARIANTS:
+    for name, kw in classifier_variants():
         out.append((f"copy + {name}", lambda kw=kw: (logits.copy_(pristine),
                                                       fused_classifier(logits, losses, 1 / 65536, targets, V, **kw))))
     return out
 
 
-def measure(sustain_ms: float, flash: bool = False, classifier: bool = False) -> list[dict]:
+def measure(sustain_ms: float, workloads_fn=None) -> list[dict]:
+    """The product alone, then every (name, fn) of workloads_fn() (default: the memory-bound passes)
+    alone and right after the product."""
     import torch
 
     from bench.energy import EnergyCounter, sustained_energy
@@ -163,7 +167,7 @@ def measure(sustain_ms: float, flash: bool = False, classifier: bool = False) ->
     base = sustained_energy(product, sustain_ms, counter)
     rows = [dict(name="fc dweight product", power_limit_w=counter.power_limit_w(), **{f"alone_{k}": v for k, v in base.items()})]
     print(json.dumps(rows[-1]), flush=True)
-    for name, fn in (flash_workloads() if flash else classifier_workloads() if classifier else workloads()):
+    for name, fn in (workloads_fn or workloads)():
         alone = sustained_energy(fn, sustain_ms, counter)
         pair = sustained_energy(lambda f=fn: (product(), f()), sustain_ms, counter)
         row = dict(name=name, **{f"alone_{k}": v for k, v in alone.items()}, **{f"pair_{k}": v for k, v in pair.items()})
@@ -177,11 +181,12 @@ def measure(sustain_ms: float, flash: bool = False, classifier: bool = False) ->
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sustain-ms", type=float, default=1000.0)
-    ap.add_argument("--flash", action="store_true", help="the flash backward's tilings instead of the memory-bound passes")
-    ap.add_argument("--classifier", action="store_true", help="the fused classifier's variants instead")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--flash", action="store_true", help="the flash backward's tilings instead of the memory-bound passes")
+    which.add_argument("--classifier", action="store_true", help="the fused classifier's variants instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = measure(args.sustain_ms, args.flash, args.classifier)
+    rows = measure(args.sustain_ms, flash_workloads if args.flash else classifier_workloads if args.classifier else None)
     print(f"\n{'pass':40s} {'ms':>7s} {'mJ':>7s} {'W':>5s} {'MHz':>5s} | {'pair ms':>7s} {'pair W':>6s} {'cost ms':>7s} {'cost mJ':>7s}")
     for r in rows:
         line = f"{r['name']:40s} {r['alone_ms']:7.3f} {r['alone_mj']:7.1f} {r['alone_watts']:5.0f} {r['alone_mhz']:5d}"
