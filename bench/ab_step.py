@@ -80,7 +80,7 @@ def main(argv=None, runner=None) -> int:
             shown = (f"{ms:.1f} ms (lower quartile {quartiles[name][-1]:.1f})" if ms is not None
                      else f"FAILED: {res.get('error')}")
             if joules[name][-1] is not None:
-                shown += f", {joules[name][-1]:.2f} J/step at {res['watts']:.0f} W"
+                shown += f", {joules[name][-1]:.2f} J/step at {res['watts']:.0f} W{bench_step.card_state(res)}"
             print(f"round {r + 1} {name}: {shown}", flush=True)
     first = variants[0][0]
 

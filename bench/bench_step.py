@@ -324,6 +324,7 @@ def run_system(args, system: str) -> dict:
         for i in range(args.steps):
             if counter is not None and i == lo:
                 e0, w0 = counter.millijoules(), time.perf_counter()
+                res["celsius_at_window"] = [counter.temperature_c()]
             t0 = time.perf_counter()
             loss, norm = step_fn(i + 1, batches[i])
             loss, norm = float(loss), float(norm)  # reading the loss waits for the step, as llm.c's log does
@@ -352,6 +353,8 @@ def run_system(args, system: str) -> dict:
             joules, secs = (counter.millijoules() - e0) * 1e-3, time.perf_counter() - w0
             res["joules_per_step"] = joules / (args.steps - lo)
             res["watts"] = joules / secs
+            res["celsius_at_window"].append(counter.temperature_c())
+            res["sm_mhz_at_end"] = counter.sm_clock_mhz()
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 -- the parent reports it; KeyboardInterrupt too
         res["error"] = f"{type(e).__name__}: {e}"
@@ -398,6 +401,13 @@ def _fmt(v, spec: str, scale: float = 1.0) -> str:
     return format(v * scale, spec)
 
 
+def card_state(r: dict) -> str:
+    """', 41->47 C, 1755 MHz': the die's temperature over the median window and the SM clock after it."""
+    temps = r.get("celsius_at_window") or []
+    text = f", {temps[0]}->{temps[-1]} C" if len(temps) == 2 else ""
+    return text + (f", {r['sm_mhz_at_end']} MHz" if r.get("sm_mhz_at_end") is not None else "")
+
+
 def format_table(results: dict, args) -> str:
     """The final comparison: one row per system."""
     lo = args.warmup_median_from
@@ -425,8 +435,8 @@ def format_table(results: dict, args) -> str:
             f"{_fmt(r.get('peak_allocated_bytes'), '9.1f', 1 / GB)} {_fmt(r.get('device_used_bytes'), '8.1f', 1 / GB)} "
             f"{_fmt(r.get('first_step_s'), '8.1f')} {_fmt(r.get('compile_s'), '9.1f')} "
             f"{_fmt(r.get('time_to_first_step_s'), '10.1f')}  {status}")
-    energy = [f"{name} {r['joules_per_step']:.1f} J/step at {r['watts']:.0f} W" for name, r in results.items()
-              if r.get("joules_per_step") is not None]
+    energy = [f"{name} {r['joules_per_step']:.1f} J/step at {r['watts']:.0f} W{card_state(r)}"
+              for name, r in results.items() if r.get("joules_per_step") is not None]
     if energy:
         lines.append(f"energy (NVML, steps {lo}..{args.steps}): " + "; ".join(energy))
     lines.append("anchors (H200, shared/ANCHORS.md): " + "; ".join(

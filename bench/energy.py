@@ -10,10 +10,11 @@ from __future__ import annotations
 import ctypes
 
 _NVML_CLOCK_SM = 1
+_NVML_TEMPERATURE_GPU = 0
 
 
 class EnergyCounter:
-    """The energy counter, SM clock and power limit of the NVML device behind a CUDA device."""
+    """The energy counter, SM clock, temperature and power limit of the NVML device behind a CUDA device."""
 
     def __init__(self, device_index: int = 0):
         import torch
@@ -44,6 +45,14 @@ class EnergyCounter:
     def sm_clock_mhz(self) -> int:
         value = ctypes.c_uint()
         self._check(self._nvml.nvmlDeviceGetClockInfo(self._handle, _NVML_CLOCK_SM, ctypes.byref(value)), "SM clock")
+        return int(value.value)
+
+    def temperature_c(self) -> int:
+        """The GPU die's temperature, degrees C: at the power cap a hotter card leaks more and clocks lower,
+        so the same kernels run slower (bench/RESULTS.md, runs Q-T)."""
+        value = ctypes.c_uint()
+        self._check(self._nvml.nvmlDeviceGetTemperature(self._handle, _NVML_TEMPERATURE_GPU, ctypes.byref(value)),
+                    "temperature")
         return int(value.value)
 
     def power_limit_w(self) -> float:

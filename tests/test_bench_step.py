@@ -54,6 +54,10 @@ def test_the_table_names_each_system_s_energy_when_measured():
         results[name] = summarize(res, args)
     lines = [l for l in format_table(results, args).splitlines() if l.startswith("energy")]
     assert lines == [f"energy (NVML, steps {args.warmup_median_from}..{args.steps}): torch-compile 94.5 J/step at 700 W"]
+    # with the card's state read around the window: its temperatures and the clock after it
+    results["torch-compile"].update(celsius_at_window=[41, 47], sm_mhz_at_end=1755)
+    lines = [l for l in format_table(results, args).splitlines() if l.startswith("energy")]
+    assert lines[0].endswith("torch-compile 94.5 J/step at 700 W, 41->47 C, 1755 MHz")
 
 
 def test_classifier_config_flag():
