@@ -212,13 +212,15 @@ def _flash_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, NH, C,
 @triton.jit
 def _dkdv_block(dk, dv, k, v, q_src, do_src, row0, q_col0, do_col0, lse_base, delta_base, m0, offs_n, offs_d,
                 row_stride, C, T, scale_log2, HS: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_HS: tl.constexpr, TMA: tl.constexpr, DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
+                EVEN_HS: tl.constexpr, TMA: tl.constexpr, EVEN_T: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                PREC: tl.constexpr):
     """One query block's contribution to a key block's dk, dv, computed transposed (keys x queries) so
     the products land in dk, dv without transposing the accumulators. q and dout come through pointers
     (q_src, do_src: the head's bases) or TMA descriptors (at [row0 + m0, q_col0 / do_col0]).
 
     Through pointers, query rows >= T read q = dout = lse = delta = 0, so their p is finite and dv, dk get
-    p * 0 from them; through TMA those rows hold the next batch row's q and dout, so their p is zeroed."""
+    p * 0 from them; through TMA those rows hold the next batch row's q and dout, so their p is zeroed
+    (EVEN_T: T is a multiple of BLOCK_M, there are no such rows, and no select an element)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = _stream_tile(q_src, row0, q_col0, m0, offs_m, offs_d, row_stride, T, HS, True, EVEN_HS, TMA)
     do = _stream_tile(do_src, row0, do_col0, m0, offs_m, offs_d, C, T, HS, True, EVEN_HS, TMA)
@@ -230,7 +232,8 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, row0, q_col0, do_col0, lse_base, de
     if MASKED:
         pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
     if TMA:
-        pT = tl.where(offs_m[None, :] < T, pT, 0.0)
+        if not EVEN_T:
+            pT = tl.where(offs_m[None, :] < T, pT, 0.0)
     dv = _mma(pT.to(do.dtype), do, dv, DOT_UPCAST, PREC)
     dpT = _mm(v, tl.trans(do), DOT_UPCAST, PREC)
     dsT = pT * (dpT - delta[None, :])
@@ -262,7 +265,7 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, q_desc, d
                       HS: tl.constexpr, HS_PAD: tl.constexpr,
                       BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                       BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                      DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, TMA: tl.constexpr,
+                      DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, TMA: tl.constexpr, EVEN_T: tl.constexpr,
                       DOT_UPCAST: tl.constexpr, PREC: tl.constexpr):
     """TMA: the tiles the loops stream (q and dout in the dk/dv half, k and v in the dq half) come through
     descriptors of qkv as (B*T, 3C) and dout as (B*T, C), with [BLOCK_M1, HS] and [BLOCK_N2, HS] boxes."""
@@ -305,12 +308,12 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, q_desc, d
         for m0 in range((n0 // BLOCK_M1) * BLOCK_M1, tl.minimum(diag_end, T), BLOCK_M1):
             dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, row0, h * HS, h * HS, lse_base, delta_base, m0,
                                  offs_n, offs_d, row_stride, C, T, scale_log2, HS, BLOCK_M1, True, EVEN_HS, TMA,
-                                 DOT_UPCAST, PREC)
+                                 EVEN_T, DOT_UPCAST, PREC)
         # query blocks wholly after the key block: every pair visible
         for m0 in range(diag_end, T, BLOCK_M1):
             dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, row0, h * HS, h * HS, lse_base, delta_base, m0,
                                  offs_n, offs_d, row_stride, C, T, scale_log2, HS, BLOCK_M1, False, EVEN_HS, TMA,
-                                 DOT_UPCAST, PREC)
+                                 EVEN_T, DOT_UPCAST, PREC)
         # dS is the gradient of the scaled scores; the scale moves onto dk (and dq below)
         _store_tile(dq_base + C, dk * sm_scale, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
         _store_tile(dq_base + 2 * C, dv, offs_n, offs_d, row_stride, T, HS, EVEN_HS)
@@ -475,6 +478,7 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     descs = _tma_descriptors(cfg["bwd_tma"], hs, hs_pad, (qkv, cfg["BLOCK_M1"]), (dout, cfg["BLOCK_M1"]),
                              (qkv, cfg["BLOCK_N2"]))
     common["TMA"] = descs[0] is not None
+    common["EVEN_T"] = T % cfg["BLOCK_M1"] == 0  # no query rows past T in the dk/dv half's tiles
     args = (qkv, dout, lse, delta, dqkv, *descs, T, num_heads, C, scale, scale * LOG2E)
     if cfg["bwd_schedule"] == "fused":
         # program i: key block i's dk, dv and query block i's dq (BLOCK_N1 == BLOCK_M2)
