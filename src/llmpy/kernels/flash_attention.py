@@ -228,6 +228,7 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, row0, q_col0, do_col0, lse_base, de
     delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
     # P^T from the saved LSE: p = exp(s - lse) = exp2(s2 - lse * log2 e)
     sT = _mm(k, tl.trans(q), DOT_UPCAST, PREC)
+    dpT = _mm(v, tl.trans(do), DOT_UPCAST, PREC)
     pT = tl.exp2(sT * scale_log2 - lse2[None, :])
     if MASKED:
         pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
@@ -235,7 +236,6 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, row0, q_col0, do_col0, lse_base, de
         if not EVEN_T:
             pT = tl.where(offs_m[None, :] < T, pT, 0.0)
     dv = _mma(pT.to(do.dtype), do, dv, DOT_UPCAST, PREC)
-    dpT = _mm(v, tl.trans(do), DOT_UPCAST, PREC)
     dsT = pT * (dpT - delta[None, :])
     dk = _mma(dsT.to(q.dtype), q, dk, DOT_UPCAST, PREC)
     return dk, dv
@@ -250,11 +250,11 @@ def _dq_block(dq, q, do, lse2, delta, k_src, v_src, row0, k_col0, v_col0, n0, of
     k = _stream_tile(k_src, row0, k_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
     v = _stream_tile(v_src, row0, v_col0, n0, offs_n, offs_d, row_stride, T, HS, MASKED, EVEN_HS, TMA)
     s = _mm(q, tl.trans(k), DOT_UPCAST, PREC)
+    dp = _mm(do, tl.trans(v), DOT_UPCAST, PREC)
     p = tl.exp2(s * scale_log2 - lse2[:, None])
     if MASKED:
         # also hides keys >= T (read as 0, or the next batch row's through TMA) from the rows < T stored
         p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
-    dp = _mm(do, tl.trans(v), DOT_UPCAST, PREC)
     ds = p * (dp - delta[:, None])
     return _mma(ds.to(k.dtype), k, dq, DOT_UPCAST, PREC)
 
