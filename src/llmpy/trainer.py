@@ -431,9 +431,9 @@ class RunLog:
         self.text.flush()
         self.jsonl.flush()
         if self.tb is not None:
-            for field, tag in self.TB_SCALARS.get(kind, {}).items():
-                if isinstance(values.get(field), (int, float)) and not isinstance(values.get(field), bool):
-                    self.tb.add_scalar(tag, values[field], step)
+            for key, tag in self.TB_SCALARS.get(kind, {}).items():
+                if isinstance(values.get(key), (int, float)) and not isinstance(values.get(key), bool):
+                    self.tb.add_scalar(tag, values[key], step)
 
     def close(self):
         for f in (self.text, self.jsonl, self.tb):
