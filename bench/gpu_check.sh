@@ -120,7 +120,8 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       timeout ${ABLATE_TIMEOUT:-300} python3 -m bench.ablate_step ${ABLATE_ARGS:-} --json "$OUT/ablate.json" 2>&1 | tee "$OUT/ablate.log"
       rc=$? ;;
     energy)
-      # the memory-bound passes' energy by grid size, alone and beside a product, from NVML's counter
+      # passes alone and beside a product, by NVML's energy counter: the memory-bound passes by grid size, or
+      # with ENERGY_ARGS=--flash / --classifier the flash backward's tilings / the classifier's variants
       timeout ${ENERGY_TIMEOUT:-300} python3 -m bench.kernels.bench_energy ${ENERGY_ARGS:-} --json "$OUT/energy.json" \
         2>&1 | tee "$OUT/energy.log"
       rc=$? ;;
