@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .common import DOT_UPCAST, interpreting, tma_descriptor_class, tma_usable
+from .flash_backward_wgmma import flash_backward_wgmma, wgmma_backward_usable
 
 LOG2E = 1.4426950408889634  # (kernels spell their constants out: Triton jit code reads no plain globals)
 
@@ -371,12 +372,19 @@ _CONFIGS_32 = {
 _CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1,
                          BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1)
 # the fields the tables above leave at their default
-_FIELD_DEFAULTS = dict(fwd_tma=False, bwd_schedule="fused", bwd_tma=False)
+_FIELD_DEFAULTS = dict(fwd_tma=False, bwd_schedule="fused", bwd_tma=False, bwd_kernel="tl.dot",
+                       wgmma_stages=(3, 3))
 _DELTA_BLOCK_T = 64
 
 # How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
 # two launches).
 BWD_SCHEDULES = ("fused", "split")
+
+# Which kernel runs the backward: "tl.dot" (_flash_bwd_kernel above, every shape and dtype, CPU-tested) or
+# "wgmma" (flash_backward_wgmma: the fused schedule with explicit asynchronous wgmma, Gluon, sm_90 only;
+# where it does not apply - another GPU, fp32, head size != 64, T not a multiple of 64 - the tl.dot kernel
+# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half).
+BWD_KERNELS = ("tl.dot", "wgmma")
 
 # Override hook: FLASH_CONFIGS[hs] (or FLASH_CONFIGS[(hs, dtype)], which wins) = dict of the fields above
 # to replace, e.g. FLASH_CONFIGS[64] = {"BLOCK_M": 64, "fwd_warps": 8}. Read at every launch; a new value
@@ -398,6 +406,9 @@ def flash_config(hs: int, dtype: torch.dtype) -> dict:
     for key in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):
         assert cfg[key] >= 16 and cfg[key] & (cfg[key] - 1) == 0, f"{key} = {cfg[key]}: a power of two >= 16"
     assert cfg["bwd_schedule"] in BWD_SCHEDULES, f"bwd_schedule {cfg['bwd_schedule']!r}: one of {BWD_SCHEDULES}"
+    assert cfg["bwd_kernel"] in BWD_KERNELS, f"bwd_kernel {cfg['bwd_kernel']!r}: one of {BWD_KERNELS}"
+    assert len(cfg["wgmma_stages"]) == 2 and min(cfg["wgmma_stages"]) >= 2, \
+        f"wgmma_stages {cfg['wgmma_stages']}: two ring depths >= 2"
     assert cfg["bwd_schedule"] != "fused" or cfg["BLOCK_N1"] == cfg["BLOCK_M2"], \
         "fused backward needs BLOCK_N1 == BLOCK_M2"
     return cfg
@@ -473,6 +484,9 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
 
     _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
+    if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs):
+        return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
+                                    cfg["wgmma_stages"])
 
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,

@@ -1,0 +1,261 @@
+"""The flash attention backward on Hopper with explicit asynchronous wgmma (Triton's Gluon dialect).
+
+Same work as flash_attention._flash_bwd_kernel's fused schedule (program i: key block i's dk, dv over the
+query tiles at or after it, then query block i's dq over the key tiles up to it; no atomics, bitwise
+reproducible), the same tiles (64 keys x 32 queries in the dk/dv half, 64 x 64 in the dq half) and the
+same order of the sums, written where tl.dot cannot be: Triton waits for every product whose result is
+not a loop accumulator right after issuing it, so the score product S^T and dP^T run one after the other
+and the tensor cores sit idle during the softmax (ncu: 47 % busy, against 98 % in a cuBLAS product;
+bench/RESULTS.md, run U). Here each tile issues both score products at once and waits for S^T alone:
+the exponentials run while dP^T is still on the tensor cores, and the dv, dk (dq) products of a tile run
+on, unwaited, under the next tile's loads and score products. Queries and dout (keys and values in the
+dq half) stream through rings of TMA buffers, each refilled as soon as the products that read it are
+known to be done. 168 registers a thread, so three programs an SM, as the tl.dot kernel's 142.
+
+Tried and left out (bench/RESULTS.md, run V): the score products' loop-invariant operand (k, v; q, dout)
+in registers instead of shared memory (190 registers, two programs an SM: 15 % slower), and issuing each
+tile's S one tile early so that it runs under the previous tile's exponentials (ptxas then serialises
+every wgmma of the kernel, C7514/C7515: 29 % slower).
+
+GPU only (sm_90): Gluon has no CPU interpreter. flash_attention.py's tl.dot kernel is the portable path,
+tested on the CPU; this one is tested on the GPU against float64 autograd and against that kernel. It
+serves bf16 storage, head size 64 and T a multiple of 64 (every GPT-2 size); flash_attention_backward
+falls back to the tl.dot kernel elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with triton >= 3.5; anything missing here just means the tl.dot kernel serves
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    GLUON = True
+except Exception:  # noqa: BLE001 - an import of an experimental module may fail in many ways
+    GLUON = False
+
+BLOCK_KEYS = 64      # keys a program owns in the dk/dv half, queries it owns in the dq half
+BLOCK_QUERIES = 32   # query tile the dk/dv half streams
+HEAD_SIZE = 64
+
+
+def wgmma_backward_usable(qkv: torch.Tensor, T: int, hs: int) -> bool:
+    """Whether _flash_bwd_wgmma_kernel serves this call (else the tl.dot kernel does)."""
+    return (GLUON and qkv.is_cuda and qkv.dtype == torch.bfloat16 and hs == HEAD_SIZE
+            and T % BLOCK_KEYS == 0 and torch.cuda.get_device_capability(qkv.device)[0] == 9)
+
+
+if GLUON:
+    @gluon.jit
+    def _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, tile, m_first, row0, col_q,
+                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Query tile `tile` (rows m_first + tile * BLOCK_M on) of q and dout into ring slot tile % STAGES."""
+        slot = tile % STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        row = row0 + m_first + tile * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [row, col_q], bar, q_ring.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row, col_q], bar, do_ring.index(slot))
+
+    @gluon.jit
+    def _dq_tile_loads(kv_desc, k_ring, v_ring, bars, tile, row0, col_k, col_v,
+                       STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Key tile `tile` of k and v into ring slot tile % STAGES."""
+        slot = tile % STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, 2 * kv_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row0 + tile * BLOCK_N, col_k], bar, k_ring.index(slot))
+        tma.async_copy_global_to_shared(kv_desc, [row0 + tile * BLOCK_N, col_v], bar, v_ring.index(slot))
+
+    @gluon.jit
+    def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
+                   n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
+                   a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """dk, dv (fp32, dk unscaled) of the key block at n0 over its n_tiles query tiles, transposed (keys x
+        queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings."""
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
+        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_s)
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
+        for j in range(n_tiles):
+            slot = j % STAGES
+            q_tile = q_ring.index(slot)
+            do_tile = do_ring.index(slot)
+            offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
+            lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
+            delta = gl.load(delta_base + offs_m)
+            mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+            sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # S^T done, dP^T may still run; products complete in order, so the last tile's dv, dk are done
+            # too and its buffers can take the tile STAGES after it
+            sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
+            if j > 0:
+                if j - 1 + STAGES < n_tiles:
+                    _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
+                                     STAGES, BLOCK_M)
+            # P^T from the saved log-sum-exp, in base 2 (as the tl.dot kernel, expression for expression)
+            pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+            if j * BLOCK_M < BLOCK_N:  # the diagonal: queries before the key are hidden
+                pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
+            dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
+            dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
+            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        return dk, dv
+
+    @gluon.jit
+    def _dq_loop(q_smem, do_smem, k_ring, v_ring, bars, kv_desc, lse2, delta, offs_m, row0, col_k, col_v,
+                 n_tiles, scale_log2, dtype: gl.constexpr, mma_d: gl.constexpr, a_d: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HS: gl.constexpr, STAGES: gl.constexpr):
+        """dq (fp32, unscaled) of the query block at offs_m over its n_tiles key tiles, the last one the
+        diagonal. The first STAGES tiles are already on their way into the rings."""
+        zero_d = gl.zeros([BLOCK_N, BLOCK_N], gl.float32, mma_d)
+        dq = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
+        for i in range(n_tiles):
+            slot = i % STAGES
+            k_tile = k_ring.index(slot)
+            v_tile = v_ring.index(slot)
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero_d, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), zero_d, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # and the last tile's dq: its buffers are free
+            if i > 0:
+                if i - 1 + STAGES < n_tiles:
+                    _dq_tile_loads(kv_desc, k_ring, v_ring, bars, i - 1 + STAGES, row0, col_k, col_v, STAGES, BLOCK_N)
+            p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
+            if i == n_tiles - 1:  # the diagonal: keys after the query are hidden
+                offs_k = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_d))
+                p = gl.where(gl.expand_dims(offs_k, 0) <= gl.expand_dims(offs_m, 1), p, 0.0)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+            ds = p * (dp - gl.expand_dims(delta, 1))
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_d), k_tile, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        return dq
+
+    @gluon.jit
+    def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr,
+                                T, NH, C, sm_scale, scale_log2,
+                                HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, num_warps: gl.constexpr):
+        """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
+        dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
+        then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings."""
+        gl.static_assert(num_warps == 4, "one warpgroup a program")
+        gl.static_assert(BLOCK_N == 2 * BLOCK_M, "two query tiles on the diagonal of a key block")
+        gl.static_assert(min(STAGES1, STAGES2) >= 2, "a ring buffer is refilled while the next one is read")
+        pid = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // NH
+        h = bh % NH
+        row0 = b * T
+        col_q = h * HS
+        col_k = C + h * HS
+        col_v = 2 * C + h * HS
+        lse_base = lse_ptr + bh.to(gl.int64) * T
+        delta_base = delta_ptr + bh.to(gl.int64) * T
+        dtype: gl.constexpr = q_desc.dtype
+
+        # accumulators of 64 x 32 score tiles (dk/dv half) and of 64 x 64 tiles (dk, dv, the dq half);
+        # the A operands that come from registers (P^T, dS^T, dS) take the layout of the latter's products
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+        mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HS, 16])
+        a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
+
+        out_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], dqkv_desc.layout)
+        one_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(one_bar, count=1)
+
+        # ---- dk, dv of key block n0 over the query tiles from n0 to T --------------------------------
+        n0 = pid * BLOCK_N
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES1, BLOCK_M, HS], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES1, BLOCK_M, HS], do_desc.layout)
+        bars1 = gl.allocate_shared_memory(gl.int64, [STAGES1, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES1):
+            mbarrier.init(bars1.index(s), count=1)
+        n_tiles = (T - n0) // BLOCK_M
+        for s in gl.static_range(STAGES1):
+            if s < n_tiles:
+                _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars1, s, n0, row0, col_q, STAGES1, BLOCK_M)
+        mbarrier.expect(one_bar, 2 * kv_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_k], one_bar, k_smem)
+        tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
+        mbarrier.wait(one_bar, 0)
+        dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
+                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
+        for s in gl.static_range(STAGES1):
+            mbarrier.invalidate(bars1.index(s))
+
+        # dS is the gradient of the scaled scores: the scale moves onto dk (and dq)
+        out_smem.store((dk * sm_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_k], out_smem)
+        tma.store_wait(pendings=0)
+        out_smem.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_v], out_smem)
+
+        # ---- dq of query block m0 over the key tiles from 0 to m0 (the last one the diagonal) ---------
+        m0 = pid * BLOCK_N
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], do64_desc.layout)
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES2, BLOCK_N, HS], kv_desc.layout)
+        v_ring = gl.allocate_shared_memory(dtype, [STAGES2, BLOCK_N, HS], kv_desc.layout)
+        bars2 = gl.allocate_shared_memory(gl.int64, [STAGES2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES2):
+            mbarrier.init(bars2.index(s), count=1)
+        n_key_tiles = pid + 1
+        for s in gl.static_range(STAGES2):
+            if s < n_key_tiles:
+                _dq_tile_loads(kv_desc, k_ring, v_ring, bars2, s, row0, col_k, col_v, STAGES2, BLOCK_N)
+        mbarrier.expect(one_bar, kv_desc.block_type.nbytes + do64_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row0 + m0, col_q], one_bar, q_smem)
+        tma.async_copy_global_to_shared(do64_desc, [row0 + m0, col_q], one_bar, do_smem)
+        offs_m = m0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
+        lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
+        delta = gl.load(delta_base + offs_m)
+        mbarrier.wait(one_bar, 1)
+        dq = _dq_loop(q_smem, do_smem, k_ring, v_ring, bars2, kv_desc, lse2, delta, offs_m, row0, col_k, col_v,
+                      n_key_tiles, scale_log2, dtype, mma_d, a_d, BLOCK_N, HS, STAGES2)
+        for s in gl.static_range(STAGES2):
+            mbarrier.invalidate(bars2.index(s))
+        mbarrier.invalidate(one_bar)
+        tma.store_wait(pendings=0)  # dv has left out_smem
+        out_smem.store((dq * sm_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dqkv_desc, [row0 + m0, col_q], out_smem)
+        tma.store_wait(pendings=0)
+
+
+def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
+                         delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
+                         stages=(3, 3)) -> torch.Tensor:
+    """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
+    (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
+    rings' depths in the dk/dv half and in the dq half."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    lay_q = gl.NVMMASharedLayout.get_default_for([BLOCK_QUERIES, HEAD_SIZE], gl.bfloat16)
+    lay_k = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, HEAD_SIZE], gl.bfloat16)
+    qkv2, dout2, dqkv2 = qkv.view(B * T, C3), dout.view(B * T, C), dqkv.view(B * T, C3)
+    q_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_QUERIES, HEAD_SIZE], lay_q)
+    do_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_QUERIES, HEAD_SIZE], lay_q)
+    kv_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
+    do64_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
+    dqkv_desc = GluonTensorDescriptor.from_tensor(dqkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
+    global last_compiled
+    last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
+        q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, T, num_heads, C, scale, scale_log2,
+        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1], num_warps=4)
+    return dqkv
+
+
+last_compiled = None  # the kernel the last call ran (its registers and shared memory, for the benchmarks)

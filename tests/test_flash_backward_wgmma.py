@@ -1,0 +1,74 @@
+"""The Gluon (explicit async wgmma) flash backward against float64-exact references and the tl.dot kernel.
+
+Gluon kernels do not run in Triton's CPU interpreter, so the kernel itself is tested on the GPU only; the
+CPU tests check the dispatch: which calls it serves, and that everything else falls back to the tl.dot
+kernel (which test_flash_attention.py tests on the CPU).
+"""
+import pytest
+import torch
+
+from llmpy.kernels import flash_attention as fa
+from llmpy.kernels import flash_backward_wgmma as fw
+from llmpy.kernels.flash_attention import FLASH_CONFIGS
+
+from test_flash_attention import check_backward, make_inputs, reference, run_backward, run_forward
+
+
+def test_config_names_the_kernel(monkeypatch):
+    monkeypatch.setitem(FLASH_CONFIGS, 64, {"bwd_kernel": "wgmma"})
+    assert fa.flash_config(64, torch.bfloat16)["bwd_kernel"] == "wgmma"
+    monkeypatch.setitem(FLASH_CONFIGS, 64, {"bwd_kernel": "cutlass"})
+    with pytest.raises(AssertionError, match="bwd_kernel"):
+        fa.flash_config(64, torch.bfloat16)
+    monkeypatch.setitem(FLASH_CONFIGS, 64, {"bwd_kernel": "wgmma", "wgmma_stages": (1, 2)})
+    with pytest.raises(AssertionError, match="wgmma_stages"):
+        fa.flash_config(64, torch.bfloat16)
+
+
+def test_other_calls_fall_back(monkeypatch, device):
+    """On the CPU, and for fp32, other head sizes or T off the 64 grid, the tl.dot kernel serves: with the
+    wgmma kernel asked for, the gradient is still the reference's."""
+    assert not fw.wgmma_backward_usable(torch.zeros(1, 64, 3 * 64, dtype=torch.bfloat16), 64, 64)
+    monkeypatch.setitem(FLASH_CONFIGS, 16, {"bwd_kernel": "wgmma"})
+    B, T, NH, hs, dtype = 1, 20, 2, 16, torch.float32
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=3)
+    assert not fw.wgmma_backward_usable(qkv, T, hs)
+    _, _, dqkv_ref = reference(qkv, dout, NH)
+    out, lse = run_forward(qkv, NH)
+    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
+
+
+# (B, T, NH): one 64-row block (two query tiles on the diagonal, one key tile), a few blocks, GPT-2 sizes
+GPU_SHAPES = [(2, 64, 3), (3, 192, 2), (4, 1024, 12), (1, 2048, 12)]
+VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3))}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B%dT%dNH%d" % s)
+def test_gpu_wgmma_backward(monkeypatch, shape, variant):
+    B, T, NH = shape
+    hs, dtype = 64, torch.bfloat16
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=11)
+    assert fw.wgmma_backward_usable(qkv, T, hs)
+    out, lse = run_forward(qkv, NH)
+    _, _, dqkv_ref = reference(qkv, dout, NH)
+    monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "tl.dot"})
+    dqkv_tl = run_backward(dout, qkv, out, lse, NH)
+    monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma", **VARIANTS[variant]})
+    dqkv = run_backward(dout, qkv, out, lse, NH)  # poisoned with NaN before the kernel writes it
+    check_backward(dqkv, dqkv_ref, dtype)
+    # the same products in the same order as the tl.dot kernel: within a bf16 rounding of it everywhere
+    assert torch.allclose(dqkv.float(), dqkv_tl.float(), rtol=2 ** -7, atol=1e-3 * dqkv_tl.float().abs().max().item())
+    assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH)), "not reproducible"
+
+
+@pytest.mark.gpu
+def test_gpu_off_grid_falls_back(monkeypatch):
+    B, T, NH, hs, dtype = 2, 1000, 12, 64, torch.bfloat16
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=12)
+    assert not fw.wgmma_backward_usable(qkv, T, hs)
+    monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma"})
+    _, _, dqkv_ref = reference(qkv, dout, NH)
+    out, lse = run_forward(qkv, NH)
+    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
