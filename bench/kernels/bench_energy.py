@@ -102,7 +102,7 @@ def flash_workloads():
     rows = []
     for m1, n1, m2, n2, w, st, schedule, tma in FLASH_BWD:
         cfg = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_warps=w, bwd_stages=st,
-                   bwd_schedule=schedule, bwd_tma=tma)
+                   bwd_schedule=schedule, bwd_tma=tma, bwd_kernel="tl.dot")  # the tilings are the tl.dot kernel's
 
         def bwd(cfg=cfg):
             fa.FLASH_CONFIGS[hs] = cfg

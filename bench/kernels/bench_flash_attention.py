@@ -185,8 +185,9 @@ def bench(head_sizes=None, sweeps=("fwd", "bwd"), schedules=None) -> list[dict]:
             if schedules and schedule not in schedules:
                 continue
             tma = bool(tma and tma[0])
+            # the tiles are the tl.dot kernel's (the wgmma kernel has its own: bench_flash_backward)
             FLASH_CONFIGS[hs] = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_warps=w, bwd_stages=s,
-                                     bwd_schedule=schedule, bwd_tma=tma)
+                                     bwd_schedule=schedule, bwd_tma=tma, bwd_kernel="tl.dot")
             tiles = f"M1 {m1} N1 {n1} M2 {m2} N2 {n2}"
             name = f"sweep bwd hs{hs} {tiles} w{w} s{s} {schedule}" + (" tma" if tma else "")
             err = lambda case=case: rel_err(case.dqkv, ref_dqkv)  # noqa: E731 (case is deleted below)

@@ -373,7 +373,7 @@ _CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1,
                          BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1)
 # the fields the tables above leave at their default
 _FIELD_DEFAULTS = dict(fwd_tma=False, bwd_schedule="fused", bwd_tma=False, bwd_kernel="tl.dot",
-                       wgmma_stages=(3, 3))
+                       wgmma_stages=(3, 3), wgmma_prefetch_stats=False)
 _DELTA_BLOCK_T = 64
 
 # How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
@@ -486,7 +486,7 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs):
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                    cfg["wgmma_stages"])
+                                    cfg["wgmma_stages"], cfg["wgmma_prefetch_stats"])
 
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,

@@ -71,22 +71,30 @@ if GLUON:
 
     @gluon.jit
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
-                   n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
+                   n_tiles, scale_log2, T, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   STAGES: gl.constexpr, PREFETCH_STATS: gl.constexpr):
         """dk, dv (fp32, dk unscaled) of the key block at n0 over its n_tiles query tiles, transposed (keys x
         queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings."""
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_s)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
+        if PREFETCH_STATS:  # each tile's row statistics load during the tile before
+            offs_m = n0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
+            lse_next = gl.load(lse_base + offs_m)
+            delta_next = gl.load(delta_base + offs_m)
         for j in range(n_tiles):
             slot = j % STAGES
             q_tile = q_ring.index(slot)
             do_tile = do_ring.index(slot)
             offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-            lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
-            delta = gl.load(delta_base + offs_m)
+            if PREFETCH_STATS:
+                lse2 = lse_next * 1.4426950408889634
+                delta = delta_next
+            else:
+                lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
+                delta = gl.load(delta_base + offs_m)
             mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
             sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -105,6 +113,10 @@ if GLUON:
             dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
             dsT = pT * (dpT - gl.expand_dims(delta, 0))
             dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
+            if PREFETCH_STATS:
+                offs_next = offs_m + BLOCK_M
+                lse_next = gl.load(lse_base + offs_next, mask=offs_next < T, other=0.0)
+                delta_next = gl.load(delta_base + offs_next, mask=offs_next < T, other=0.0)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         return dk, dv
 
@@ -141,7 +153,8 @@ if GLUON:
     def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr,
                                 T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, num_warps: gl.constexpr):
+                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, PREFETCH_STATS: gl.constexpr,
+                                num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
         then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings."""
@@ -190,7 +203,8 @@ if GLUON:
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
         mbarrier.wait(one_bar, 0)
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
-                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
+                            col_q, n_tiles, scale_log2, T, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1,
+                            PREFETCH_STATS)
         for s in gl.static_range(STAGES1):
             mbarrier.invalidate(bars1.index(s))
 
@@ -237,10 +251,11 @@ if GLUON:
 
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3)) -> torch.Tensor:
+                         stages=(3, 3), prefetch_stats: bool = False) -> torch.Tensor:
     """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
     (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
-    rings' depths in the dk/dv half and in the dq half."""
+    rings' depths in the dk/dv half and in the dq half; prefetch_stats: the dk/dv half loads each query
+    tile's lse and delta during the tile before (else at the tile's start, under its score products)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q = gl.NVMMASharedLayout.get_default_for([BLOCK_QUERIES, HEAD_SIZE], gl.bfloat16)
@@ -254,7 +269,8 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     global last_compiled
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
         q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, T, num_heads, C, scale, scale_log2,
-        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1], num_warps=4)
+        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1],
+        PREFETCH_STATS=bool(prefetch_stats), num_warps=4)
     return dqkv
 
 
