@@ -353,10 +353,13 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, q_desc, d
 # kernel's 128x64; where TMA is unavailable the same tiles run through pointers), and the backward's dq
 # half takes 64-key tiles (0.986 ms against 1.143 with 32-key tiles; cuDNN's backward: 1.033 ms). Timed
 # cleanly at last (session 11), the backward's streamed tiles through TMA: 0.976 ms against 1.095 for the
-# same tiles through pointers in the same sweep, and the whole step 1.8 ms faster (run Q).
+# same tiles through pointers in the same sweep, and the whole step 1.8 ms faster (run Q). On sm_90 the
+# backward at hs 64 is the Gluon wgmma kernel with the same tiles (flash_backward_wgmma; run V: 0.980 ms
+# against 0.998 at the power cap, the step 0.5-0.6 ms faster, gradients bitwise equal).
 _CONFIGS_16 = {
     64: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=True,
-             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3, bwd_tma=True),
+             BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3, bwd_tma=True,
+             bwd_kernel="wgmma"),
     128: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3,
               BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3),
 }
@@ -373,7 +376,7 @@ _CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1,
                          BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1)
 # the fields the tables above leave at their default
 _FIELD_DEFAULTS = dict(fwd_tma=False, bwd_schedule="fused", bwd_tma=False, bwd_kernel="tl.dot",
-                       wgmma_stages=(3, 3), wgmma_prefetch_stats=False)
+                       wgmma_stages=(3, 3))
 _DELTA_BLOCK_T = 64
 
 # How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
@@ -486,7 +489,7 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs):
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                    cfg["wgmma_stages"], cfg["wgmma_prefetch_stats"])
+                                    cfg["wgmma_stages"])
 
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,

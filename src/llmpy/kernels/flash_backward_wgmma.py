@@ -10,17 +10,17 @@ bench/RESULTS.md, run U). Here each tile issues both score products at once and 
 the exponentials run while dP^T is still on the tensor cores, and the dv, dk (dq) products of a tile run
 on, unwaited, under the next tile's loads and score products. Queries and dout (keys and values in the
 dq half) stream through rings of TMA buffers, each refilled as soon as the products that read it are
-known to be done. 168 registers a thread, so three programs an SM, as the tl.dot kernel's 142.
+known to be done. 156 registers a thread (rings of 3 and 3), so three programs an SM, as the tl.dot
+kernel's 168. At B=64, T=1024 on the H200 at its power cap: 0.980 ms a layer against 0.998 (-1.8 %).
 
 Tried and left out (bench/RESULTS.md, run V): the score products' loop-invariant operand (k, v; q, dout)
-in registers instead of shared memory (190 registers, two programs an SM: 15 % slower), and issuing each
-tile's S one tile early so that it runs under the previous tile's exponentials (ptxas then serialises
-every wgmma of the kernel, C7514/C7515: 29 % slower).
-
-GPU only (sm_90): Gluon has no CPU interpreter. flash_attention.py's tl.dot kernel is the portable path,
-tested on the CPU; this one is tested on the GPU against float64 autograd and against that kernel. It
-serves bf16 storage, head size 64 and T a multiple of 64 (every GPT-2 size); flash_attention_backward
-falls back to the tl.dot kernel elsewhere.
+in registers instead of shared memory (190 registers, two programs an SM: 15 % slower); 64-query tiles in
+the dk/dv half (232 registers, two programs an SM: 1 % slower); each tile's lse and delta loaded during
+the tile before (no gain); issuing each tile's S one tile early so that it runs under the previous tile's
+exponentials (ptxas then serialises every wgmma of the kernel, C7514/C7515: 29 % slower). ncu: the
+tensor pipe is busy 49 % of the time, as with the tl.dot kernel (48.8 %), so the order of the waits is
+not what bounds either. The likely bound: the 64 x 32 score products read both operands from shared
+memory, 3 kB a 16-deep step of 32 k MACs, 24 cycles at 128 B a cycle for 16 cycles of tensor work.
 """
 from __future__ import annotations
 
@@ -71,30 +71,22 @@ if GLUON:
 
     @gluon.jit
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
-                   n_tiles, scale_log2, T, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
+                   n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
-                   STAGES: gl.constexpr, PREFETCH_STATS: gl.constexpr):
+                   STAGES: gl.constexpr):
         """dk, dv (fp32, dk unscaled) of the key block at n0 over its n_tiles query tiles, transposed (keys x
         queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings."""
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_s)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
-        if PREFETCH_STATS:  # each tile's row statistics load during the tile before
-            offs_m = n0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-            lse_next = gl.load(lse_base + offs_m)
-            delta_next = gl.load(delta_base + offs_m)
         for j in range(n_tiles):
             slot = j % STAGES
             q_tile = q_ring.index(slot)
             do_tile = do_ring.index(slot)
             offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-            if PREFETCH_STATS:
-                lse2 = lse_next * 1.4426950408889634
-                delta = delta_next
-            else:
-                lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
-                delta = gl.load(delta_base + offs_m)
+            lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634  # in flight under the score products
+            delta = gl.load(delta_base + offs_m)
             mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
             sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -113,10 +105,6 @@ if GLUON:
             dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
             dsT = pT * (dpT - gl.expand_dims(delta, 0))
             dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
-            if PREFETCH_STATS:
-                offs_next = offs_m + BLOCK_M
-                lse_next = gl.load(lse_base + offs_next, mask=offs_next < T, other=0.0)
-                delta_next = gl.load(delta_base + offs_next, mask=offs_next < T, other=0.0)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         return dk, dv
 
@@ -153,8 +141,7 @@ if GLUON:
     def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr,
                                 T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, PREFETCH_STATS: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
         then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings."""
@@ -203,8 +190,7 @@ if GLUON:
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
         mbarrier.wait(one_bar, 0)
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
-                            col_q, n_tiles, scale_log2, T, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1,
-                            PREFETCH_STATS)
+                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
         for s in gl.static_range(STAGES1):
             mbarrier.invalidate(bars1.index(s))
 
@@ -251,11 +237,10 @@ if GLUON:
 
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3), prefetch_stats: bool = False) -> torch.Tensor:
+                         stages=(3, 3)) -> torch.Tensor:
     """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
     (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
-    rings' depths in the dk/dv half and in the dq half; prefetch_stats: the dk/dv half loads each query
-    tile's lse and delta during the tile before (else at the tile's start, under its score products)."""
+    rings' depths in the dk/dv half and in the dq half."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q = gl.NVMMASharedLayout.get_default_for([BLOCK_QUERIES, HEAD_SIZE], gl.bfloat16)
@@ -270,7 +255,7 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
         q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, T, num_heads, C, scale, scale_log2,
         HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1],
-        PREFETCH_STATS=bool(prefetch_stats), num_warps=4)
+        num_warps=4)
     return dqkv
 
 
