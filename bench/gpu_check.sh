@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [ablate] [energy] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [ablate] [energy] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 # .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=src:.:.vendor NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/llmpy_out}
 mkdir -p "$OUT"
 stages=${*:-tests bench sanitize}
-KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_encoder.py tests/test_layernorm.py tests/test_attention.py tests/test_flash_attention.py
+KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_encoder.py tests/test_layernorm.py tests/test_attention.py tests/test_flash_attention.py tests/test_flash_backward_wgmma.py
   tests/test_matmul.py tests/test_cublaslt.py tests/test_gelu.py tests/test_fused_classifier.py tests/test_adamw.py tests/test_global_norm.py"}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
@@ -58,6 +58,11 @@ for stage in $stages; do
       # the flash attention tile sweeps (forward and the backward schedules) against SDPA's flash and cuDNN
       timeout ${FLASH_TIMEOUT:-300} python3 -m bench.kernels.bench_flash_attention ${FLASH_ARGS:---hs 64} \
         --best-json "$OUT/flash_best.json" 2>&1 | tee "$OUT/flash.log"
+      rc=$? ;;
+    flash-bwd)
+      # the flash backward's kernels (tl.dot, Gluon wgmma) alternated at the power cap, with a bitwise check
+      timeout ${FLASH_BWD_TIMEOUT:-300} python3 -m bench.kernels.bench_flash_backward ${FLASH_BWD_ARGS:-} \
+        --json "$OUT/flash_bwd.json" 2>&1 | tee "$OUT/flash_bwd.log"
       rc=$? ;;
     ab)
       # whole-step A/B, alternated round by round: by default the flash sweep's best tiles (stage flash,
