@@ -70,6 +70,17 @@ if GLUON:
         tma.async_copy_global_to_shared(kv_desc, [row0 + tile * BLOCK_N, col_v], bar, v_ring.index(slot))
 
     @gluon.jit
+    def _rings(desc_a, desc_b, STAGES: gl.constexpr):
+        """Two rings of STAGES tiles (a stream each: q and dout, or k and v) as the descriptors' boxes, and
+        their barriers."""
+        ring_a = gl.allocate_shared_memory(desc_a.dtype, [STAGES] + desc_a.block_type.shape, desc_a.layout)
+        ring_b = gl.allocate_shared_memory(desc_b.dtype, [STAGES] + desc_b.block_type.shape, desc_b.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        return ring_a, ring_b, bars
+
+    @gluon.jit
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
                    n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
@@ -176,11 +187,7 @@ if GLUON:
         n0 = pid * BLOCK_N
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
-        q_ring = gl.allocate_shared_memory(dtype, [STAGES1, BLOCK_M, HS], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(dtype, [STAGES1, BLOCK_M, HS], do_desc.layout)
-        bars1 = gl.allocate_shared_memory(gl.int64, [STAGES1, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES1):
-            mbarrier.init(bars1.index(s), count=1)
+        q_ring, do_ring, bars1 = _rings(q_desc, do_desc, STAGES1)
         n_tiles = (T - n0) // BLOCK_M
         for s in gl.static_range(STAGES1):
             if s < n_tiles:
@@ -207,11 +214,7 @@ if GLUON:
         m0 = pid * BLOCK_N
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], do64_desc.layout)
-        k_ring = gl.allocate_shared_memory(dtype, [STAGES2, BLOCK_N, HS], kv_desc.layout)
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES2, BLOCK_N, HS], kv_desc.layout)
-        bars2 = gl.allocate_shared_memory(gl.int64, [STAGES2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES2):
-            mbarrier.init(bars2.index(s), count=1)
+        k_ring, v_ring, bars2 = _rings(kv_desc, kv_desc, STAGES2)
         n_key_tiles = pid + 1
         for s in gl.static_range(STAGES2):
             if s < n_key_tiles:
