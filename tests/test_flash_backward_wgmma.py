@@ -1,4 +1,4 @@
-"""The Gluon (explicit async wgmma) flash backward against float64-exact references and the tl.dot kernel.
+"""The Gluon (explicit async wgmma) flash backward against the CPU reference and the tl.dot kernel.
 
 Gluon kernels do not run in Triton's CPU interpreter, so the kernel itself is tested on the GPU only; the
 CPU tests check the dispatch: which calls it serves, and that everything else falls back to the tl.dot
@@ -58,7 +58,8 @@ def test_gpu_wgmma_backward(monkeypatch, shape, variant):
     monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma", **VARIANTS[variant]})
     dqkv = run_backward(dout, qkv, out, lse, NH)  # poisoned with NaN before the kernel writes it
     check_backward(dqkv, dqkv_ref, dtype)
-    # the same products in the same order as the tl.dot kernel: within a bf16 rounding of it everywhere
+    # the same products in the same order as the tl.dot kernel (bitwise equal on the H200 with triton 3.6,
+    # run V; asked here only to within a bf16 rounding, so that a compiler's other FMA choice passes)
     assert torch.allclose(dqkv.float(), dqkv_tl.float(), rtol=2 ** -7, atol=1e-3 * dqkv_tl.float().abs().max().item())
     assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH)), "not reproducible"
 
