@@ -17,7 +17,10 @@ Tried and left out (bench/RESULTS.md, run V): the score products' loop-invariant
 in registers instead of shared memory (190 registers, two programs an SM: 15 % slower); 64-query tiles in
 the dk/dv half (232 registers, two programs an SM: 1 % slower); each tile's lse and delta loaded during
 the tile before (no gain); issuing each tile's S one tile early so that it runs under the previous tile's
-exponentials (ptxas then serialises every wgmma of the kernel, C7514/C7515: 29 % slower). ncu: the
+exponentials, carried into the next iteration still in flight (ptxas then serialises every wgmma of the
+kernel, C7514/C7515: 29 % slower). Carried already waited for instead (scores_ahead, off by default), the
+same schedule compiles without serialisation at 168 registers (4 bytes spilled); not yet run on the GPU
+(run V ran out of device time): its GPU tests and bench_flash_backward's variants are in place. ncu: the
 tensor pipe is busy 49 % of the time, as with the tl.dot kernel (48.8 %), so the order of the waits is
 not what bounds either. The likely bound: the 64 x 32 score products read both operands from shared
 memory, 3 kB a 16-deep step of 32 k MACs, 24 cycles at 128 B a cycle for 16 cycles of tensor work.
@@ -84,38 +87,72 @@ if GLUON:
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
                    n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   STAGES: gl.constexpr, SCORES_AHEAD: gl.constexpr):
         """dk, dv (fp32, dk unscaled) of the key block at n0 over its n_tiles query tiles, transposed (keys x
         queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings."""
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_s)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
-        for j in range(n_tiles):
-            slot = j % STAGES
-            q_tile = q_ring.index(slot)
-            do_tile = do_ring.index(slot)
-            offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-            lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634  # in flight under the score products
-            delta = gl.load(delta_base + offs_m)
-            mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
-            sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # S^T done, dP^T may still run; products complete in order, so the last tile's dv, dk are done
-            # too and its buffers can take the tile STAGES after it
-            sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
-            if j > 0:
-                if j - 1 + STAGES < n_tiles:
-                    _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
-                                     STAGES, BLOCK_M)
-            # P^T from the saved log-sum-exp, in base 2 (as the tl.dot kernel, expression for expression)
-            pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-            if j * BLOCK_M < BLOCK_N:  # the diagonal: queries before the key are hidden
-                pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
-            dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
-            dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
-            dsT = pT * (dpT - gl.expand_dims(delta, 0))
-            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
+        if SCORES_AHEAD:
+            # each tile's S^T is issued during the tile before, so that it runs under that tile's
+            # exponentials, and is carried into the next iteration already waited for: carried in flight,
+            # its registers would be copied while products run, and ptxas would serialise every wgmma
+            mbarrier.wait(bars.index(0), 0)
+            sT = warpgroup_mma(k_smem, q_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            sT = warpgroup_mma_wait(num_outstanding=0, deps=(sT, ))
+            for j in range(n_tiles):
+                slot = j % STAGES
+                q_tile = q_ring.index(slot)
+                do_tile = do_ring.index(slot)
+                offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
+                lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
+                delta = gl.load(delta_base + offs_m)
+                dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                nxt = gl.minimum(j + 1, n_tiles - 1)  # the last tile issues its own S^T again, unused
+                if j + 1 < n_tiles:
+                    mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+                sT_next = warpgroup_mma(k_smem, q_ring.index(nxt % STAGES).permute((1, 0)), zero_s, use_acc=False,
+                                        is_async=True)
+                pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+                if j * BLOCK_M < BLOCK_N:
+                    pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
+                # dP^T done, the next S^T may still run; the last tile's dv, dk are done: its buffers are free
+                dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+                if j > 0:
+                    if j - 1 + STAGES < n_tiles:
+                        _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
+                                         STAGES, BLOCK_M)
+                dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
+                dsT = pT * (dpT - gl.expand_dims(delta, 0))
+                dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
+                sT = warpgroup_mma_wait(num_outstanding=2, deps=(sT_next, ))  # dv, dk run on
+        else:
+            for j in range(n_tiles):
+                slot = j % STAGES
+                q_tile = q_ring.index(slot)
+                do_tile = do_ring.index(slot)
+                offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
+                lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634  # in flight under the score products
+                delta = gl.load(delta_base + offs_m)
+                mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+                sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                # S^T done, dP^T may still run; products complete in order, so the last tile's dv, dk are done
+                # too and its buffers can take the tile STAGES after it
+                sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
+                if j > 0:
+                    if j - 1 + STAGES < n_tiles:
+                        _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
+                                         STAGES, BLOCK_M)
+                # P^T from the saved log-sum-exp, in base 2 (as the tl.dot kernel, expression for expression)
+                pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+                if j * BLOCK_M < BLOCK_N:  # the diagonal: queries before the key are hidden
+                    pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
+                dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
+                dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
+                dsT = pT * (dpT - gl.expand_dims(delta, 0))
+                dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         return dk, dv
 
@@ -152,13 +189,15 @@ if GLUON:
     def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr,
                                 T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, num_warps: gl.constexpr):
+                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, SCORES_AHEAD: gl.constexpr,
+                                num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
         then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings."""
         gl.static_assert(num_warps == 4, "one warpgroup a program")
         gl.static_assert(BLOCK_N == 2 * BLOCK_M, "two query tiles on the diagonal of a key block")
         gl.static_assert(min(STAGES1, STAGES2) >= 2, "a ring buffer is refilled while the next one is read")
+        gl.static_assert(STAGES1 >= 3 or not SCORES_AHEAD, "scores ahead read the tile after next's buffer")
         pid = gl.program_id(0)
         bh = gl.program_id(1)
         b = bh // NH
@@ -197,7 +236,8 @@ if GLUON:
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
         mbarrier.wait(one_bar, 0)
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
-                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
+                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1,
+                            SCORES_AHEAD)
         for s in gl.static_range(STAGES1):
             mbarrier.invalidate(bars1.index(s))
 
@@ -240,10 +280,11 @@ if GLUON:
 
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3)) -> torch.Tensor:
+                         stages=(3, 3), scores_ahead: bool = False) -> torch.Tensor:
     """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
     (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
-    rings' depths in the dk/dv half and in the dq half."""
+    rings' depths in the dk/dv half and in the dq half. scores_ahead: the dk/dv half issues each tile's S^T
+    during the tile before (capped at 168 registers, three programs an SM)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q = gl.NVMMASharedLayout.get_default_for([BLOCK_QUERIES, HEAD_SIZE], gl.bfloat16)
@@ -258,7 +299,7 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
         q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, T, num_heads, C, scale, scale_log2,
         HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1],
-        num_warps=4)
+        SCORES_AHEAD=bool(scores_ahead), num_warps=4, **({"maxnreg": 168} if scores_ahead else {}))
     return dqkv
 
 
