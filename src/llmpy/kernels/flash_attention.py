@@ -489,7 +489,7 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
 
     _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
-    if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs):
+    if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
                                     cfg["wgmma_stages"], cfg["wgmma_scores_ahead"])
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .common import tma_usable
+
 try:  # Gluon ships with triton >= 3.5; anything missing here just means the tl.dot kernel serves
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -44,10 +46,14 @@ BLOCK_QUERIES = 32   # query tile the dk/dv half streams
 HEAD_SIZE = 64
 
 
-def wgmma_backward_usable(qkv: torch.Tensor, T: int, hs: int) -> bool:
-    """Whether _flash_bwd_wgmma_kernel serves this call (else the tl.dot kernel does)."""
-    return (GLUON and qkv.is_cuda and qkv.dtype == torch.bfloat16 and hs == HEAD_SIZE
-            and T % BLOCK_KEYS == 0 and torch.cuda.get_device_capability(qkv.device)[0] == 9)
+def wgmma_backward_usable(qkv: torch.Tensor, T: int, hs: int, *others: torch.Tensor) -> bool:
+    """Whether _flash_bwd_wgmma_kernel serves this call (else the tl.dot kernel does): Gluon there, an sm_90
+    GPU (wgmma is Hopper's), bf16, head size 64, T on the 64 grid, and qkv and the other (B, T, width)
+    tensors TMA-addressable as 2-D views (common.tma_usable, as the tl.dot kernel's descriptors)."""
+    if not (GLUON and qkv.is_cuda and qkv.dtype == torch.bfloat16 and hs == HEAD_SIZE and T % BLOCK_KEYS == 0):
+        return False
+    return (torch.cuda.get_device_capability(qkv.device)[0] == 9
+            and tma_usable(*(t.view(-1, t.shape[-1]) for t in (qkv, *others))))
 
 
 if GLUON:
@@ -84,6 +90,28 @@ if GLUON:
         return ring_a, ring_b, bars
 
     @gluon.jit
+    def _tile_stats(lse_base, delta_base, n0, j, mma_s: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Query tile j's rows (from n0), their log-sum-exp in base 2 and their delta."""
+        offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
+        return offs_m, gl.load(lse_base + offs_m) * 1.4426950408889634, gl.load(delta_base + offs_m)
+
+    @gluon.jit
+    def _probabilities_t(sT, lse2, offs_m, offs_n, j, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """P^T from the saved log-sum-exp, in base 2 (as the tl.dot kernel, expression for expression)."""
+        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+        if j * BLOCK_M < BLOCK_N:  # the diagonal: queries before the key are hidden
+            pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
+        return pT
+
+    @gluon.jit
+    def _dkdv_products(pT, dpT, delta, q_tile, do_tile, dk, dv, dtype: gl.constexpr, a_d: gl.constexpr):
+        """Issue the tile's dv and dk products (left in flight)."""
+        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
+        return dk, dv
+
+    @gluon.jit
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
                    n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
@@ -105,36 +133,28 @@ if GLUON:
                 slot = j % STAGES
                 q_tile = q_ring.index(slot)
                 do_tile = do_ring.index(slot)
-                offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-                lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
-                delta = gl.load(delta_base + offs_m)
+                offs_m, lse2, delta = _tile_stats(lse_base, delta_base, n0, j, mma_s, BLOCK_M)
                 dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 nxt = gl.minimum(j + 1, n_tiles - 1)  # the last tile issues its own S^T again, unused
                 if j + 1 < n_tiles:
                     mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1)
                 sT_next = warpgroup_mma(k_smem, q_ring.index(nxt % STAGES).permute((1, 0)), zero_s, use_acc=False,
                                         is_async=True)
-                pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-                if j * BLOCK_M < BLOCK_N:
-                    pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
+                pT = _probabilities_t(sT, lse2, offs_m, offs_n, j, scale_log2, BLOCK_M, BLOCK_N)
                 # dP^T done, the next S^T may still run; the last tile's dv, dk are done: its buffers are free
                 dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
                 if j > 0:
                     if j - 1 + STAGES < n_tiles:
                         _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
                                          STAGES, BLOCK_M)
-                dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
-                dsT = pT * (dpT - gl.expand_dims(delta, 0))
-                dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
+                dk, dv = _dkdv_products(pT, dpT, delta, q_tile, do_tile, dk, dv, dtype, a_d)
                 sT = warpgroup_mma_wait(num_outstanding=2, deps=(sT_next, ))  # dv, dk run on
         else:
             for j in range(n_tiles):
                 slot = j % STAGES
                 q_tile = q_ring.index(slot)
                 do_tile = do_ring.index(slot)
-                offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-                lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634  # in flight under the score products
-                delta = gl.load(delta_base + offs_m)
+                offs_m, lse2, delta = _tile_stats(lse_base, delta_base, n0, j, mma_s, BLOCK_M)  # under the products
                 mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
                 sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -145,14 +165,9 @@ if GLUON:
                     if j - 1 + STAGES < n_tiles:
                         _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
                                          STAGES, BLOCK_M)
-                # P^T from the saved log-sum-exp, in base 2 (as the tl.dot kernel, expression for expression)
-                pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-                if j * BLOCK_M < BLOCK_N:  # the diagonal: queries before the key are hidden
-                    pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
+                pT = _probabilities_t(sT, lse2, offs_m, offs_n, j, scale_log2, BLOCK_M, BLOCK_N)
                 dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
-                dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
-                dsT = pT * (dpT - gl.expand_dims(delta, 0))
-                dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
+                dk, dv = _dkdv_products(pT, dpT, delta, q_tile, do_tile, dk, dv, dtype, a_d)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         return dk, dv
 
@@ -278,6 +293,11 @@ if GLUON:
         tma.store_wait(pendings=0)
 
 
+# the shared-memory layouts of the [BLOCK_QUERIES, 64] and [BLOCK_KEYS, 64] bf16 boxes, once
+_TILE_LAYOUTS = tuple(gl.NVMMASharedLayout.get_default_for([rows, HEAD_SIZE], gl.bfloat16)
+                      for rows in (BLOCK_QUERIES, BLOCK_KEYS)) if GLUON else None
+
+
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
                          stages=(3, 3), scores_ahead: bool = False) -> torch.Tensor:
@@ -287,8 +307,7 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     during the tile before (capped at 168 registers, three programs an SM)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
-    lay_q = gl.NVMMASharedLayout.get_default_for([BLOCK_QUERIES, HEAD_SIZE], gl.bfloat16)
-    lay_k = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, HEAD_SIZE], gl.bfloat16)
+    lay_q, lay_k = _TILE_LAYOUTS
     qkv2, dout2, dqkv2 = qkv.view(B * T, C3), dout.view(B * T, C), dqkv.view(B * T, C3)
     q_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_QUERIES, HEAD_SIZE], lay_q)
     do_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_QUERIES, HEAD_SIZE], lay_q)
