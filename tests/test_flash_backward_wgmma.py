@@ -23,9 +23,6 @@ def test_config_names_the_kernel(monkeypatch):
     monkeypatch.setitem(FLASH_CONFIGS, 64, {"bwd_kernel": "wgmma", "wgmma_stages": (1, 2)})
     with pytest.raises(AssertionError, match="wgmma_stages"):
         fa.flash_config(64, torch.bfloat16)
-    monkeypatch.setitem(FLASH_CONFIGS, 64, {"bwd_kernel": "wgmma", "wgmma_stages": (2, 2), "wgmma_scores_ahead": True})
-    with pytest.raises(AssertionError, match="wgmma_scores_ahead"):
-        fa.flash_config(64, torch.bfloat16)
 
 
 def test_other_calls_fall_back(monkeypatch, device):
@@ -43,8 +40,7 @@ def test_other_calls_fall_back(monkeypatch, device):
 
 # (B, T, NH): one 64-row block (two query tiles on the diagonal, one key tile), a few blocks, GPT-2 sizes
 GPU_SHAPES = [(2, 64, 3), (3, 192, 2), (4, 1024, 12), (1, 2048, 12)]
-VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3)),
-            "scores-ahead": dict(wgmma_stages=(4, 3), wgmma_scores_ahead=True)}
+VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3))}
 
 
 @pytest.mark.gpu

@@ -21,8 +21,6 @@ DEFAULT_VARIANTS = {
     "wgmma s3/2": {"bwd_kernel": "wgmma", "wgmma_stages": [3, 2]},
     "wgmma s4/3": {"bwd_kernel": "wgmma", "wgmma_stages": [4, 3]},
     "wgmma s2/2": {"bwd_kernel": "wgmma", "wgmma_stages": [2, 2]},
-    "wgmma ahead s4/3": {"bwd_kernel": "wgmma", "wgmma_stages": [4, 3], "wgmma_scores_ahead": True},
-    "wgmma ahead s3/3": {"bwd_kernel": "wgmma", "wgmma_stages": [3, 3], "wgmma_scores_ahead": True},
 }
 
 

@@ -376,7 +376,7 @@ _CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1,
                          BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1)
 # the fields the tables above leave at their default
 _FIELD_DEFAULTS = dict(fwd_tma=False, bwd_schedule="fused", bwd_tma=False, bwd_kernel="tl.dot",
-                       wgmma_stages=(3, 3), wgmma_scores_ahead=False)
+                       wgmma_stages=(3, 3))
 _DELTA_BLOCK_T = 64
 
 # How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
@@ -386,8 +386,7 @@ BWD_SCHEDULES = ("fused", "split")
 # Which kernel runs the backward: "tl.dot" (_flash_bwd_kernel above, every shape and dtype, CPU-tested) or
 # "wgmma" (flash_backward_wgmma: the fused schedule with explicit asynchronous wgmma, Gluon, sm_90 only;
 # where it does not apply - another GPU, fp32, head size != 64, T not a multiple of 64 - the tl.dot kernel
-# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half); wgmma_scores_ahead: its dk/dv half
-# issues each tile's S^T during the tile before.
+# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half).
 BWD_KERNELS = ("tl.dot", "wgmma")
 
 # Override hook: FLASH_CONFIGS[hs] (or FLASH_CONFIGS[(hs, dtype)], which wins) = dict of the fields above
@@ -413,7 +412,6 @@ def flash_config(hs: int, dtype: torch.dtype) -> dict:
     assert cfg["bwd_kernel"] in BWD_KERNELS, f"bwd_kernel {cfg['bwd_kernel']!r}: one of {BWD_KERNELS}"
     assert len(cfg["wgmma_stages"]) == 2 and min(cfg["wgmma_stages"]) >= 2, \
         f"wgmma_stages {cfg['wgmma_stages']}: two ring depths >= 2"
-    assert not cfg["wgmma_scores_ahead"] or cfg["wgmma_stages"][0] >= 3, "wgmma_scores_ahead needs wgmma_stages[0] >= 3"
     assert cfg["bwd_schedule"] != "fused" or cfg["BLOCK_N1"] == cfg["BLOCK_M2"], \
         "fused backward needs BLOCK_N1 == BLOCK_M2"
     return cfg
@@ -491,7 +489,7 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                    cfg["wgmma_stages"], cfg["wgmma_scores_ahead"])
+                                    cfg["wgmma_stages"])
 
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,

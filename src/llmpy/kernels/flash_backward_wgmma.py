@@ -10,20 +10,22 @@ bench/RESULTS.md, run U). Here each tile issues both score products at once and 
 the exponentials run while dP^T is still on the tensor cores, and the dv, dk (dq) products of a tile run
 on, unwaited, under the next tile's loads and score products. Queries and dout (keys and values in the
 dq half) stream through rings of TMA buffers, each refilled as soon as the products that read it are
-known to be done. 156 registers a thread (rings of 3 and 3), so three programs an SM, as the tl.dot
-kernel's 168. At B=64, T=1024 on the H200 at its power cap: 0.980 ms a layer against 0.998 (-1.8 %).
+known to be done; dk, dv and dq leave through TMA stores from the buffers k, v and q came in. 154
+registers a thread (rings of 3 and 3), 65.6 kB of shared memory, so three programs an SM, as the tl.dot
+kernel's 168 registers. At B=64, T=1024 on the H200 at its power cap: 0.955-0.987 ms a layer against
+0.980-1.007 for the tl.dot kernel (-1.9 to -2.5 %, run W), with dqkv bitwise equal.
 
-Tried and left out (bench/RESULTS.md, run V): the score products' loop-invariant operand (k, v; q, dout)
-in registers instead of shared memory (190 registers, two programs an SM: 15 % slower); 64-query tiles in
-the dk/dv half (232 registers, two programs an SM: 1 % slower); each tile's lse and delta loaded during
-the tile before (no gain); issuing each tile's S one tile early so that it runs under the previous tile's
-exponentials, carried into the next iteration still in flight (ptxas then serialises every wgmma of the
-kernel, C7514/C7515: 29 % slower). Carried already waited for instead (scores_ahead, off by default), the
-same schedule compiles without serialisation at 168 registers (4 bytes spilled); not yet run on the GPU
-(run V ran out of device time): its GPU tests and bench_flash_backward's variants are in place. ncu: the
-tensor pipe is busy 49 % of the time, as with the tl.dot kernel (48.8 %), so the order of the waits is
-not what bounds either. The likely bound: the 64 x 32 score products read both operands from shared
-memory, 3 kB a 16-deep step of 32 k MACs, 24 cycles at 128 B a cycle for 16 cycles of tensor work.
+Tried and left out (bench/RESULTS.md, runs V and W): the score products' loop-invariant operand (k, v;
+q, dout) in registers instead of shared memory (190 registers, two programs an SM: 15 % slower); 64-query
+tiles in the dk/dv half (232 registers, two programs an SM: 1 % slower); each tile's lse and delta loaded
+during the tile before (no gain); issuing each tile's S^T one tile early, under the previous tile's
+exponentials: carried into the next iteration in flight, ptxas serialises every wgmma (C7514/C7515, 29 %
+slower); carried already waited for, it compiles asynchronous at 168 registers and runs no faster
+(0.979 against 0.976 ms). Two warpgroups a program sharing every streamed tile (128-row blocks, half the
+L2 traffic): one program an SM, 16-39 % slower; capped at 128 registers for four programs an SM: 6 %
+slower. ncu: the tensor pipe is busy 49 % of the time, as with the tl.dot kernel (48.8 %), and the
+warps' stalls spread over L1TEX results, wgmma waits, barriers and dispatch with none dominant: twelve
+warps an SM at ~155 registers is the balance these tiles allow.
 """
 from __future__ import annotations
 
@@ -115,68 +117,40 @@ if GLUON:
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
                    n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
-                   STAGES: gl.constexpr, SCORES_AHEAD: gl.constexpr):
+                   STAGES: gl.constexpr):
         """dk, dv (fp32, dk unscaled) of the key block at n0 over its n_tiles query tiles, transposed (keys x
         queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings."""
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_s)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
-        if SCORES_AHEAD:
-            # each tile's S^T is issued during the tile before, so that it runs under that tile's
-            # exponentials, and is carried into the next iteration already waited for: carried in flight,
-            # its registers would be copied while products run, and ptxas would serialise every wgmma
-            mbarrier.wait(bars.index(0), 0)
-            sT = warpgroup_mma(k_smem, q_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            sT = warpgroup_mma_wait(num_outstanding=0, deps=(sT, ))
-            for j in range(n_tiles):
-                slot = j % STAGES
-                q_tile = q_ring.index(slot)
-                do_tile = do_ring.index(slot)
-                offs_m, lse2, delta = _tile_stats(lse_base, delta_base, n0, j, mma_s, BLOCK_M)
-                dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                nxt = gl.minimum(j + 1, n_tiles - 1)  # the last tile issues its own S^T again, unused
-                if j + 1 < n_tiles:
-                    mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-                sT_next = warpgroup_mma(k_smem, q_ring.index(nxt % STAGES).permute((1, 0)), zero_s, use_acc=False,
-                                        is_async=True)
-                pT = _probabilities_t(sT, lse2, offs_m, offs_n, j, scale_log2, BLOCK_M, BLOCK_N)
-                # dP^T done, the next S^T may still run; the last tile's dv, dk are done: its buffers are free
-                dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
-                if j > 0:
-                    if j - 1 + STAGES < n_tiles:
-                        _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
-                                         STAGES, BLOCK_M)
-                dk, dv = _dkdv_products(pT, dpT, delta, q_tile, do_tile, dk, dv, dtype, a_d)
-                sT = warpgroup_mma_wait(num_outstanding=2, deps=(sT_next, ))  # dv, dk run on
-        else:
-            for j in range(n_tiles):
-                slot = j % STAGES
-                q_tile = q_ring.index(slot)
-                do_tile = do_ring.index(slot)
-                offs_m, lse2, delta = _tile_stats(lse_base, delta_base, n0, j, mma_s, BLOCK_M)  # under the products
-                mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
-                sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                # S^T done, dP^T may still run; products complete in order, so the last tile's dv, dk are done
-                # too and its buffers can take the tile STAGES after it
-                sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
-                if j > 0:
-                    if j - 1 + STAGES < n_tiles:
-                        _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
-                                         STAGES, BLOCK_M)
-                pT = _probabilities_t(sT, lse2, offs_m, offs_n, j, scale_log2, BLOCK_M, BLOCK_N)
-                dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
-                dk, dv = _dkdv_products(pT, dpT, delta, q_tile, do_tile, dk, dv, dtype, a_d)
+        for j in range(n_tiles):
+            slot = j % STAGES
+            q_tile = q_ring.index(slot)
+            do_tile = do_ring.index(slot)
+            offs_m, lse2, delta = _tile_stats(lse_base, delta_base, n0, j, mma_s, BLOCK_M)  # under the products
+            mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+            sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # S^T done, dP^T may still run; products complete in order, so the last tile's dv, dk are done
+            # too and its buffers can take the tile STAGES after it
+            sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
+            if j > 0:
+                if j - 1 + STAGES < n_tiles:
+                    _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
+                                     STAGES, BLOCK_M)
+            pT = _probabilities_t(sT, lse2, offs_m, offs_n, j, scale_log2, BLOCK_M, BLOCK_N)
+            dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
+            dk, dv = _dkdv_products(pT, dpT, delta, q_tile, do_tile, dk, dv, dtype, a_d)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         return dk, dv
 
     @gluon.jit
-    def _dq_loop(q_smem, do_smem, k_ring, v_ring, bars, kv_desc, lse2, delta, offs_m, row0, col_k, col_v,
+    def _dq_loop(q_smem, do_smem, k_ring, v_ring, bars, kv_desc, lse2, delta, offs_m, m0, row0, col_k, col_v,
                  n_tiles, scale_log2, dtype: gl.constexpr, mma_d: gl.constexpr, a_d: gl.constexpr,
                  BLOCK_N: gl.constexpr, HS: gl.constexpr, STAGES: gl.constexpr):
-        """dq (fp32, unscaled) of the query block at offs_m over its n_tiles key tiles, the last one the
-        diagonal. The first STAGES tiles are already on their way into the rings."""
+        """dq (fp32, unscaled) of the query block at m0 (rows offs_m) over its n_tiles key tiles, the last one
+        the diagonal. The first STAGES tiles are already on their way into the rings."""
         zero_d = gl.zeros([BLOCK_N, BLOCK_N], gl.float32, mma_d)
         dq = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
         for i in range(n_tiles):
@@ -191,7 +165,7 @@ if GLUON:
                 if i - 1 + STAGES < n_tiles:
                     _dq_tile_loads(kv_desc, k_ring, v_ring, bars, i - 1 + STAGES, row0, col_k, col_v, STAGES, BLOCK_N)
             p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
-            if i == n_tiles - 1:  # the diagonal: keys after the query are hidden
+            if i * BLOCK_N >= m0:  # the diagonal: keys after the query are hidden
                 offs_k = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_d))
                 p = gl.where(gl.expand_dims(offs_k, 0) <= gl.expand_dims(offs_m, 1), p, 0.0)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
@@ -204,15 +178,13 @@ if GLUON:
     def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr,
                                 T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, SCORES_AHEAD: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
         then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings."""
-        gl.static_assert(num_warps == 4, "one warpgroup a program")
-        gl.static_assert(BLOCK_N == 2 * BLOCK_M, "two query tiles on the diagonal of a key block")
+        gl.static_assert(num_warps == 4 and BLOCK_N == 64, "one warpgroup a program, 64 rows a warpgroup")
+        gl.static_assert(BLOCK_N % BLOCK_M == 0, "query tiles inside the diagonal block")
         gl.static_assert(min(STAGES1, STAGES2) >= 2, "a ring buffer is refilled while the next one is read")
-        gl.static_assert(STAGES1 >= 3 or not SCORES_AHEAD, "scores ahead read the tile after next's buffer")
         pid = gl.program_id(0)
         bh = gl.program_id(1)
         b = bh // NH
@@ -233,7 +205,6 @@ if GLUON:
                                                         instr_shape=[16, HS, 16])
         a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
 
-        out_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], dqkv_desc.layout)
         one_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(one_bar, count=1)
 
@@ -251,26 +222,26 @@ if GLUON:
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
         mbarrier.wait(one_bar, 0)
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
-                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1,
-                            SCORES_AHEAD)
+                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
         for s in gl.static_range(STAGES1):
             mbarrier.invalidate(bars1.index(s))
 
-        # dS is the gradient of the scaled scores: the scale moves onto dk (and dq)
-        out_smem.store((dk * sm_scale).to(dtype))
+        # dk, dv leave through the buffers k and v came in (no products read them any more), so that no
+        # third buffer counts against the programs an SM holds. dS is the gradient of the scaled scores:
+        # the scale moves onto dk (and dq)
+        k_smem.store((dk * sm_scale).to(dtype))
+        v_smem.store(dv.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_k], out_smem)
-        tma.store_wait(pendings=0)
-        out_smem.store(dv.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_v], out_smem)
+        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_k], k_smem)
+        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_v], v_smem)
+        tma.store_wait(pendings=0)  # read out of shared memory before the dq half's buffers may reuse it
 
         # ---- dq of query block m0 over the key tiles from 0 to m0 (the last one the diagonal) ---------
         m0 = pid * BLOCK_N
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], do64_desc.layout)
         k_ring, v_ring, bars2 = _rings(kv_desc, kv_desc, STAGES2)
-        n_key_tiles = pid + 1
+        n_key_tiles = (m0 + BLOCK_N) // BLOCK_N  # pid + 1, written so: ptxas then takes 154 registers, not 160
         for s in gl.static_range(STAGES2):
             if s < n_key_tiles:
                 _dq_tile_loads(kv_desc, k_ring, v_ring, bars2, s, row0, col_k, col_v, STAGES2, BLOCK_N)
@@ -281,15 +252,14 @@ if GLUON:
         lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
         delta = gl.load(delta_base + offs_m)
         mbarrier.wait(one_bar, 1)
-        dq = _dq_loop(q_smem, do_smem, k_ring, v_ring, bars2, kv_desc, lse2, delta, offs_m, row0, col_k, col_v,
+        dq = _dq_loop(q_smem, do_smem, k_ring, v_ring, bars2, kv_desc, lse2, delta, offs_m, m0, row0, col_k, col_v,
                       n_key_tiles, scale_log2, dtype, mma_d, a_d, BLOCK_N, HS, STAGES2)
         for s in gl.static_range(STAGES2):
             mbarrier.invalidate(bars2.index(s))
         mbarrier.invalidate(one_bar)
-        tma.store_wait(pendings=0)  # dv has left out_smem
-        out_smem.store((dq * sm_scale).to(dtype))
+        q_smem.store((dq * sm_scale).to(dtype))  # q's buffer, as dk's above
         fence_async_shared()
-        tma.async_copy_shared_to_global(dqkv_desc, [row0 + m0, col_q], out_smem)
+        tma.async_copy_shared_to_global(dqkv_desc, [row0 + m0, col_q], q_smem)
         tma.store_wait(pendings=0)
 
 
@@ -300,11 +270,10 @@ _TILE_LAYOUTS = tuple(gl.NVMMASharedLayout.get_default_for([rows, HEAD_SIZE], gl
 
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3), scores_ahead: bool = False) -> torch.Tensor:
+                         stages=(3, 3)) -> torch.Tensor:
     """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
     (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
-    rings' depths in the dk/dv half and in the dq half. scores_ahead: the dk/dv half issues each tile's S^T
-    during the tile before (capped at 168 registers, three programs an SM)."""
+    rings' depths in the dk/dv half and in the dq half."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q, lay_k = _TILE_LAYOUTS
@@ -317,8 +286,7 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     global last_compiled
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
         q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, T, num_heads, C, scale, scale_log2,
-        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1],
-        SCORES_AHEAD=bool(scores_ahead), num_warps=4, **({"maxnreg": 168} if scores_ahead else {}))
+        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1], num_warps=4)
     return dqkv
 
 
