@@ -135,6 +135,9 @@ def add_model_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--proj-bias-in-ln", default=None, choices=("on", "off"),
                     help="llmpy: attproj/fcproj bias gradients summed in the LayerNorm backward "
                          "(proj_bias_in_layernorm; model default: on)")
+    ap.add_argument("--fc-bias-in-product", default=None, choices=("on", "off"),
+                    help="llmpy: fc's bias gradient from its weight-gradient product, or a reduction pass of its "
+                         "own (fc_bias_in_product; model default: on at -ge 2)")
     ap.add_argument("--residual-in-product", action="store_true",
                     help="llmpy: the residual add in the projections' product (residual_in_product)")
     ap.add_argument("--classifier-chunks", type=int, default=None,
@@ -155,6 +158,8 @@ def model_switches(args) -> dict:
         opts["proj_bias_in_layernorm"] = args.proj_bias_in_ln == "on"
     if args.residual_in_product:
         opts["residual_in_product"] = True
+    if args.fc_bias_in_product is not None:
+        opts["fc_bias_in_product"] = args.fc_bias_in_product == "on"
     if args.overlap_weight_grads is not None:
         opts["overlap_weight_grads"] = args.overlap_weight_grads
     if args.classifier_chunks is not None:

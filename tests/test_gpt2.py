@@ -40,7 +40,8 @@ from llmpy.checkpoint import load_debug_state, save_debug_state
 from llmpy.config import PARAMETER_NAMES, GPT2Config, parameter_views, parse_descriptor
 from llmpy.errors import LlmpyError
 from llmpy.init import init_parameters
-from llmpy.model import GPT2Model, activation_specs, default_classifier_chunks, format_memory, memory_plan
+from llmpy.model import (FC_BIAS_COLUMNS, GPT2Model, activation_specs, default_classifier_chunks, format_memory,
+                         memory_plan)
 from llmpy.reference import GPT2Reference, clip_scale
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -201,7 +202,25 @@ CPU_CONFIGS = {
     "residual-in-product": dict(residual_in_product=True),
     "residual-in-product-proj-bias-pass-fp32": dict(residual_in_product=True, proj_bias_in_layernorm=False,
                                                     dtype=FP32, attention="flash"),
+    # fc's bias gradient from its weight-gradient product (the default at -ge 2: ln2 with a column of ones),
+    # with ln2 recomputed in the backward, after the residual add in the product, and the reduction pass
+    "r2-ge2": dict(recompute=2, gelu_fusion=2),
+    "residual-in-product-ge2": dict(residual_in_product=True, gelu_fusion=2, attention="flash"),
+    "ge2-fc-bias-pass": dict(recompute=0, gelu_fusion=2, fc_bias_in_product=False),
 }
+
+
+def test_fc_bias_in_product_where_the_pass_is(tiny, device):
+    """On by default at -ge 2 only (ln2 then has FC_BIAS_COLUMNS more columns); asked for elsewhere, an
+    error that says why."""
+    params = tiny[0]
+    ge2 = GPT2Model(TINY, params, B, T, device=device, gelu_fusion=2, attention="flash", cuda_graph=False)
+    ge0 = GPT2Model(TINY, params, B, T, device=device, gelu_fusion=0, attention="flash", cuda_graph=False)
+    assert ge2.fc_bias_in_product and not ge0.fc_bias_in_product
+    C = TINY.channels
+    assert ge2.acts["ln2"].shape[-1] == C + FC_BIAS_COLUMNS and ge0.acts["ln2"].shape[-1] == C
+    with pytest.raises(LlmpyError, match="fc_bias_in_product needs -ge 2"):
+        GPT2Model(TINY, params, B, T, device=device, gelu_fusion=1, fc_bias_in_product=True)
 
 
 @pytest.mark.parametrize("name", list(CPU_CONFIGS))
@@ -543,6 +562,8 @@ GPU_CONFIGS = {
     "ge1-triton": dict(gelu_fusion=1, use_cublaslt=False),
     "ge2-triton": dict(gelu_fusion=2, use_cublaslt=False),
     "proj-bias-pass": dict(proj_bias_in_layernorm=False, gelu_fusion=-1),
+    "fc-bias-pass": dict(fc_bias_in_product=False, gelu_fusion=2),
+    "r2-ge2": dict(recompute=2, gelu_fusion=2),
     "residual-in-product": dict(residual_in_product=True, gelu_fusion=-1),
     "residual-in-product-fp32": dict(residual_in_product=True, dtype=FP32, gelu_fusion=-1),
     "classic": dict(attention="classic", gelu_fusion=-1),

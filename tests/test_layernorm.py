@@ -218,6 +218,42 @@ def test_fused_residual_normalises_the_rounded_residual(device):
     assert rel_err(rstd, rstd_rounded) < STATS_TOL
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,pad", [((2, 3, 64), 8), ((3, 5, 40), 8), ((1, 7, 24), 1)])
+def test_bias_column_rows(shape, pad, dtype, device):
+    """bias_column: the normed rows into the first C columns of wider rows (NaN-poisoned), bitwise what a
+    contiguous output gets, with column C set to 1 and the rest of the padding to 0; both kernels."""
+    gen = make_gen(21)
+    C = shape[-1]
+    inp1 = randn(shape, gen, device, dtype, scale=2.0, shift=1.0)
+    inp2 = randn(shape, gen, device, dtype)
+    weight, bias = ln_params(C, gen, device, dtype)
+    want_padding = torch.zeros(*shape[:-1], pad, dtype=dtype, device=device)
+    want_padding[..., 0] = 1.0
+    res, normed, mean, rstd = run_fused(inp1, inp2, weight, bias)
+    plain = run_layernorm_forward(res, weight, bias)[0]
+    for fused in (False, True):
+        wide = torch.full((*shape[:-1], C + pad), float("nan"), dtype=dtype, device=device)
+        m, r = torch.empty_like(mean), torch.empty_like(rstd)
+        if fused:
+            residual = torch.empty_like(res)
+            fused_residual_forward(residual, wide[..., :C], m, r, inp1, inp2, weight, bias, bias_column=True)
+            assert bitwise_equal(residual, res) and bitwise_equal(wide[..., :C], normed)
+        else:
+            layernorm.layernorm_forward(wide[..., :C], m, r, res, weight, bias, bias_column=True)
+            assert bitwise_equal(wide[..., :C], plain)
+        assert bitwise_equal(m, mean) and bitwise_equal(r, rstd)
+        assert bitwise_equal(wide[..., C:], want_padding)
+
+
+def test_bias_column_needs_a_wider_view(device):
+    x = torch.randn(4, 32, device=device)
+    w, b = torch.ones(32, device=device), torch.zeros(32, device=device)
+    mean, rstd = torch.empty(4, device=device), torch.empty(4, device=device)
+    with pytest.raises(AssertionError, match="wider rows"):
+        layernorm.layernorm_forward(torch.empty(4, 32, device=device), mean, rstd, x, w, b, bias_column=True)
+
+
 # ----------------------------------------------------------------------------------------------------
 # backward
 

@@ -444,6 +444,35 @@ def test_bias_through_weight(device, dtype, OC, C):
     assert torch.equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, C, OC, pad", [(37, 24, 40, 8), (64, 48, 70, 1), (130, 40, 33, 16)])
+def test_weight_grad_bias_column(device, dtype, M, C, OC, pad):
+    """One product gives the weight gradient and, from the input's column of ones, the bias gradient:
+    both accumulated into random values, against float64; the input's padding is what the LayerNorm
+    forward's bias_column writes; bitwise repeatable; nothing written past either output."""
+    rand = Rand(device, dtype, 23)
+    dout = rand(2, M, OC)
+    wide = torch.cat([rand(2, M, C), torch.ones(2, M, 1, dtype=dtype, device=device),
+                      torch.zeros(2, M, pad - 1, dtype=dtype, device=device)], dim=-1)
+    dweight0, dbias0 = rand(OC, C), rand(OC)
+    seed = torch.tensor([777], device=device) if dtype == torch.bfloat16 else None
+    results = []
+    for _ in range(2):
+        dweight, wbuf = guarded((OC, C), dtype, device)
+        dbias, bbuf = guarded((OC,), dtype, device)
+        dweight.copy_(dweight0)
+        dbias.copy_(dbias0)
+        scratch = poisoned((OC * (C + pad) + 5,), torch.float32, device)
+        mm.weight_grad_bias_column(dweight, dbias, dout, wide, scratch, seed)
+        assert_guard_intact(wbuf)
+        assert_guard_intact(bbuf)
+        results.append((dweight, dbias))
+    d2, x2 = dout.reshape(-1, OC).double(), wide[..., :C].reshape(-1, C).double()
+    check(results[0][0], dweight0.double() + d2.t() @ x2, dtype, "dweight")
+    check(results[0][1], dbias0.double() + d2.sum(0), dtype, "dbias")
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def _attention_with_projection(device, dtype, B=2, T=7, NH=2, hs=8, seed=31):
     """A causal attention block with its output projection, in float64 for the identities: qkv, the
     projection's weight, the output gradient G of the projection; returns (qkv, W, G, dqkv, datt_out)

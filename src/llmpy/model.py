@@ -101,6 +101,9 @@ from .streams import OVERLAP_MODES, Lanes
 
 RECOMPUTE_LEVELS = (0, 1, 2)
 GELU_FUSION_LEVELS = (0, 1, 2)
+# ln2's extra columns with fc_bias_in_product: a 1 (the fc bias gradient's column of the weight-gradient
+# product), then 0s to keep rows 16-byte aligned for cuBLAS (776 at C = 768: measured in run W)
+FC_BIAS_COLUMNS = 8
 ATTENTION_CHOICES = ("auto",) + kattn.ATTENTION_IMPLS
 
 # Headroom asked for on top of the counted buffers: the CUDA context's share is already gone from
@@ -223,10 +226,12 @@ def _aligned(nbytes: int) -> int:
 
 
 def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, recompute: int,
-                     attention: str, device="cpu", classifier_chunks: int = 1) -> list[BufferSpec]:
+                     attention: str, device="cpu", classifier_chunks: int = 1,
+                     fc_bias_in_product: bool = False) -> list[BufferSpec]:
     """The activation and scratch buffers of the model (llm.c's ActivationTensors), for a resolved
     attention impl and a resolved number of classifier chunks. Per-layer tensors have a leading L; those
-    recompute shares across layers have 1."""
+    recompute shares across layers have 1. fc_bias_in_product: ln2's rows carry FC_BIAS_COLUMNS more
+    columns (a 1, then 0s) and the fc weight gradient's fp32 product gets a scratch of its own."""
     L, C, NH, Vp = config.num_layers, config.channels, config.num_heads, config.padded_vocab_size
     hs = C // NH
     f32 = torch.float32
@@ -263,7 +268,7 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     specs += [
         BufferSpec("atty", (L, B, T, C), dtype, "activations"),
         BufferSpec("residual2", (L, B, T, C), dtype, "activations"),
-        BufferSpec("ln2", (Ll, B, T, C), dtype, "activations"),
+        BufferSpec("ln2", (Ll, B, T, C + (FC_BIAS_COLUMNS if fc_bias_in_product else 0)), dtype, "activations"),
         BufferSpec("ln2_mean", (L, B, T), f32, "activations"),
         BufferSpec("ln2_rstd", (L, B, T), f32, "activations"),
         BufferSpec("fch", (L, B, T, 4 * C), dtype, "activations"),
@@ -292,6 +297,9 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         # it (proj_bias_in_layernorm) to the QKV bias gradient's value part (kernels.matmul.qkv_bias_backward)
         BufferSpec("proj_bias_sum", (C,), f32, "scratch"),
     ]
+    if fc_bias_in_product:
+        # the fc weight-gradient product's fp32 output: the weight gradient, then the bias gradient column
+        specs.append(BufferSpec("fc_grad_wide", (4 * C * (C + FC_BIAS_COLUMNS),), f32, "scratch"))
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
     if attention in kattn.TRITON_BACKWARD:
@@ -337,7 +345,8 @@ def _shared_scratch_specs(B: int, T: int, C: int, out_numel: int, dtype: torch.d
 
 def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.bfloat16,
                 master_weights: bool = True, recompute: int = 1, attention: str = "cudnn",
-                device="cpu", classifier_chunks: int | None = None, optimizer_numel: int | None = None) -> dict:
+                device="cpu", classifier_chunks: int | None = None, optimizer_numel: int | None = None,
+                fc_bias_in_product: bool = False) -> dict:
     """Bytes the model allocates, by group and by buffer, without allocating anything (attention must be
     a resolved impl, not "auto"; classifier_chunks as the model's: None is default_classifier_chunks,
     1 the unchunked logits; optimizer_numel: the elements of AdamW's m, v and the master weights this
@@ -351,7 +360,7 @@ def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.b
     if master_weights and dtype != torch.float32:
         specs.append(BufferSpec("master", (S,), f32, "master"))
     chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
-    specs += activation_specs(config, B, T, dtype, recompute, attention, device, chunks)
+    specs += activation_specs(config, B, T, dtype, recompute, attention, device, chunks, fc_bias_in_product)
     # integer buffers: inputs, targets (int32), the encoder's sort (int32 ids, int64 permutation)
     specs += [BufferSpec("inputs", (B, T), torch.int32, "scratch"),
               BufferSpec("targets", (B, T), torch.int32, "scratch"),
@@ -461,7 +470,8 @@ class GPT2Model:
                  stochastic_rounding: bool = True, classifier_chunks: int | None = None,
                  data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True,
                  use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = True,
-                 residual_in_product: bool = False, overlap_weight_grads: str = "off"):
+                 residual_in_product: bool = False, overlap_weight_grads: str = "off",
+                 fc_bias_in_product: bool | None = None):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -498,6 +508,14 @@ class GPT2Model:
         # the residual add in the projections' product (cuBLASLt: beta = 1 onto the residual stream), then a
         # plain LayerNorm, instead of the product into a scratch and the fused residual + LayerNorm pass
         self.residual_in_product = bool(residual_in_product)
+        # fc's bias gradient from its weight-gradient product (ln2 with a column of ones; a few more output
+        # columns) instead of a reduction pass over the (B, T, 4C) gradient. Only where that pass exists:
+        # at -ge 2 (-ge 0 and 1 sum it inside the dGELU pass). None: there, on.
+        if fc_bias_in_product is None:
+            fc_bias_in_product = gelu_fusion == 2
+        if fc_bias_in_product and gelu_fusion != 2:
+            raise LlmpyError(f"fc_bias_in_product needs -ge 2 (at -ge {gelu_fusion} the dGELU pass sums fc's bias)")
+        self.fc_bias_in_product = bool(fc_bias_in_product)
         # the backward's weight and bias gradients on a second stream (llmpy.streams): "off", "on", or
         # "priority" (the input-gradient chain also on a high-priority stream)
         if overlap_weight_grads not in OVERLAP_MODES:
@@ -524,7 +542,8 @@ class GPT2Model:
         opt_n = (self._hi - self._lo) if self.zero_stage == 1 else N
 
         self._plan = memory_plan(config, B, T, dtype, self.master_weights, recompute, self.attention,
-                                 self.device, self.classifier_chunks, optimizer_numel=opt_n)
+                                 self.device, self.classifier_chunks, optimizer_numel=opt_n,
+                                 fc_bias_in_product=self.fc_bias_in_product)
         self._check_memory()
 
         f32 = torch.float32
@@ -550,7 +569,7 @@ class GPT2Model:
 
         # activations and scratch
         self.acts = _Arena(activation_specs(config, B, T, dtype, recompute, self.attention, dev,
-                                            self.classifier_chunks), dev)
+                                            self.classifier_chunks, self.fc_bias_in_product), dev)
         self.inputs = torch.zeros(B, T, dtype=torch.int32, device=dev)
         self.targets = torch.zeros(B, T, dtype=torch.int32, device=dev)
         self._enc_scratch = kenc.EncoderBackwardScratch(
@@ -720,7 +739,9 @@ class GPT2Model:
             "residual": a["encoded"] if l == 0 else a["residual3"][l - 1],
             "ln1": a["ln1"][0 if r2 else l], "ln1_mean": a["ln1_mean"][l], "ln1_rstd": a["ln1_rstd"][l],
             "atty": a["atty"][l], "residual2": a["residual2"][l],
-            "ln2": a["ln2"][0 if r2 else l], "ln2_mean": a["ln2_mean"][l], "ln2_rstd": a["ln2_rstd"][l],
+            # ln2: the LayerNorm's output; ln2_wide: with fc_bias_in_product, its rows with the bias column
+            "ln2_wide": a["ln2"][0 if r2 else l], "ln2": a["ln2"][0 if r2 else l][..., :self.config.channels],
+            "ln2_mean": a["ln2_mean"][l], "ln2_rstd": a["ln2_rstd"][l],
             "fch": a["fch"][l], "fch_gelu": a["fch_gelu"][0 if self.recompute >= 1 else l],
             "residual3": a["residual3"][l],
         }
@@ -783,11 +804,11 @@ class GPT2Model:
                 kmm.matmul_forward(b["residual2"], b["atty"], p["attprojw"][l], p["attprojb"][l], use_cublaslt=lt,
                                    residual=b["residual"])
                 kln.layernorm_forward(b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual2"], p["ln2w"][l],
-                                      p["ln2b"][l])
+                                      p["ln2b"][l], bias_column=self.fc_bias_in_product)
             else:
                 kmm.matmul_forward(proj, b["atty"], p["attprojw"][l], p["attprojb"][l], use_cublaslt=lt)
                 kln.fused_residual_forward(b["residual2"], b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual"],
-                                           proj, p["ln2w"][l], p["ln2b"][l])
+                                           proj, p["ln2w"][l], p["ln2b"][l], bias_column=self.fc_bias_in_product)
             # MLP block
             kmm.matmul_forward(b["fch_gelu"], b["ln2"], p["fcw"][l], p["fcb"][l], pre_gelu=b["fch"],
                                gelu_epilogue=self.gelu_fusion >= 1, use_cublaslt=lt)
@@ -969,12 +990,19 @@ class GPT2Model:
                                                     seed=ln_seed),
                      reads, writes, "layernorm_backward")
 
-        def linear_backward(dinp, dweight, dbias, dout, inp, weight, slot_seed, pre_gelu=None, dgelu_epilogue=False):
-            """matmul_backward as two calls: dinp on the main lane, dweight (and dbias) on the side lane."""
+        def linear_backward(dinp, dweight, dbias, dout, inp, weight, slot_seed, pre_gelu=None, dgelu_epilogue=False,
+                            inp_wide=None):
+            """matmul_backward as two calls: dinp on the main lane, dweight (and dbias) on the side lane;
+            given inp_wide (inp with its bias column), dbias from the weight-gradient product."""
             if dinp is not None:
                 main(lambda: kmm.matmul_backward(dinp, None, None, dout, inp, weight, pre_gelu=pre_gelu,
                                                  dgelu_epilogue=dgelu_epilogue, use_cublaslt=lt),
                      [dout, weight, pre_gelu], [dinp], "matmul_backward dinp")
+            if inp_wide is not None:
+                wide = a["fc_grad_wide"]
+                side(lambda: kmm.weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=slot_seed),
+                     [dout, inp_wide, slot_seed], [dweight, dbias, wide], "weight_grad_bias_column")
+                return
             side(lambda: kmm.matmul_backward(None, dweight, dbias, dout, inp, weight, scratch=bias_scratch,
                                              seed=slot_seed, use_cublaslt=lt),
                  [dout, inp, slot_seed], [dweight, dbias, bias_scratch if dbias is not None else None],
@@ -1011,7 +1039,7 @@ class GPT2Model:
             fcproj_dbias = None if fuse else g["fcprojb"][l]
             if gf == 2:
                 # llm.c's DGELU epilogue (cuBLASLt's or our Triton GEMM's); fc's bias gradient in its own
-                # reduction below
+                # reduction below, or from the weight-gradient product (fc_bias_in_product)
                 linear_backward(dl_bt4c, g["fcprojw"][l], fcproj_dbias, dresidual, b["fch_gelu"], p["fcprojw"][l],
                                 seed(5), pre_gelu=b["fch"], dgelu_epilogue=True)
                 fc_dbias = g["fcb"][l]
@@ -1024,10 +1052,11 @@ class GPT2Model:
                 fc_dbias = None
             if self.recompute >= 2:
                 main(lambda: kln.layernorm_forward(b["ln2"], b["ln2_mean"], b["ln2_rstd"], b["residual2"],
-                                                   p["ln2w"][l], p["ln2b"][l]),
+                                                   p["ln2w"][l], p["ln2b"][l], bias_column=self.fc_bias_in_product),
                      [b["residual2"], p["ln2w"][l], p["ln2b"][l]], [b["ln2"], b["ln2_mean"], b["ln2_rstd"]],
                      "layernorm_forward")
-            linear_backward(dl_btc, g["fcw"][l], fc_dbias, dl_bt4c, b["ln2"], p["fcw"][l], seed(4))
+            linear_backward(dl_btc, g["fcw"][l], fc_dbias, dl_bt4c, b["ln2"], p["fcw"][l], seed(4),
+                            inp_wide=b["ln2_wide"] if self.fc_bias_in_product else None)
             # ln2: dresidual becomes the gradient of residual2 (the MLP branch added to the skip path)
             ln_backward(dl_btc, b["residual2"], p["ln2w"][l], g["ln2w"][l], g["ln2b"][l], b["ln2_mean"], b["ln2_rstd"],
                         seed(1), l, "attprojb", 3, proj_sum)

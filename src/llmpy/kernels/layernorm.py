@@ -149,23 +149,32 @@ LN_BWD_SWEEP = {
 # kernels
 
 @triton.jit
-def _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd_ptr, w, b, C, eps):
+def _normalize_rows(x, mask, rows, cols, row_ok, col_ok, out_ptr, out_stride, mean_ptr, rstd_ptr, w, b, C, eps,
+                    BIAS_COLUMN: tl.constexpr):
     """x: a [ROWS, BLOCK_C] fp32 tile of rows (zero where masked); w, b: [BLOCK_C] fp32 weight and bias.
-    Stores mean, rstd and the normed rows."""
+    Stores mean, rstd and the normed rows (out_stride apart); with BIAS_COLUMN, also 1 in column C and 0
+    in the rest of the row's padding up to out_stride (at most BLOCK_C wide)."""
     mean = tl.sum(x, axis=1) / C
     # two-pass variance from the registers: masked lanes must not contribute (x - mean) there
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / C
     rstd = 1.0 / tl.sqrt(var + eps)
     y = xc * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(out_ptr + offs, round_to(y, out_ptr), mask=mask)
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * out_stride
+    tl.store(out_rows + cols[None, :], round_to(y, out_ptr), mask=mask)
+    if BIAS_COLUMN:
+        pad = cols < out_stride - C
+        ones = tl.where(cols == 0, 1.0, 0.0)
+        tl.store(out_rows + C + cols[None, :], round_to(tl.zeros_like(y) + ones[None, :], out_ptr),
+                 mask=row_ok[:, None] & pad[None, :])
     tl.store(mean_ptr + rows, mean, mask=row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
-def _layernorm_forward_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, bias_ptr, N, C, eps,
-                              BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
+def _layernorm_forward_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, bias_ptr, N, C, out_stride, eps,
+                              BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                              BIAS_COLUMN: tl.constexpr):
     """Row blocks pid, pid + num_programs, ...: one each unless the grid is persistent."""
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < C
@@ -179,13 +188,15 @@ def _layernorm_forward_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, 
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         # the input is read exactly once here: stream it past the cache
         x = tl.load(inp_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        _normalize_rows(x, mask, offs, rows, row_ok, col_ok, out_ptr, mean_ptr, rstd_ptr, w, b, C, eps)
+        _normalize_rows(x, mask, rows, cols, row_ok, col_ok, out_ptr, out_stride, mean_ptr, rstd_ptr, w, b, C, eps,
+                        BIAS_COLUMN)
 
 
 @triton.jit
 def _fused_residual_forward_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr, inp1_ptr, inp2_ptr,
-                                   weight_ptr, bias_ptr, N, C, eps,
-                                   BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
+                                   weight_ptr, bias_ptr, N, C, normed_stride, eps,
+                                   BLOCK_C: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                                   BIAS_COLUMN: tl.constexpr):
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < C
     w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -201,8 +212,8 @@ def _fused_residual_forward_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr,
         tl.store(residual_ptr + offs, r, mask=mask)
         # normalise what was stored (rounded to floatX), so the backward, which reads the stored residual,
         # sees the same numbers the forward normalised
-        _normalize_rows(r.to(tl.float32), mask, offs, rows, row_ok, col_ok, normed_ptr, mean_ptr, rstd_ptr,
-                        w, bb, C, eps)
+        _normalize_rows(r.to(tl.float32), mask, rows, cols, row_ok, col_ok, normed_ptr, normed_stride, mean_ptr,
+                        rstd_ptr, w, bb, C, eps, BIAS_COLUMN)
 
 
 @triton.jit
@@ -434,6 +445,21 @@ def _check_rows(t: torch.Tensor, name: str, C: int, dtype=None):
     assert dtype is None or t.dtype == dtype, f"{name}: dtype {t.dtype}, expected {dtype}"
 
 
+def _out_row_stride(out: torch.Tensor, C: int, dtype, bias_column: bool) -> int:
+    """The normed output's row stride: C for a contiguous tensor; with bias_column, out is the first C
+    columns of a wider row-major buffer (a view [..., :C]) whose next column the kernel sets to 1 and the
+    rest of the row to 0 (kernels.matmul.weight_grad_bias_column reads the layer's bias gradient off it)."""
+    assert out.shape[-1] == C and out.dtype == dtype, f"out: shape {tuple(out.shape)}, dtype {out.dtype}"
+    if not bias_column:
+        assert out.is_contiguous(), "out must be contiguous"
+        return C
+    stride = out.stride(-2) if out.dim() > 1 else C
+    assert out.stride(-1) == 1 and C < stride <= 2 * C, f"out: a [..., :C] view of wider rows, strides {out.stride()}"
+    assert all(out.stride(d) == out.stride(d + 1) * out.shape[d + 1] for d in range(out.dim() - 2)), \
+        f"out: rows evenly spaced, strides {out.stride()}"
+    return stride
+
+
 def _check_stats(t: torch.Tensor, name: str, N: int):
     assert t.is_contiguous() and t.dtype == torch.float32, f"{name} must be contiguous fp32"
     assert t.numel() == N, f"{name}: {t.numel()} elements, expected one per row ({N})"
@@ -446,8 +472,9 @@ def _check_param(t: torch.Tensor, name: str, C: int):
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM_EPS, rows: int | None = None,
                       num_warps: int | None = None, programs_per_sm: int = FWD_PROGRAMS_PER_SM,
-                      stages: int = FWD_STAGES):
+                      stages: int = FWD_STAGES, bias_column: bool = False):
     """out (..., C) = layernorm(inp) * weight + bias; mean, rstd (...) fp32 saved for the backward.
+    bias_column: out is a [..., :C] view of wider rows, whose column C is set to 1 and the rest to 0.
 
     Tuning (defaults: the FWD_* constants): rows per program tile, num_warps, programs_per_sm (> 0: a
     persistent grid), stages (pipelining of the row-block loop). rows and num_warps set the per-row
@@ -456,7 +483,7 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM
     N = inp.numel() // C
     assert inp.dtype in _FLOATX, f"inp: dtype {inp.dtype}"
     _check_rows(inp, "inp", C)
-    _check_rows(out, "out", C, inp.dtype)
+    out_stride = _out_row_stride(out, C, inp.dtype, bias_column)
     assert out.shape == inp.shape, f"out {tuple(out.shape)} vs inp {tuple(inp.shape)}"
     _check_stats(mean, "mean", N)
     _check_stats(rstd, "rstd", N)
@@ -464,8 +491,8 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM
     _check_param(bias, "bias", C)
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp.device),)
-    launch_pipelined(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, eps), stages,
-            BLOCK_C=block_c, ROWS=rows, num_warps=num_warps)
+    launch_pipelined(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, out_stride, eps),
+                     stages, BLOCK_C=block_c, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
     return out, mean, rstd
 
 
@@ -481,8 +508,10 @@ def residual_forward(out, inp1, inp2):
 
 def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bias, eps: float = LAYERNORM_EPS,
                            rows: int | None = None, num_warps: int | None = None,
-                           programs_per_sm: int = FUSED_PROGRAMS_PER_SM, stages: int = FUSED_STAGES):
-    """residual = inp1 + inp2 (rounded to floatX), then normed, mean, rstd = layernorm(residual) as stored.
+                           programs_per_sm: int = FUSED_PROGRAMS_PER_SM, stages: int = FUSED_STAGES,
+                           bias_column: bool = False):
+    """residual = inp1 + inp2 (rounded to floatX), then normed, mean, rstd = layernorm(residual) as stored;
+    bias_column as in layernorm_forward (for normed).
 
     Equals residual_forward then layernorm_forward (with the same tuning arguments, see there) bit for
     bit, with one read of the residual fewer.
@@ -490,17 +519,20 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     C = inp1.shape[-1]
     N = inp1.numel() // C
     assert inp1.dtype in _FLOATX, f"inp1: dtype {inp1.dtype}"
-    for t, name in ((inp1, "inp1"), (inp2, "inp2"), (residual, "residual"), (normed, "normed")):
+    for t, name in ((inp1, "inp1"), (inp2, "inp2"), (residual, "residual")):
         _check_rows(t, name, C, inp1.dtype)
         assert t.shape == inp1.shape, f"{name} {tuple(t.shape)} vs inp1 {tuple(inp1.shape)}"
+    normed_stride = _out_row_stride(normed, C, inp1.dtype, bias_column)
+    assert normed.shape == inp1.shape, f"normed {tuple(normed.shape)} vs inp1 {tuple(inp1.shape)}"
     _check_stats(mean, "mean", N)
     _check_stats(rstd, "rstd", N)
     _check_param(weight, "weight", C)
     _check_param(bias, "bias", C)
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp1.device),)
-    launch_pipelined(_fused_residual_forward_kernel, grid, (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, eps),
-            stages, BLOCK_C=block_c, ROWS=rows, num_warps=num_warps)
+    launch_pipelined(_fused_residual_forward_kernel, grid,
+                     (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, normed_stride, eps),
+                     stages, BLOCK_C=block_c, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
     return residual, normed, mean, rstd
 
 

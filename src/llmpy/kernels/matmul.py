@@ -285,6 +285,26 @@ def _bias_finish_kernel(part_ptr, dbias_ptr, seed_ptr, N, num_chunks, col0, STOC
 
 
 @triton.jit
+def _weight_bias_column_finish_kernel(wide_ptr, dweight_ptr, dbias_ptr, seed_ptr, OC, C, wide_stride, col0,
+                                      STOCHASTIC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dweight[r, :] += wide[r, :C] rounded to nearest (as the product's beta = 1 would), dbias[r] +=
+    wide[r, C] rounded like the bias reductions (counters col0 + r)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < OC
+    rows = wide_ptr + r.to(tl.int64)[:, None] * wide_stride
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        mask = r_ok[:, None] & (c < C)[None, :]
+        w_offs = r.to(tl.int64)[:, None] * C + c[None, :]
+        total = tl.load(dweight_ptr + w_offs, mask=mask, other=0.0).to(tl.float32) + \
+            tl.load(rows + c[None, :], mask=mask, other=0.0)
+        tl.store(dweight_ptr + w_offs, round_to(total, dweight_ptr), mask=mask)
+    dbias = tl.load(dbias_ptr + r, mask=r_ok, other=0.0).to(tl.float32) + tl.load(wide_ptr + r.to(tl.int64) * wide_stride + C,
+                                                                                 mask=r_ok, other=0.0)
+    store_rounded(dbias_ptr + r, dbias, r_ok, _seed(seed_ptr, STOCHASTIC), col0 + r, STOCHASTIC)
+
+
+@triton.jit
 def _bias_through_weight_kernel(dbias_ptr, grad_ptr, w_ptr, seed_ptr, OC, N, col0, STOCHASTIC: tl.constexpr,
                                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """dbias[cols] += sum over k of grad[k] * w[k, cols] (grad fp32 (OC,), w row-major (OC, N)), the k
@@ -309,9 +329,11 @@ def _bias_through_weight_kernel(dbias_ptr, grad_ptr, w_ptr, seed_ptr, OC, N, col
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """A contiguous (..., cols) tensor as a 2-D view (rows, cols)."""
-    assert t.is_contiguous() and t.shape[-1] == cols, (tuple(t.shape), cols)
+def _rows(t: torch.Tensor, cols: int, strided: bool = False) -> torch.Tensor:
+    """A contiguous (..., cols) tensor as a 2-D view (rows, cols); strided: its rows may also be evenly
+    spaced further apart (the [..., :C] view of a LayerNorm output with its bias column)."""
+    assert t.shape[-1] == cols and (t.is_contiguous() or strided and t.stride(-1) == 1), \
+        (tuple(t.shape), t.stride(), cols)
     return t.view(-1, cols)
 
 
@@ -435,7 +457,7 @@ def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bo
     use_cublaslt: also the products of TUNED_ALGOS through cuBLASLt with their tuned algorithm.
     """
     OC, C = weight.shape
-    inp2 = _rows(inp, C)
+    inp2 = _rows(inp, C, strided=True)
     out2 = _rows(out, OC)
     assert out2.shape[0] == inp2.shape[0] and inp.dtype == weight.dtype == out.dtype and weight.is_contiguous()
     if bias is not None:
@@ -564,6 +586,37 @@ def matmul_backward_bias(dbias, dout, scratch=None, seed=None, num_chunks: int |
     return dbias
 
 
+WIDE_FINISH_BLOCK_R, WIDE_FINISH_BLOCK_C = 16, 256
+
+
+def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None):
+    """dweight (OC, C) += dout.T @ inp and dbias (OC) += dout's column sums, from one product: inp_wide
+    (..., Cw) is the layer input with the column C set to 1 and the rest of its row to 0 (the LayerNorm
+    forward's bias_column), so the product dout.T @ inp_wide (OC, Cw), summed in fp32 into wide (fp32
+    scratch of at least OC * Cw), holds the weight gradient in its first C columns and the bias gradient
+    in column C. A small pass then adds those into dweight (rounded to nearest, as the product's beta = 1
+    does) and dbias (rounded like the bias reductions: stochastically with seed for bf16).
+
+    This replaces the bias reduction's pass over dout (fc's: 403 MB a layer at GPT-2 124M, B*T = 65536)
+    by 8 more output columns of the product (bench/RESULTS.md, run W)."""
+    OC, C = dweight.shape
+    Cw = inp_wide.shape[-1]
+    dout2, inp2 = _rows(dout, OC), _rows(inp_wide, Cw)
+    assert Cw > C and dbias.shape == (OC,) and dweight.is_contiguous() and dbias.is_contiguous()
+    assert dout.dtype == inp_wide.dtype == dweight.dtype and wide.dtype == torch.float32
+    assert wide.is_contiguous() and wide.numel() >= OC * Cw, "wide: fp32 scratch of OC * Cw elements"
+    wide2 = wide.view(-1)[:OC * Cw].view(OC, Cw)
+    if dout.is_cuda and dout.dtype != torch.float32:
+        torch.mm(dout2.t(), inp2, out_dtype=torch.float32, out=wide2)  # fp32 sums, no rounding to bf16
+    else:
+        torch.mm(dout2.t().float(), inp2.float(), out=wide2)
+    stochastic = seed is not None and dbias.dtype == torch.bfloat16
+    _weight_bias_column_finish_kernel[(cdiv(OC, WIDE_FINISH_BLOCK_R),)](
+        wide2, dweight, dbias, seed if stochastic else dbias, OC, C, Cw, 0, STOCHASTIC=stochastic,
+        BLOCK_R=WIDE_FINISH_BLOCK_R, BLOCK_C=WIDE_FINISH_BLOCK_C, num_warps=4)
+    return dweight, dbias
+
+
 # qkv_bias_backward's parts from attention's identities (True), or one reduction over all of dqkv as
 # llm.c does (False: bench_step --qkv-bias-full-pass, the comparison of bench/RESULTS.md run S)
 QKV_BIAS_FROM_IDENTITIES = True
@@ -655,7 +708,7 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
     """
     OC, C = weight.shape
     dout2 = _rows(dout, OC)
-    inp2 = _rows(inp, C)
+    inp2 = _rows(inp, C, strided=True)
     assert dout2.shape[0] == inp2.shape[0] and dout.dtype == inp.dtype == weight.dtype
     if dinp is not None:
         dinp2 = _rows(dinp, C)
