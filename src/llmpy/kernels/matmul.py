@@ -299,8 +299,8 @@ def _weight_bias_column_finish_kernel(wide_ptr, dweight_ptr, dbias_ptr, seed_ptr
         total = tl.load(dweight_ptr + w_offs, mask=mask, other=0.0).to(tl.float32) + \
             tl.load(rows + c[None, :], mask=mask, other=0.0)
         tl.store(dweight_ptr + w_offs, round_to(total, dweight_ptr), mask=mask)
-    dbias = tl.load(dbias_ptr + r, mask=r_ok, other=0.0).to(tl.float32) + tl.load(wide_ptr + r.to(tl.int64) * wide_stride + C,
-                                                                                 mask=r_ok, other=0.0)
+    column = tl.load(wide_ptr + r.to(tl.int64) * wide_stride + C, mask=r_ok, other=0.0)
+    dbias = tl.load(dbias_ptr + r, mask=r_ok, other=0.0).to(tl.float32) + column
     store_rounded(dbias_ptr + r, dbias, r_ok, _seed(seed_ptr, STOCHASTIC), col0 + r, STOCHASTIC)
 
 
