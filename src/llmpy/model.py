@@ -32,7 +32,11 @@ projections' output gradient) also sum its columns into attproj's / fcproj's bia
 a reduction pass of its own; residual_in_product (off: no gain beyond noise in the same A/B) adds the
 residual stream in the attproj / fcproj product itself (cuBLASLt's beta = 1 onto the residual; torch's
 addmm elsewhere) and then runs a plain LayerNorm, instead of writing the product to a scratch and
-running the fused residual + LayerNorm pass.
+running the fused residual + LayerNorm pass. A third, fc_bias_in_product (on by default at -ge 2, where
+fc's bias gradient otherwise takes a reduction pass of its own over the (B, T, 4C) gradient): the
+LayerNorm forward writes ln2 into rows FC_BIAS_COLUMNS wider, the extra columns a 1 and then 0s, so that
+fc's weight-gradient product over [ln2 | 1 | 0] (fp32 output, 776 columns at C = 768) also gives the
+column sums of that gradient, the bias gradient (kernels.matmul.weight_grad_bias_column).
 
 The QKV bias gradient (kernels.matmul.qkv_bias_backward) uses what attention's math gives: its key part
 is exactly zero (softmax ignores the shift q . b_k of a whole row of scores: llm.c and PyTorch add up
