@@ -189,7 +189,9 @@ def test_model_overlap_plan(kw, monkeypatch, device):
             log = model._lanes.log
             assert check_plan(log) > 0
             side = {name for lane, name, *_ in log if lane == "side"}
-            assert side == {"matmul_backward dweight", "qkv bias"}
+            # (at -ge 2 fc's weight and bias gradients come from one product: fc_bias_in_product)
+            assert side == {"matmul_backward dweight", "qkv bias"} | (
+                {"weight_grad_bias_column"} if model.fc_bias_in_product else set())
             n_side = sum(lane == "side" for lane, *_ in log)
             assert n_side == 5 * SMALL.num_layers + (model.classifier_chunks == 1)
     assert torch.equal(grads["on"], grads["off"])
