@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [ablate] [energy] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [bias-column] [ablate] [energy] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 # .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
@@ -119,6 +119,11 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
     classifier-l2)
       # the classifier section with the lm_head forward and the classifier in sub-chunks small enough for L2
       timeout ${L2_TIMEOUT:-200} python3 -m bench.kernels.bench_classifier_l2 ${L2_ARGS:-} --json "$OUT/l2.json" 2>&1 | tee "$OUT/l2.log"
+      rc=$? ;;
+    bias-column)
+      # fc's weight-gradient product widened by the bias column against the product + the bias reduction
+      timeout ${BIAS_COLUMN_TIMEOUT:-200} python3 -m bench.kernels.bench_bias_column ${BIAS_COLUMN_ARGS:-} \
+        --json "$OUT/bias_column.json" 2>&1 | tee "$OUT/bias_column.log"
       rc=$? ;;
     ablate)
       # the graphed step timed with groups of kernels left out: what each group costs at the power cap
