@@ -26,6 +26,11 @@ L2 traffic): one program an SM, 16-39 % slower; capped at 128 registers for four
 slower. ncu: the tensor pipe is busy 49 % of the time, as with the tl.dot kernel (48.8 %), and the
 warps' stalls spread over L1TEX results, wgmma waits, barriers and dispatch with none dominant: twelve
 warps an SM at ~155 registers is the balance these tiles allow.
+
+GPU only (sm_90): Gluon has no CPU interpreter. flash_attention.py's tl.dot kernel is the portable path,
+tested on the CPU; this one is tested on the GPU against the CPU reference and against that kernel. It
+serves bf16 storage, head size 64 and T a multiple of 64 (every GPT-2 size); flash_attention_backward
+falls back to the tl.dot kernel elsewhere.
 """
 from __future__ import annotations
 
@@ -92,28 +97,6 @@ if GLUON:
         return ring_a, ring_b, bars
 
     @gluon.jit
-    def _tile_stats(lse_base, delta_base, n0, j, mma_s: gl.constexpr, BLOCK_M: gl.constexpr):
-        """Query tile j's rows (from n0), their log-sum-exp in base 2 and their delta."""
-        offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-        return offs_m, gl.load(lse_base + offs_m) * 1.4426950408889634, gl.load(delta_base + offs_m)
-
-    @gluon.jit
-    def _probabilities_t(sT, lse2, offs_m, offs_n, j, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """P^T from the saved log-sum-exp, in base 2 (as the tl.dot kernel, expression for expression)."""
-        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-        if j * BLOCK_M < BLOCK_N:  # the diagonal: queries before the key are hidden
-            pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
-        return pT
-
-    @gluon.jit
-    def _dkdv_products(pT, dpT, delta, q_tile, do_tile, dk, dv, dtype: gl.constexpr, a_d: gl.constexpr):
-        """Issue the tile's dv and dk products (left in flight)."""
-        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
-        dsT = pT * (dpT - gl.expand_dims(delta, 0))
-        dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
-        return dk, dv
-
-    @gluon.jit
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
                    n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
@@ -128,7 +111,10 @@ if GLUON:
             slot = j % STAGES
             q_tile = q_ring.index(slot)
             do_tile = do_ring.index(slot)
-            offs_m, lse2, delta = _tile_stats(lse_base, delta_base, n0, j, mma_s, BLOCK_M)  # under the products
+            # the tile's rows, their log-sum-exp in base 2 and their delta, loaded under the products
+            offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
+            lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
+            delta = gl.load(delta_base + offs_m)
             mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
             sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -139,9 +125,15 @@ if GLUON:
                 if j - 1 + STAGES < n_tiles:
                     _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
                                      STAGES, BLOCK_M)
-            pT = _probabilities_t(sT, lse2, offs_m, offs_n, j, scale_log2, BLOCK_M, BLOCK_N)
+            # P^T from the saved log-sum-exp, in base 2 (as the tl.dot kernel, expression for expression)
+            pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+            if j * BLOCK_M < BLOCK_N:  # the diagonal: queries before the key are hidden
+                pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
             dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
-            dk, dv = _dkdv_products(pT, dpT, delta, q_tile, do_tile, dk, dv, dtype, a_d)
+            # dv, dk issued and left in flight
+            dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
+            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         return dk, dv
 
