@@ -12,8 +12,8 @@ on, unwaited, under the next tile's loads and score products. Queries and dout (
 dq half) stream through rings of TMA buffers, each refilled as soon as the products that read it are
 known to be done; dk, dv and dq leave through TMA stores from the buffers k, v and q came in. 154
 registers a thread (rings of 3 and 3), 65.6 kB of shared memory, so three programs an SM, as the tl.dot
-kernel's 168 registers. At B=64, T=1024 on the H200 at its power cap: 0.955-0.987 ms a layer against
-0.980-1.007 for the tl.dot kernel (-1.9 to -2.5 %, run W), with dqkv bitwise equal.
+kernel's 168 registers. At B=64, T=1024 on the H200 at its power cap: 0.955-0.991 ms a layer against
+0.980-1.008 for the tl.dot kernel (-1.7 to -2.5 %, run W), with dqkv bitwise equal.
 
 Tried and left out (bench/RESULTS.md, runs V and W): the score products' loop-invariant operand (k, v;
 q, dout) in registers instead of shared memory (190 registers, two programs an SM: 15 % slower); 64-query
