@@ -85,9 +85,15 @@ def test_bf16_without_master_rounds_stochastically(device):
     grads = [torch.randn(N, device=device).bfloat16()]
     run_steps(state, grads, 1)
     reference_step(p, grads[0].float().cpu(), m, v, 1, 0.7)
-    lo, hi = bf16_neighbours(p)
+    # the kernel's fp32 value before rounding differs from the reference's by an ulp or so of the larger
+    # of the two terms it subtracts; where they cancel (a weight of ~0.01 minus an update of ~0.01) that
+    # is far more than an ulp of the result, and one seed in ~25 put a value across a bf16 boundary. So
+    # the bf16 neighbours of the reference widened by 4 ulps of that term: still one of the two values
+    # around it everywhere else.
+    slack = 4 * 2.0 ** -23 * torch.maximum(start.abs(), (start - p).abs())
+    lo, hi = bf16_neighbours(p - slack)[0], bf16_neighbours(p + slack)[1]
     got = state["params"].cpu().float()
-    assert torch.all((got == lo) | (got == hi))
+    assert torch.all((got >= lo) & (got <= hi))
 
 
 def test_small_updates_survive_only_with_stochastic_rounding(device):
