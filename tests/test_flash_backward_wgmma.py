@@ -40,9 +40,7 @@ def test_other_calls_fall_back(monkeypatch, device):
 
 # (B, T, NH): one 64-row block (two query tiles on the diagonal, one key tile), a few blocks, GPT-2 sizes
 GPU_SHAPES = [(2, 64, 3), (3, 192, 2), (4, 1024, 12), (1, 2048, 12)]
-VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3)),
-            "dq-reduce": dict(bwd_kernel="wgmma-dq-reduce"),
-            "dq-reduce-2": dict(bwd_kernel="wgmma-dq-reduce", wgmma_stages=(2, 2))}
+VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3))}
 
 
 @pytest.mark.gpu
@@ -61,8 +59,7 @@ def test_gpu_wgmma_backward(monkeypatch, shape, variant):
     dqkv = run_backward(dout, qkv, out, lse, NH)  # poisoned with NaN before the kernel writes it
     check_backward(dqkv, dqkv_ref, dtype)
     # the same products in the same order as the tl.dot kernel (bitwise equal on the H200 with triton 3.6,
-    # run V; asked here only to within a bf16 rounding, so that a compiler's other FMA choice passes; the
-    # dq-reduce kernel sums dq's shares in another order, also within that)
+    # run V; asked here only to within a bf16 rounding, so that a compiler's other FMA choice passes)
     assert torch.allclose(dqkv.float(), dqkv_tl.float(), rtol=2 ** -7, atol=1e-3 * dqkv_tl.float().abs().max().item())
     assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH)), "not reproducible"
 
@@ -73,50 +70,6 @@ def test_gpu_off_grid_falls_back(monkeypatch):
     qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=12)
     assert not fw.wgmma_backward_usable(qkv, T, hs)
     monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma"})
-    _, _, dqkv_ref = reference(qkv, dout, NH)
-    out, lse = run_forward(qkv, NH)
-    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
-
-
-@pytest.mark.gpu
-def test_gpu_dq_reduce_repeats_bitwise(monkeypatch):
-    """The dq shares meet in global memory in the order the locks impose: every repeat bitwise equal,
-    whatever order the programs run in (a GPT-2 layer's shape, where 396 programs run at once)."""
-    B, T, NH, hs, dtype = 8, 1024, 12, 64, torch.bfloat16
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=13)
-    out, lse = run_forward(qkv, NH)
-    monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma-dq-reduce"})
-    first = run_backward(dout, qkv, out, lse, NH)
-    for _ in range(6):
-        assert torch.equal(first, run_backward(dout, qkv, out, lse, NH)), "not reproducible"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,T,NH", [(1, 64, 1), (2, 100, 3), (3, 37, 2)])
-def test_finish_dq_sum(device, dtype, B, T, NH):
-    """dq_sum (per head, dq transposed, fp32, unscaled) into the query third of dqkv, scaled and rounded;
-    the key and value thirds untouched."""
-    hs = 64
-    C = NH * hs
-    g = torch.Generator().manual_seed(B * 1000 + T)
-    dq_sum = torch.randn(B * NH * hs, T, generator=g, dtype=torch.float64)
-    dqkv = torch.full((B, T, 3 * C), float("nan"), dtype=dtype)
-    kv = torch.randn(B, T, 2 * C, generator=g).to(dtype)
-    dqkv[..., C:] = kv
-    scale = 0.125  # a power of two: the scaled fp32 sums round to dtype once, so the result is exact
-    dqkv = dqkv.to(device)
-    fw.finish_dq_sum(dqkv, dq_sum.float().to(device), NH, scale)
-    per_row = dq_sum.view(B, NH, hs, T).permute(0, 3, 1, 2).reshape(B, T, C) * scale  # float64 oracle
-    assert torch.equal(dqkv[..., :C].cpu(), per_row.float().to(dtype))
-    assert torch.equal(dqkv[..., C:].cpu(), kv)
-
-
-def test_dq_reduce_falls_back(monkeypatch, device):
-    """The dq-reduce kernel asked for where Gluon's wgmma cannot serve (the CPU, fp32, T off the grid):
-    the tl.dot kernel does, and the gradient is the reference's."""
-    monkeypatch.setitem(FLASH_CONFIGS, 16, {"bwd_kernel": "wgmma-dq-reduce"})
-    B, T, NH, hs, dtype = 2, 24, 2, 16, torch.float32
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=5)
     _, _, dqkv_ref = reference(qkv, dout, NH)
     out, lse = run_forward(qkv, NH)
     check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .common import DOT_UPCAST, interpreting, tma_descriptor_class, tma_usable
-from .flash_backward_wgmma import flash_backward_wgmma, flash_backward_wgmma_dq_reduce, wgmma_backward_usable
+from .flash_backward_wgmma import flash_backward_wgmma, wgmma_backward_usable
 
 LOG2E = 1.4426950408889634  # (kernels spell their constants out: Triton jit code reads no plain globals)
 
@@ -386,11 +386,8 @@ BWD_SCHEDULES = ("fused", "split")
 # Which kernel runs the backward: "tl.dot" (_flash_bwd_kernel above, every shape and dtype, CPU-tested) or
 # "wgmma" (flash_backward_wgmma: the fused schedule with explicit asynchronous wgmma, Gluon, sm_90 only;
 # where it does not apply - another GPU, fp32, head size != 64, T not a multiple of 64 - the tl.dot kernel
-# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half). "wgmma-dq-reduce": the Gluon kernel
-# that sums dq across key blocks in a fixed order instead of recomputing the scores for it (five products
-# a tile pair instead of seven; fp32 scratch dq_sum and dq_locks, flash_backward_wgmma_dq_reduce), its ring
-# depth wgmma_stages[0]; same fallback.
-BWD_KERNELS = ("tl.dot", "wgmma", "wgmma-dq-reduce")
+# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half).
+BWD_KERNELS = ("tl.dot", "wgmma")
 
 # Override hook: FLASH_CONFIGS[hs] (or FLASH_CONFIGS[(hs, dtype)], which wins) = dict of the fields above
 # to replace, e.g. FLASH_CONFIGS[64] = {"BLOCK_M": 64, "fwd_warps": 8}. Read at every launch; a new value
@@ -468,13 +465,10 @@ def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Ten
 
 
 def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
-                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None,
-                             dq_sum: torch.Tensor | None = None, dq_locks: torch.Tensor | None = None):
+                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None):
     """Gradient of qkv (B, T, 3C) from dout (B, T, C), written over dqkv (B, T, 3C), given the forward's
     out and lse. delta (B, NH, T) fp32 is scratch; pass it preallocated to keep the launcher allocation-free
-    (CUDA-graph capture); so are dq_sum and dq_locks, used by the "wgmma-dq-reduce" kernel only
-    (flash_backward_wgmma.dq_reduce_scratch_shapes). Deterministic: no atomics whose order varies. Returns
-    dqkv."""
+    (CUDA-graph capture). Deterministic: no atomics. Returns dqkv."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     assert dqkv.shape == qkv.shape and dout.shape == (B, T, C) and out.shape == (B, T, C)
@@ -493,9 +487,6 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
 
     _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
-    if cfg["bwd_kernel"] == "wgmma-dq-reduce" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
-        return flash_backward_wgmma_dq_reduce(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                              dq_sum, dq_locks, cfg["wgmma_stages"][0])
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
                                     cfg["wgmma_stages"])

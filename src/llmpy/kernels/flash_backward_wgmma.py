@@ -35,10 +35,8 @@ falls back to the tl.dot kernel elsewhere.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .common import round_to, tma_usable
+from .common import tma_usable
 
 try:  # Gluon ships with triton >= 3.5; anything missing here just means the tl.dot kernel serves
     from triton.experimental import gluon
@@ -46,8 +44,6 @@ try:  # Gluon ships with triton >= 3.5; anything missing here just means the tl.
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-    from triton.experimental.gluon.language._core import builtin as gluon_builtin
-    from triton._C.libtriton import ir as triton_ir
     GLUON = True
 except Exception:  # noqa: BLE001 - an import of an experimental module may fail in many ways
     GLUON = False
@@ -259,158 +255,6 @@ if GLUON:
         tma.store_wait(pendings=0)
 
 
-    @gluon_builtin
-    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        """global[the box at coord] += shared src through the TMA unit (cp.reduce.async.bulk.tensor .add),
-        asynchronous like a TMA store: Gluon 3.6 binds the op but offers no wrapper."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
-
-    @gluon.jit
-    def _bulk_writes_done(pendings: gl.constexpr, anchor):
-        """Wait until at most `pendings` of this thread's TMA stores/reductions are outstanding, their writes
-        to global memory done (tma.store_wait only waits for their reads of shared memory), then order them
-        before the generic-proxy release that follows. anchor: any int32 scalar (inline asm needs an
-        argument)."""
-        gl.static_assert(pendings == 0 or pendings == 1)
-        if pendings == 0:
-            done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, $1;",
-                                             "=r,r", [anchor], dtype=gl.int32, is_pure=False, pack=1)
-        else:
-            done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; fence.proxy.async.global; mov.b32 $0, $1;",
-                                             "=r,r", [anchor], dtype=gl.int32, is_pure=False, pack=1)
-        return done
-
-    @gluon.jit
-    def _async_proxy_fence(anchor):
-        """Order this thread's generic-proxy accesses before its later TMA (async-proxy) ones. anchor: as above."""
-        return gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [anchor],
-                                         dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _release_dq_tile(lock_ptr, tile):
-        """Tell the next key block that its turn to add into query tile `tile` has come."""
-        gl.thread_barrier()  # every thread's wait (the TMA issuer's among them) before the release
-        gl.atomic_add(lock_ptr + tile, 1, sem="release", scope="gpu")
-
-    @gluon.jit
-    def _flash_bwd_wgmma_dq_reduce_kernel(q_desc, do_desc, kv_desc, dqkv_desc, dq_sum_desc, lse_ptr, delta_ptr,
-                                          lock_ptr, T, NH, C, n_key_blocks, sm_scale, scale_log2,
-                                          HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                          STAGES: gl.constexpr, num_warps: gl.constexpr):
-        """The backward with dq summed across key blocks instead of recomputed: program (p, b*NH + h) takes
-        key block n_key_blocks - 1 - p (the last first, so that a program only ever waits on programs
-        launched before it) and, for each 32-query tile from the key block on, computes S^T, dP^T, dv, dk
-        as _flash_bwd_wgmma_kernel's dk/dv half and also the tile's share of dq, (dS K)^T = K^T dS^T, which
-        it adds into dq_sum (fp32, (B*NH*HS, T): dq transposed) through the TMA unit. The shares of a query
-        tile are added in a fixed order, its diagonal key block first (a plain store: no zeroing needed)
-        and key block 0 last: lock_ptr[bh * T / BLOCK_M + tile] counts the shares added (zeroed by the
-        launcher), each program waits (acquire) for its turn and publishes (release) once its addition is
-        written. Fixed order, no floating-point atomics whose order varies: bitwise reproducible. Five
-        products a tile pair where the recomputing kernel runs seven, one exponential where it takes two.
-        dq_sum then goes to dqkv in bf16 through finish_dq_sum."""
-        gl.static_assert(num_warps == 4 and BLOCK_N == 64 and HS == 64, "one warpgroup a program, 64 x 64 tiles")
-        gl.static_assert(BLOCK_N % BLOCK_M == 0, "query tiles inside the diagonal block")
-        gl.static_assert(STAGES >= 2, "a ring buffer is refilled while the next one is read")
-        bh = gl.program_id(1)
-        n0 = (n_key_blocks - 1 - gl.program_id(0)) * BLOCK_N
-        row0 = (bh // NH) * T
-        col_q = (bh % NH) * HS
-        col_k = C + col_q
-        col_v = 2 * C + col_q
-        lse_base = lse_ptr + bh.to(gl.int64) * T
-        delta_base = delta_ptr + bh.to(gl.int64) * T
-        lock_base = lock_ptr + bh.to(gl.int64) * (T // BLOCK_M) + n0 // BLOCK_M  # this block's first query tile
-        dtype: gl.constexpr = q_desc.dtype
-
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-        mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HS, 16])
-        a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
-        q_ring, do_ring, bars = _rings(q_desc, do_desc, STAGES)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, HS, BLOCK_M], dq_sum_desc.layout)
-        one_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(one_bar, count=1)
-
-        n_tiles = (T - n0) // BLOCK_M
-        for s in gl.static_range(STAGES):
-            if s < n_tiles:
-                _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, s, n0, row0, col_q, STAGES, BLOCK_M)
-        mbarrier.expect(one_bar, 2 * kv_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_k], one_bar, k_smem)
-        tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
-        mbarrier.wait(one_bar, 0)
-        mbarrier.invalidate(one_bar)
-
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
-        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_s)
-        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
-        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
-        for j in range(n_tiles):
-            slot = j % STAGES
-            q_tile = q_ring.index(slot)
-            do_tile = do_ring.index(slot)
-            offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-            lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
-            delta = gl.load(delta_base + offs_m)
-            mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
-            sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))  # and the last tile's dk: its slot is free
-            if j > 0:
-                if j - 1 + STAGES < n_tiles:
-                    _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars, j - 1 + STAGES, n0, row0, col_q,
-                                     STAGES, BLOCK_M)
-            if j >= 2:
-                # the share added two tiles ago is written (so is its staging buffer free): the next key
-                # block may add its own. Two tiles late, so that the TMA unit never holds the warps up
-                _bulk_writes_done(1, j)
-                _release_dq_tile(lock_base, j - 2)
-            pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-            if j * BLOCK_M < BLOCK_N:
-                pT = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), pT, 0.0)
-            dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
-            dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
-            dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
-            ds_smem.store(dsT)  # the last tile's (dS K)^T product, which read it, was waited for
-            fence_async_shared()
-            dqT = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_s, use_acc=False, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(dsT, a_d), q_tile, dk, is_async=True)
-            dqT = warpgroup_mma_wait(num_outstanding=1, deps=(dqT, ))  # dv too; dk runs on
-            stage = dq_stage.index(j % 2)
-            stage.store(dqT)
-            fence_async_shared()
-            # this key block is share number j * BLOCK_M // BLOCK_N of the tile (0: the diagonal block)
-            turn = (j * BLOCK_M) // BLOCK_N
-            if turn == 0:
-                tma.async_copy_shared_to_global(dq_sum_desc, [bh * HS, n0 + j * BLOCK_M], stage)
-            else:
-                while gl.atomic_add(lock_base + j, 0, sem="acquire", scope="gpu") < turn:
-                    pass
-                _async_proxy_fence(j)  # the TMA unit's access to dq_sum after the acquire
-                _tma_reduce_add(dq_sum_desc, [bh * HS, n0 + j * BLOCK_M], stage)
-        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(s))
-        _bulk_writes_done(0, n_tiles)
-        _release_dq_tile(lock_base, n_tiles - 2)
-        gl.atomic_add(lock_base + n_tiles - 1, 1, sem="release", scope="gpu")
-
-        k_smem.store((dk * sm_scale).to(dtype))
-        v_smem.store(dv.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_k], k_smem)
-        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_v], v_smem)
-        tma.store_wait(pendings=0)
-
-
 # the shared-memory layouts of the [BLOCK_QUERIES, 64] and [BLOCK_KEYS, 64] bf16 boxes, once
 _TILE_LAYOUTS = tuple(gl.NVMMASharedLayout.get_default_for([rows, HEAD_SIZE], gl.bfloat16)
                       for rows in (BLOCK_QUERIES, BLOCK_KEYS)) if GLUON else None
@@ -439,73 +283,3 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
 
 
 last_compiled = None  # the kernel the last call ran (its registers and shared memory, for the benchmarks)
-
-
-DQ_FINISH_BLOCK_T = 64  # query rows a finish_dq_sum program converts
-
-
-@triton.jit
-def _finish_dq_sum_kernel(dq_sum_ptr, dqkv_ptr, T, NH, C, sm_scale, HS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """dqkv[b, t, h*HS + d] = sm_scale * dq_sum[(b*NH + h)*HS + d, t], rounded to dqkv's dtype."""
-    bh = tl.program_id(1)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, HS)
-    mask = t[None, :] < T
-    acc = tl.load(dq_sum_ptr + (bh.to(tl.int64) * HS + d[:, None]) * T + t[None, :], mask=mask, other=0.0)
-    b = bh // NH
-    h = bh % NH
-    out = dqkv_ptr + (b.to(tl.int64) * T + t[None, :]) * (3 * C) + h * HS + d[:, None]
-    tl.store(out, round_to(acc * sm_scale, dqkv_ptr), mask=mask)
-
-
-def finish_dq_sum(dqkv: torch.Tensor, dq_sum: torch.Tensor, num_heads: int, sm_scale: float) -> torch.Tensor:
-    """The query part of dqkv (B, T, 3C) from dq_sum ((B*NH*hs, T) fp32, dq / sm_scale transposed per head,
-    as _flash_bwd_wgmma_dq_reduce_kernel leaves it)."""
-    B, T, C3 = dqkv.shape
-    C = C3 // 3
-    hs = C // num_heads
-    assert dq_sum.shape == (B * num_heads * hs, T) and dq_sum.dtype == torch.float32 and dq_sum.is_contiguous()
-    assert dqkv.is_contiguous() and hs == triton.next_power_of_2(hs)
-    _finish_dq_sum_kernel[(triton.cdiv(T, DQ_FINISH_BLOCK_T), B * num_heads)](
-        dq_sum, dqkv, T, num_heads, C, sm_scale, HS=hs, BLOCK_T=DQ_FINISH_BLOCK_T, num_warps=4)
-    return dqkv
-
-
-def dq_reduce_scratch_shapes(B: int, T: int, num_heads: int) -> dict:
-    """Shapes (all fp32 / int32, the caller may keep them across calls) of the dq-reduce schedule's scratch."""
-    return {"dq_sum": (B * num_heads * HEAD_SIZE, T), "dq_locks": (B * num_heads * (T // BLOCK_QUERIES), )}
-
-
-def flash_backward_wgmma_dq_reduce(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
-                                   delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                                   dq_sum: torch.Tensor | None = None, dq_locks: torch.Tensor | None = None,
-                                   stages: int = 3) -> torch.Tensor:
-    """As flash_backward_wgmma, with dq summed across key blocks (_flash_bwd_wgmma_dq_reduce_kernel) into the
-    fp32 scratch dq_sum, then rounded into dqkv (finish_dq_sum). dq_sum, dq_locks: scratch of
-    dq_reduce_scratch_shapes (float32, int32), allocated here when not given."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    shapes = dq_reduce_scratch_shapes(B, T, num_heads)
-    if dq_sum is None:
-        dq_sum = torch.empty(shapes["dq_sum"], dtype=torch.float32, device=qkv.device)
-    if dq_locks is None:
-        dq_locks = torch.empty(shapes["dq_locks"], dtype=torch.int32, device=qkv.device)
-    assert dq_sum.shape == shapes["dq_sum"] and dq_sum.dtype == torch.float32 and dq_sum.is_contiguous()
-    assert dq_locks.shape == shapes["dq_locks"] and dq_locks.dtype == torch.int32
-    dq_locks.zero_()
-    lay_q, lay_k = _TILE_LAYOUTS
-    qkv2, dout2, dqkv2 = qkv.view(B * T, C3), dout.view(B * T, C), dqkv.view(B * T, C3)
-    q_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_QUERIES, HEAD_SIZE], lay_q)
-    do_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_QUERIES, HEAD_SIZE], lay_q)
-    kv_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
-    dqkv_desc = GluonTensorDescriptor.from_tensor(dqkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
-    dq_sum_desc = GluonTensorDescriptor.from_tensor(dq_sum, [HEAD_SIZE, BLOCK_QUERIES], _DQ_SUM_LAYOUT)
-    n_key_blocks = T // BLOCK_KEYS
-    global last_compiled
-    last_compiled = _flash_bwd_wgmma_dq_reduce_kernel[(n_key_blocks, B * num_heads)](
-        q_desc, do_desc, kv_desc, dqkv_desc, dq_sum_desc, lse, delta, dq_locks, T, num_heads, C, n_key_blocks,
-        scale, scale_log2, HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES=stages, num_warps=4)
-    return finish_dq_sum(dqkv, dq_sum, num_heads, scale)
-
-
-_DQ_SUM_LAYOUT = gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_QUERIES], gl.float32) if GLUON else None
