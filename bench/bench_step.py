@@ -341,6 +341,8 @@ def run_system(args, system: str) -> dict:
             if cuda and i in (0, args.warmup_median_from - 1, args.steps - 1):
                 used.append(_used_bytes(torch))
             res["step_ms"].append(ms)
+            if counter is not None:  # the SM clock after each step: the power cap's swings move slow steps
+                res.setdefault("step_sm_mhz", []).append(counter.sm_clock_mhz())
             res["losses"].append(loss)
             res["norms"].append(norm)
             if i < args.print_steps or (i + 1) % 10 == 0 or i + 1 == args.steps:
