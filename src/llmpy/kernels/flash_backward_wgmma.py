@@ -25,7 +25,10 @@ slower); carried already waited for, it compiles asynchronous at 168 registers a
 L2 traffic): one program an SM, 16-39 % slower; capped at 128 registers for four programs an SM: 6 %
 slower. ncu: the tensor pipe is busy 49 % of the time, as with the tl.dot kernel (48.8 %), and the
 warps' stalls spread over L1TEX results, wgmma waits, barriers and dispatch with none dominant: twelve
-warps an SM at ~155 registers is the balance these tiles allow.
+warps an SM at ~155 registers is the balance these tiles allow. dq summed across key blocks instead of
+recomputed (each 64-key program adding its share of every query tile into an fp32 sum through the TMA
+unit's reduce-add, in an order fixed by per-tile counters; commit 181187c, run X): bitwise repeatable but
+1.46 against 0.98 ms, the shares' 1.7 GB of L2 writes a layer alone costing ~0.5 ms.
 
 GPU only (sm_90): Gluon has no CPU interpreter. flash_attention.py's tl.dot kernel is the portable path,
 tested on the CPU; this one is tested on the GPU against the CPU reference and against that kernel. It
