@@ -285,10 +285,10 @@ def _bias_finish_kernel(part_ptr, dbias_ptr, seed_ptr, N, num_chunks, col0, STOC
 
 
 @triton.jit
-def _weight_bias_column_finish_kernel(wide_ptr, dweight_ptr, dbias_ptr, seed_ptr, OC, C, wide_stride, col0,
+def _weight_bias_column_finish_kernel(wide_ptr, dweight_ptr, dbias_ptr, seed_ptr, OC, C, wide_stride,
                                       STOCHASTIC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """dweight[r, :] += wide[r, :C] rounded to nearest (as the product's beta = 1 would), dbias[r] +=
-    wide[r, C] rounded like the bias reductions (counters col0 + r)."""
+    wide[r, C] rounded like the bias reductions (counter r, as theirs for a whole bias)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < OC
     rows = wide_ptr + r.to(tl.int64)[:, None] * wide_stride
@@ -301,7 +301,7 @@ def _weight_bias_column_finish_kernel(wide_ptr, dweight_ptr, dbias_ptr, seed_ptr
         tl.store(dweight_ptr + w_offs, round_to(total, dweight_ptr), mask=mask)
     column = tl.load(wide_ptr + r.to(tl.int64) * wide_stride + C, mask=r_ok, other=0.0)
     dbias = tl.load(dbias_ptr + r, mask=r_ok, other=0.0).to(tl.float32) + column
-    store_rounded(dbias_ptr + r, dbias, r_ok, _seed(seed_ptr, STOCHASTIC), col0 + r, STOCHASTIC)
+    store_rounded(dbias_ptr + r, dbias, r_ok, _seed(seed_ptr, STOCHASTIC), r, STOCHASTIC)
 
 
 @triton.jit
@@ -612,7 +612,7 @@ def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None):
         torch.mm(dout2.t().float(), inp2.float(), out=wide2)
     stochastic = seed is not None and dbias.dtype == torch.bfloat16
     _weight_bias_column_finish_kernel[(cdiv(OC, WIDE_FINISH_BLOCK_R),)](
-        wide2, dweight, dbias, seed if stochastic else dbias, OC, C, Cw, 0, STOCHASTIC=stochastic,
+        wide2, dweight, dbias, seed if stochastic else dbias, OC, C, Cw, STOCHASTIC=stochastic,
         BLOCK_R=WIDE_FINISH_BLOCK_R, BLOCK_C=WIDE_FINISH_BLOCK_C, num_warps=4)
     return dweight, dbias
 
