@@ -170,17 +170,64 @@ if GLUON:
         return dq
 
     @gluon.jit
+    def _publish_delta(out_ptr, dout_ptr, delta_base, flag_ptr, m0, row0, col, C,
+                       BLOCK: gl.constexpr, HS: gl.constexpr):
+        """delta = rowsum(dout * out) of the BLOCK query rows from m0 (head columns col on), stored, then
+        published: flag_ptr's counter goes to 1 once every thread's store is done (barrier, then release).
+        The layout and the sum are the delta kernel's (flash_attention._flash_bwd_delta_kernel), so that
+        the sums run in the same order."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = m0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, lay))
+        cols = col + gl.arange(0, HS, layout=gl.SliceLayout(0, lay))
+        offs = gl.expand_dims((row0 + rows).to(gl.int64) * C, 1) + gl.expand_dims(cols, 0)
+        o = gl.load(out_ptr + offs).to(gl.float32)
+        do = gl.load(dout_ptr + offs).to(gl.float32)
+        gl.store(delta_base + rows, gl.sum(o * do, axis=1))
+        gl.thread_barrier()
+        gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _await_deltas(flag_base, first, n_blocks):
+        """Wait until blocks first .. n_blocks - 1 of this head have published their delta. Each thread
+        reads its flags with acquire semantics (a plain load, no read-modify-write to contend); the barrier
+        after orders every thread's later delta loads behind them."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        for b0 in range(first, n_blocks, 32):
+            blocks = b0 + gl.arange(0, 32, layout=lay)
+            ptrs = flag_base + gl.minimum(blocks, n_blocks - 1)
+            ready = gl.min(_load_acquire(ptrs), axis=0)
+            while ready == 0:
+                ready = gl.min(_load_acquire(ptrs), axis=0)
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _load_acquire(ptrs):
+        return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr,
-                                T, NH, C, sm_scale, scale_log2,
+                                out_ptr, dout_ptr, flags_ptr, T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, num_warps: gl.constexpr):
+                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, FUSED_DELTA: gl.constexpr,
+                                num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
-        then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings."""
+        then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings.
+
+        FUSED_DELTA: no delta kernel before this one. Program p takes block i = n - 1 - p, computes delta of
+        query block i (from out and dout) and publishes it (flags_ptr: an int32 counter a (b*NH + h, block),
+        zero before the launch); its dk/dv half then waits for the deltas of blocks i + 1 .. n - 1, which
+        programs 0 .. p - 1 of its head publish first thing. A program so waits only on programs launched
+        before it (blocks are dispatched in order of their index), never on one that could wait on it."""
         gl.static_assert(num_warps == 4 and BLOCK_N == 64, "one warpgroup a program, 64 rows a warpgroup")
         gl.static_assert(BLOCK_N % BLOCK_M == 0, "query tiles inside the diagonal block")
         gl.static_assert(min(STAGES1, STAGES2) >= 2, "a ring buffer is refilled while the next one is read")
-        pid = gl.program_id(0)
+        n_blocks = gl.num_programs(0)
+        if FUSED_DELTA:
+            pid = n_blocks - 1 - gl.program_id(0)
+        else:
+            pid = gl.program_id(0)
         bh = gl.program_id(1)
         b = bh // NH
         h = bh % NH
@@ -215,6 +262,10 @@ if GLUON:
         mbarrier.expect(one_bar, 2 * kv_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_k], one_bar, k_smem)
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
+        if FUSED_DELTA:  # while those tiles are on their way
+            flag_base = flags_ptr + bh * n_blocks
+            _publish_delta(out_ptr, dout_ptr, delta_base, flag_base + pid, n0, row0, col_q, C, BLOCK_N, HS)
+            _await_deltas(flag_base, pid + 1, n_blocks)
         mbarrier.wait(one_bar, 0)
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
                             col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
@@ -263,12 +314,20 @@ _TILE_LAYOUTS = tuple(gl.NVMMASharedLayout.get_default_for([rows, HEAD_SIZE], gl
                       for rows in (BLOCK_QUERIES, BLOCK_KEYS)) if GLUON else None
 
 
+def delta_flags_numel(B: int, T: int, num_heads: int) -> int:
+    """int32 counters the fused-delta launch needs: one a (batch, head, 64-row block)."""
+    return B * num_heads * (-(-T // BLOCK_KEYS))
+
+
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3)) -> torch.Tensor:
-    """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
-    (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
-    rings' depths in the dk/dv half and in the dq half."""
+                         stages=(3, 3), out: torch.Tensor | None = None,
+                         delta_flags: torch.Tensor | None = None) -> torch.Tensor:
+    """dq, dk, dv into dqkv (B, T, 3C); the caller (flash_attention_backward) has checked shapes, dtypes and
+    wgmma_backward_usable. stages: the TMA rings' depths in the dk/dv half and in the dq half. Without out,
+    delta (B, NH, T) is already computed; with out (B, T, C), the kernel computes delta into it itself
+    (fused delta), ordered by delta_flags (int32, delta_flags_numel(B, T, NH) of them at least, zeroed
+    here; allocated when not given)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q, lay_k = _TILE_LAYOUTS
@@ -278,10 +337,21 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     kv_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     do64_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     dqkv_desc = GluonTensorDescriptor.from_tensor(dqkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
+    fused_delta = out is not None
+    if fused_delta:
+        n_flags = delta_flags_numel(B, T, num_heads)
+        if delta_flags is None:
+            delta_flags = torch.zeros(n_flags, dtype=torch.int32, device=qkv.device)
+        else:
+            assert delta_flags.dtype == torch.int32 and delta_flags.numel() >= n_flags and delta_flags.is_contiguous()
+            delta_flags = delta_flags.view(-1)[:n_flags]
+            delta_flags.zero_()
     global last_compiled
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
-        q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, T, num_heads, C, scale, scale_log2,
-        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1], num_warps=4)
+        q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta,
+        out if fused_delta else dout, dout, delta_flags if fused_delta else lse, T, num_heads, C, scale, scale_log2,
+        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1],
+        FUSED_DELTA=fused_delta, num_warps=4)
     return dqkv
 
 
