@@ -30,8 +30,7 @@ def rel_err(out, expected):
 
 
 def poisoned(shape, dtype, device):
-    """NaN, or for integer scratch (the delta flags) -1, which no launcher may trust."""
-    return torch.full(shape, NAN if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    return torch.full(shape, NAN, dtype=dtype, device=device)
 
 
 def rand(*shape, dtype, device, scale=1.0):
@@ -209,9 +208,8 @@ def test_dispatcher_classic(device):
     for impl in ("cudnn", "torch-cudnn", "torch-flash"):
         assert A.attention_buffer_shapes(impl, B, T, C, NH) == {"lse": ((B, NH, T), "fp32")}
     for impl in ("flash", "cudnn+flash"):  # the Triton backward's delta scratch
-        assert A.attention_buffer_shapes(impl, B, T, C, NH) == {
-            "lse": ((B, NH, T), "fp32"), "delta": ((B, NH, T), "fp32"),
-            "delta_flags": ((B * NH * -(-T // A.DELTA_FLAG_ROWS), ), "int32")}
+        assert A.attention_buffer_shapes(impl, B, T, C, NH) == {"lse": ((B, NH, T), "fp32"),
+                                                                "delta": ((B, NH, T), "fp32")}
     with pytest.raises(ValueError):
         A.attention_buffer_shapes("nope", B, T, C, NH)
 
@@ -257,7 +255,7 @@ class Fused:
         self.impl, self.NH = impl, NH
         self.out = poisoned((B, T, C), dtype, "cuda")
         self.dqkv = poisoned((B, T, 3 * C), dtype, "cuda")
-        self.buf = {name: poisoned(shape, A.buffer_dtype(kind, dtype), "cuda")
+        self.buf = {name: poisoned(shape, dtype if kind == "floatX" else torch.float32, "cuda")
                     for name, (shape, kind) in A.attention_buffer_shapes(impl, B, T, C, NH).items()}
 
     def forward(self, qkv):

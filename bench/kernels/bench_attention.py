@@ -101,7 +101,7 @@ def bench() -> list[dict]:
             note = ""
             try:
                 for name, (shape, kind) in A.attention_buffer_shapes(impl, B, T, C, NH).items():
-                    buf[name] = torch.empty(shape, device="cuda", dtype=A.buffer_dtype(kind, DTYPE))
+                    buf[name] = torch.empty(shape, device="cuda", dtype=DTYPE if kind == "floatX" else torch.float32)
             except Exception as ex:  # noqa: BLE001 - e.g. out of memory
                 note = f"buffers: {type(ex).__name__}"
             fwd_keys = ("qkvr", "att", "scratch") if impl == "classic" else ("lse",)

@@ -308,8 +308,6 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
     if attention in kattn.TRITON_BACKWARD:
         specs.append(BufferSpec("delta", (B, NH, T), f32, "scratch"))
-        (n_flags, ), _ = kattn.attention_buffer_shapes(attention, B, T, C, NH)["delta_flags"]
-        specs.append(BufferSpec("delta_flags", (n_flags, ), torch.int32, "scratch"))
     if attention in kattn.CUDNN_FRONTEND:
         # cuDNN's workspace (the deterministic backward's is large); sized by building the graphs, which
         # needs the GPU: a plan made off it counts none
@@ -1078,11 +1076,10 @@ class GPT2Model:
                                                           att=b["att"], dqkvr=dqkvr, datt=datt, scratch=b["atty"]),
                      [dl_btc, b["qkvr"], b["att"]], [dqkv, dqkvr, datt, b["atty"]], "attention_backward")
             else:
-                delta, flags, workspace = a.get("delta"), a.get("delta_flags"), a.get("cudnn_workspace")
+                delta, workspace = a.get("delta"), a.get("cudnn_workspace")
                 main(lambda: kattn.attention_backward_any(self.attention, dqkv, dl_btc, b["qkv"], b["atty"], NH,
-                                                          lse=b["lse"], delta=delta, delta_flags=flags,
-                                                          workspace=workspace),
-                     [dl_btc, b["qkv"], b["atty"], b["lse"]], [dqkv, delta, flags, workspace], "attention_backward")
+                                                          lse=b["lse"], delta=delta, workspace=workspace),
+                     [dl_btc, b["qkv"], b["atty"], b["lse"]], [dqkv, delta, workspace], "attention_backward")
             if self.recompute >= 2:
                 main(lambda: kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"],
                                                    p["ln1w"][l], p["ln1b"][l]),

@@ -457,14 +457,12 @@ DETERMINISTIC = ("classic", "flash", "cudnn", "cudnn+flash")
 
 def attention_buffer_shapes(impl: str, B: int, T: int, C: int, NH: int) -> dict:
     """name -> (shape, dtype kind) of what attention_forward_any / attention_backward_any need besides
-    qkv, out, dqkv, dout. "floatX" is the model's storage dtype, "fp32" is float32, "int32" int32
-    (buffer_dtype).
+    qkv, out, dqkv, dout. "floatX" is the model's storage dtype, "fp32" is float32.
 
     Saved from forward to backward (one per layer): classic qkvr + att, fused lse.
     Backward-only scratch (one shared by all layers): classic dqkvr, datt, scratch (the last also
     serves as the forward's att @ v scratch, so forward keeps qkv intact when it is passed); Triton
-    flash delta (the row sums dout.out, fp32) and delta_flags (the counters that order them when the
-    backward kernel computes delta itself: flash_attention's wgmma_fused_delta).
+    flash delta (the row sums dout.out, fp32).
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; one of {ATTENTION_IMPLS}")
@@ -474,17 +472,8 @@ def attention_buffer_shapes(impl: str, B: int, T: int, C: int, NH: int) -> dict:
                 "dqkvr": ((3, B, NH, T, hs), "floatX"), "datt": ((B, NH, T, T), "floatX"),
                 "scratch": ((B, NH, T, hs), "floatX")}
     if impl in TRITON_BACKWARD:
-        return {"lse": ((B, NH, T), "fp32"), "delta": ((B, NH, T), "fp32"),
-                "delta_flags": ((B * NH * -(-T // DELTA_FLAG_ROWS), ), "int32")}
+        return {"lse": ((B, NH, T), "fp32"), "delta": ((B, NH, T), "fp32")}
     return {"lse": ((B, NH, T), "fp32")}
-
-
-DELTA_FLAG_ROWS = 64  # query rows a delta flag covers (flash_backward_wgmma.BLOCK_KEYS: checked by its tests)
-
-
-def buffer_dtype(kind: str, floatX: torch.dtype) -> torch.dtype:
-    """The torch dtype of an attention_buffer_shapes kind."""
-    return {"floatX": floatX, "fp32": torch.float32, "int32": torch.int32}[kind]
 
 
 def _triton_flash():
@@ -530,13 +519,12 @@ def attention_backward_any(impl: str, dqkv: torch.Tensor, dout: torch.Tensor, qk
                            qkvr: torch.Tensor | None = None, att: torch.Tensor | None = None,
                            dqkvr: torch.Tensor | None = None, datt: torch.Tensor | None = None,
                            scratch: torch.Tensor | None = None, delta: torch.Tensor | None = None,
-                           delta_flags: torch.Tensor | None = None, workspace: torch.Tensor | None = None):
+                           workspace: torch.Tensor | None = None):
     """Causal attention backward through impl: dqkv (B, T, 3C) OVERWRITTEN from dout (B, T, C).
 
     classic: qkvr, att (from the forward), dqkvr, datt, scratch (scratch); qkv and out are not read.
-    the others: qkv, out, lse from the forward; flash and cudnn+flash also take delta (B, NH, T) fp32 and
-    delta_flags int32 scratch (else they allocate them: not inside a CUDA graph capture); cudnn a workspace
-    (optional).
+    the others: qkv, out, lse from the forward; flash and cudnn+flash also take delta (B, NH, T) fp32
+    scratch (else they allocate one: not inside a CUDA graph capture); cudnn a workspace (optional).
     """
     if impl == "classic":
         assert None not in (qkvr, att, dqkvr, datt, scratch), "classic attention needs qkvr, att, dqkvr, datt, scratch"
@@ -544,8 +532,7 @@ def attention_backward_any(impl: str, dqkv: torch.Tensor, dout: torch.Tensor, qk
         return
     assert lse is not None, f"{impl} attention needs lse"
     if impl in TRITON_BACKWARD:
-        _triton_flash().flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads, delta=delta,
-                                                 delta_flags=delta_flags)
+        _triton_flash().flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads, delta=delta)
     elif impl == "cudnn":
         _cudnn().cudnn_attention_backward(dqkv, dout, qkv, out, lse, num_heads, workspace=workspace)
     elif impl == "torch-cudnn":

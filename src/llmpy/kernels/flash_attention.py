@@ -387,8 +387,8 @@ BWD_SCHEDULES = ("fused", "split")
 # "wgmma" (flash_backward_wgmma: the fused schedule with explicit asynchronous wgmma, Gluon, sm_90 only;
 # where it does not apply - another GPU, fp32, head size != 64, T not a multiple of 64 - the tl.dot kernel
 # serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half). wgmma_fused_delta: the wgmma kernel
-# computes delta itself (each program its query block's, published to the others through int32 counters,
-# delta_flags) instead of the delta kernel's pass over out and dout before it.
+# computes delta itself (each program its query block's, read by the others as it lands) instead of the
+# delta kernel's pass over out and dout before it.
 BWD_KERNELS = ("tl.dot", "wgmma")
 
 # Override hook: FLASH_CONFIGS[hs] (or FLASH_CONFIGS[(hs, dtype)], which wins) = dict of the fields above
@@ -468,12 +468,10 @@ def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Ten
 
 
 def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
-                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None,
-                             delta_flags: torch.Tensor | None = None):
+                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None):
     """Gradient of qkv (B, T, 3C) from dout (B, T, C), written over dqkv (B, T, 3C), given the forward's
-    out and lse. delta (B, NH, T) fp32 and delta_flags (int32, delta_flags_numel(B, T, NH); used by the
-    wgmma kernel with wgmma_fused_delta only) are scratch; pass them preallocated to keep the launcher
-    allocation-free (CUDA-graph capture). Deterministic: no atomics whose order varies. Returns dqkv."""
+    out and lse. delta (B, NH, T) fp32 is scratch; pass it preallocated to keep the launcher allocation-free
+    (CUDA-graph capture). Deterministic: no atomics. Returns dqkv."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     assert dqkv.shape == qkv.shape and dout.shape == (B, T, C) and out.shape == (B, T, C)
@@ -493,7 +491,7 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv, out):
         if cfg["wgmma_fused_delta"]:
             return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                        cfg["wgmma_stages"], out=out, delta_flags=delta_flags)
+                                        cfg["wgmma_stages"], out=out)
         _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
             out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
