@@ -40,9 +40,7 @@ def test_other_calls_fall_back(monkeypatch, device):
 
 # (B, T, NH): one 64-row block (two query tiles on the diagonal, one key tile), a few blocks, GPT-2 sizes
 GPU_SHAPES = [(2, 64, 3), (3, 192, 2), (4, 1024, 12), (1, 2048, 12)]
-VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3)),
-            "fused-delta": dict(wgmma_fused_delta=True),
-            "fused-delta-2-2": dict(wgmma_fused_delta=True, wgmma_stages=(2, 2))}
+VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3))}
 
 
 @pytest.mark.gpu
@@ -75,47 +73,3 @@ def test_gpu_off_grid_falls_back(monkeypatch):
     _, _, dqkv_ref = reference(qkv, dout, NH)
     out, lse = run_forward(qkv, NH)
     check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
-
-
-def test_fused_delta_config(monkeypatch):
-    monkeypatch.setitem(FLASH_CONFIGS, 64, {"bwd_kernel": "wgmma", "wgmma_fused_delta": 1})
-    with pytest.raises(AssertionError, match="wgmma_fused_delta"):
-        fa.flash_config(64, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(3, 192, 2), (4, 1024, 12)], ids=lambda s: "B%dT%dNH%d" % s)
-def test_gpu_fused_delta(monkeypatch, shape):
-    """The kernel's own delta: bit for bit the delta kernel's (same layout, same order of the sums; the
-    buffer poisoned with NaN first), dqkv bit for bit the unfused launch's, the same bits call after call."""
-    B, T, NH = shape
-    hs, dtype = 64, torch.bfloat16
-    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=13)
-    out, lse = run_forward(qkv, NH)
-
-    def backward(fused):
-        monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma", "wgmma_fused_delta": fused})
-        delta = torch.full((B, NH, T), float("nan"), device="cuda")
-        dqkv = torch.full_like(qkv, float("nan"))
-        fa.flash_attention_backward(dqkv, dout, qkv, out, lse, NH, delta=delta)
-        return delta, dqkv
-
-    delta_ref, dqkv_ref = backward(False)
-    runs = [backward(True) for _ in range(3)]
-    for delta, dqkv in runs:
-        assert torch.equal(delta, delta_ref) and torch.equal(dqkv, dqkv_ref)
-
-
-@pytest.mark.gpu
-def test_gpu_fused_delta_nan_does_not_hang(monkeypatch):
-    """A NaN in dout gives NaN gradients, not a kernel spinning on a delta that looks unpublished."""
-    B, T, NH, hs = 2, 128, 2, 64
-    qkv, dout = make_inputs(B, T, NH, hs, torch.bfloat16, "cuda", seed=14)
-    dout[1, 70, 3] = float("nan")
-    out, lse = run_forward(qkv, NH)
-    monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma", "wgmma_fused_delta": True})
-    delta = torch.empty(B, NH, T, device="cuda")
-    dqkv = fa.flash_attention_backward(torch.empty_like(qkv), dout, qkv, out, lse, NH, delta=delta)
-    torch.cuda.synchronize()
-    assert torch.isnan(delta[1, 0, 70]) and torch.isfinite(delta[0]).all()
-    assert torch.isnan(dqkv[1]).any() and torch.isfinite(dqkv[0]).all()

@@ -376,7 +376,7 @@ _CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1,
                          BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1)
 # the fields the tables above leave at their default
 _FIELD_DEFAULTS = dict(fwd_tma=False, bwd_schedule="fused", bwd_tma=False, bwd_kernel="tl.dot",
-                       wgmma_stages=(3, 3), wgmma_fused_delta=False)
+                       wgmma_stages=(3, 3))
 _DELTA_BLOCK_T = 64
 
 # How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
@@ -386,9 +386,7 @@ BWD_SCHEDULES = ("fused", "split")
 # Which kernel runs the backward: "tl.dot" (_flash_bwd_kernel above, every shape and dtype, CPU-tested) or
 # "wgmma" (flash_backward_wgmma: the fused schedule with explicit asynchronous wgmma, Gluon, sm_90 only;
 # where it does not apply - another GPU, fp32, head size != 64, T not a multiple of 64 - the tl.dot kernel
-# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half). wgmma_fused_delta: the wgmma kernel
-# computes delta itself (each program its query block's, read by the others as it lands) instead of the
-# delta kernel's pass over out and dout before it.
+# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half).
 BWD_KERNELS = ("tl.dot", "wgmma")
 
 # Override hook: FLASH_CONFIGS[hs] (or FLASH_CONFIGS[(hs, dtype)], which wins) = dict of the fields above
@@ -412,7 +410,6 @@ def flash_config(hs: int, dtype: torch.dtype) -> dict:
         assert cfg[key] >= 16 and cfg[key] & (cfg[key] - 1) == 0, f"{key} = {cfg[key]}: a power of two >= 16"
     assert cfg["bwd_schedule"] in BWD_SCHEDULES, f"bwd_schedule {cfg['bwd_schedule']!r}: one of {BWD_SCHEDULES}"
     assert cfg["bwd_kernel"] in BWD_KERNELS, f"bwd_kernel {cfg['bwd_kernel']!r}: one of {BWD_KERNELS}"
-    assert isinstance(cfg["wgmma_fused_delta"], bool), f"wgmma_fused_delta {cfg['wgmma_fused_delta']!r}: a bool"
     assert len(cfg["wgmma_stages"]) == 2 and min(cfg["wgmma_stages"]) >= 2, \
         f"wgmma_stages {cfg['wgmma_stages']}: two ring depths >= 2"
     assert cfg["bwd_schedule"] != "fused" or cfg["BLOCK_N1"] == cfg["BLOCK_M2"], \
@@ -488,16 +485,11 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     scale = 1.0 / math.sqrt(hs)
     prec = _precision(qkv.dtype)
 
-    if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv, out):
-        if cfg["wgmma_fused_delta"]:
-            return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                        cfg["wgmma_stages"], out=out)
-        _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
-            out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
-        return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                    cfg["wgmma_stages"])
     _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
+    if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
+        return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
+                                    cfg["wgmma_stages"])
 
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,

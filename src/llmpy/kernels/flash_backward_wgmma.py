@@ -103,7 +103,7 @@ if GLUON:
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
                    n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
-                   STAGES: gl.constexpr, FUSED_DELTA: gl.constexpr):
+                   STAGES: gl.constexpr):
         """dk, dv (fp32, dk unscaled) of the key block at n0 over its n_tiles query tiles, transposed (keys x
         queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings."""
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
@@ -117,10 +117,7 @@ if GLUON:
             # the tile's rows, their log-sum-exp in base 2 and their delta, loaded under the products
             offs_m = n0 + j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
             lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
-            if FUSED_DELTA:  # a plain (L1) load first: a block's delta, once there, does not change
-                delta_bits = gl.load(delta_base + offs_m).to(gl.int32, bitcast=True)
-            else:
-                delta = gl.load(delta_base + offs_m)
+            delta = gl.load(delta_base + offs_m)
             mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
             sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -138,8 +135,6 @@ if GLUON:
             dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
             # dv, dk issued and left in flight
             dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
-            if FUSED_DELTA:
-                delta = _await_delta(delta_bits, delta_base, offs_m)
             dsT = pT * (dpT - gl.expand_dims(delta, 0))
             dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
@@ -175,66 +170,17 @@ if GLUON:
         return dq
 
     @gluon.jit
-    def _load_relaxed(ptrs):
-        """int32 loads at gpu scope, relaxed: from the L2, where other programs' stores land (never a stale
-        line of this SM's L1)."""
-        return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptrs],
-                                         dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _await_delta(bits, base, offs):
-        """delta at base + offs as fp32, from bits already loaded there: each thread reloads any of its
-        values that is still the launcher's poison (-1, a NaN pattern no sum below stores), i.e. until its
-        block's program has published it. Per thread, so no warp or program waits on another's values; the
-        address is formed only on a reload, so that no 64-bit pointers stay live from load to use."""
-        bits = gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 a; mov.b32 $0, $1; again: setp.eq.s32 p, $0, -1; @!p bra done; "
-            "mad.wide.s32 a, $2, 4, $3; ld.relaxed.gpu.global.b32 $0, [a]; bra again; done: }",
-            "=r,r,r,l", [bits, offs, base], dtype=gl.int32, is_pure=False, pack=1)
-        return bits.to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _publish_delta(out_ptr, dout_ptr, delta_base, m0, row0, col, C, BLOCK: gl.constexpr, HS: gl.constexpr):
-        """delta = rowsum(dout * out) of the BLOCK query rows from m0 (head columns col on), stored with
-        relaxed gpu-scope stores: each value is its own ready flag (_await_delta), so no fence or barrier
-        holds the program up. The layout and the sum are the delta kernel's
-        (flash_attention._flash_bwd_delta_kernel): the same sums in the same order, the same bits."""
-        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rows = m0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, lay))
-        cols = col + gl.arange(0, HS, layout=gl.SliceLayout(0, lay))
-        offs = gl.expand_dims((row0 + rows).to(gl.int64) * C, 1) + gl.expand_dims(cols, 0)
-        o = gl.load(out_ptr + offs).to(gl.float32)
-        do = gl.load(dout_ptr + offs).to(gl.float32)
-        delta = gl.sum(o * do, axis=1)
-        # a NaN (from NaN inputs) goes out as the canonical one, never as the poison's bits
-        bits = gl.where(delta == delta, delta, float("nan")).to(gl.int32, bitcast=True)
-        gl.inline_asm_elementwise("st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;", "=r,l,r",
-                                  [delta_base + rows, bits], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr,
-                                out_ptr, dout_ptr, T, NH, C, sm_scale, scale_log2,
+                                T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, FUSED_DELTA: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
-        then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings.
-
-        FUSED_DELTA: no delta kernel before this one. Program p takes block i = n - 1 - p and first computes
-        delta of query block i (from out and dout) into delta_ptr, which the launcher filled with -1 bits; its
-        dk/dv half reads the deltas of blocks i .. n - 1 as it reaches them, reloading any still -1, and
-        programs 0 .. p - 1 of its head publish blocks i + 1 .. n - 1 first thing. A program so waits only
-        on programs launched before it (blocks are dispatched in order of their index), never on one that
-        could wait on it."""
+        then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings."""
         gl.static_assert(num_warps == 4 and BLOCK_N == 64, "one warpgroup a program, 64 rows a warpgroup")
         gl.static_assert(BLOCK_N % BLOCK_M == 0, "query tiles inside the diagonal block")
         gl.static_assert(min(STAGES1, STAGES2) >= 2, "a ring buffer is refilled while the next one is read")
-        n_blocks = gl.num_programs(0)
-        if FUSED_DELTA:
-            pid = n_blocks - 1 - gl.program_id(0)
-        else:
-            pid = gl.program_id(0)
+        pid = gl.program_id(0)
         bh = gl.program_id(1)
         b = bh // NH
         h = bh % NH
@@ -269,12 +215,9 @@ if GLUON:
         mbarrier.expect(one_bar, 2 * kv_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_k], one_bar, k_smem)
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
-        if FUSED_DELTA:  # while those tiles are on their way
-            _publish_delta(out_ptr, dout_ptr, delta_base, n0, row0, col_q, C, BLOCK_N, HS)
         mbarrier.wait(one_bar, 0)
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
-                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1,
-                            FUSED_DELTA)
+                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
         for s in gl.static_range(STAGES1):
             mbarrier.invalidate(bars1.index(s))
 
@@ -302,10 +245,7 @@ if GLUON:
         tma.async_copy_global_to_shared(do64_desc, [row0 + m0, col_q], one_bar, do_smem)
         offs_m = m0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
         lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
-        if FUSED_DELTA:  # this program's own, published before its dk/dv half
-            delta = _await_delta(_load_relaxed(delta_base + offs_m), delta_base, offs_m)
-        else:
-            delta = gl.load(delta_base + offs_m)
+        delta = gl.load(delta_base + offs_m)
         mbarrier.wait(one_bar, 1)
         dq = _dq_loop(q_smem, do_smem, k_ring, v_ring, bars2, kv_desc, lse2, delta, offs_m, m0, row0, col_k, col_v,
                       n_key_tiles, scale_log2, dtype, mma_d, a_d, BLOCK_N, HS, STAGES2)
@@ -325,11 +265,10 @@ _TILE_LAYOUTS = tuple(gl.NVMMASharedLayout.get_default_for([rows, HEAD_SIZE], gl
 
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3), out: torch.Tensor | None = None) -> torch.Tensor:
-    """dq, dk, dv into dqkv (B, T, 3C); the caller (flash_attention_backward) has checked shapes, dtypes and
-    wgmma_backward_usable. stages: the TMA rings' depths in the dk/dv half and in the dq half. Without out,
-    delta (B, NH, T) is already computed; with out (B, T, C), the kernel computes delta into it itself
-    (fused delta; filled with -1 bits here first)."""
+                         stages=(3, 3)) -> torch.Tensor:
+    """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
+    (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
+    rings' depths in the dk/dv half and in the dq half."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q, lay_k = _TILE_LAYOUTS
@@ -339,15 +278,10 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     kv_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     do64_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     dqkv_desc = GluonTensorDescriptor.from_tensor(dqkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
-    fused_delta = out is not None
-    if fused_delta:
-        delta.view(torch.int32).fill_(-1)  # "not yet published" (see _await_delta)
     global last_compiled
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
-        q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta,
-        out if fused_delta else dout, dout, T, num_heads, C, scale, scale_log2,
-        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1],
-        FUSED_DELTA=fused_delta, num_warps=4)
+        q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, T, num_heads, C, scale, scale_log2,
+        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1], num_warps=4)
     return dqkv
 
 
