@@ -10,7 +10,7 @@ def test_classifier_variants_come_from_the_sweep_and_the_model():
     variants = bench_energy.classifier_variants()
     assert variants[0][1] == TRAIN_CONFIG
     assert [label for label, _ in variants[1:]] == bench_energy.CLASSIFIER_LABELS
-    assert all(kw["variant"] == "onepass" for _, kw in variants[1:])
+    assert all(kw["variant"] in ("twopass", "tma") for _, kw in variants[1:])
 
 
 def test_one_workload_set_at_a_time():

@@ -244,6 +244,7 @@ def test_row_chunks_and_tiles():
     ("onepass_pw16", dict(variant="onepass", keep="pw", num_warps=16), torch.bfloat16),
     ("onepass_xw16", dict(variant="onepass", keep="xw", num_warps=16), torch.bfloat16),
     ("split", dict(variant="split", block_size=4096, num_warps=8), torch.bfloat16),
+    ("tma", dict(variant="tma"), torch.bfloat16),
 ])
 def test_fused_classifier_gpt2_shapes_gpu(name, kw, dtype):
     B, T, V, Vp = 4, 1024, 50257, 50304
@@ -306,3 +307,71 @@ def test_default_configs_on_any_vocabulary(device, V, Vp, write_dlogits):
         assert rel_err(losses, exp_losses) < TOL[torch.float32]
     if not write_dlogits:
         assert torch.equal(out.cpu(), logits)
+
+
+def test_tma_variant_falls_back_off_hopper(device):
+    """Where the Gluon kernel does not serve (the CPU, fp32 logits, Vp not a multiple of 128), the "tma"
+    variant is the two-pass kernel of FALLBACK_CONFIG, bit for bit."""
+    from llmpy.kernels.fused_classifier import FALLBACK_CONFIG
+    from llmpy.kernels.fused_classifier_tma import tma_classifier_usable
+    for dtype, V, Vp in ((torch.float32, 450, 512), (torch.bfloat16, 61, 64)):
+        logits, targets = make_case(2, 3, V, Vp, dtype, seed=V)
+        if device == "cpu" or dtype == torch.float32 or Vp % 128:
+            assert not tma_classifier_usable(logits.to(device))
+        a = run(logits, targets, V, 0.25, device, variant="tma")
+        b = run(logits, targets, V, 0.25, device, **FALLBACK_CONFIG)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# the TMA kernel's odd cases: rows fewer than SMs and not a multiple of them, one box a row and a row's
+# last box mostly past Vp, V far from Vp, targets at the first and last real column (make_case)
+TMA_SHAPES = [(1, 5, 77, 128), (3, 100, 1000, 1024), (2, 150, 4000, 4096), (1, 300, 50257, 50304)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,V,Vp", TMA_SHAPES)
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_gpu_tma_classifier(B, T, V, Vp, buffers):
+    """The Gluon kernel itself (asserted to serve, not its fallback): training and validation against
+    the reference with NaN in the padding columns, validation leaving the logits untouched and giving
+    bitwise the training losses, repeats bitwise."""
+    from llmpy.kernels.fused_classifier_tma import tma_classifier_usable
+    logits, targets = make_case(B, T, V, Vp, torch.bfloat16, seed=T + V, padding=float("nan"))
+    logits, targets = logits.cuda(), targets.cuda()
+    assert tma_classifier_usable(logits)
+    dloss = 1.0 / (B * T)
+    exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
+    kw = dict(variant="tma", buffers=buffers)
+    val_losses, after = run(logits, targets, V, dloss, "cuda", write_dlogits=False, **kw)
+    assert torch.equal(after.view(torch.int16), logits.view(torch.int16))
+    losses, dlogits = run(logits, targets, V, dloss, "cuda", **kw)
+    check_train(losses, dlogits, exp_losses, exp_dlogits, V, dloss, torch.bfloat16)
+    assert torch.equal(val_losses, losses), "validation losses must be bitwise the training losses"
+    again = run(logits, targets, V, dloss, "cuda", **kw)
+    assert torch.equal(losses, again[0]) and torch.equal(dlogits, again[1])
+
+
+@pytest.mark.gpu
+def test_gpu_tma_classifier_in_cuda_graph():
+    """Captured once (the TMA descriptor baked into the graph), replayed on new logits and targets copied
+    into the same buffers: the eager result."""
+    B, T, V, Vp = 4, 1024, 50257, 50304
+    logits, targets = make_case(B, T, V, Vp, torch.bfloat16, seed=5)
+    buf, tgt = logits.cuda(), targets.cuda()
+    losses = torch.empty(B, T, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile before capture
+        fused_classifier(buf, losses, 0.5, tgt, V, variant="tma")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_classifier(buf, losses, 0.5, tgt, V, variant="tma")
+    for seed in (6, 7):
+        new_logits, new_targets = make_case(B, T, V, Vp, torch.bfloat16, seed=seed)
+        buf.copy_(new_logits)
+        tgt.copy_(new_targets)
+        graph.replay()
+        eager_losses, eager_dlogits = run(new_logits, new_targets, V, 0.5, "cuda", variant="tma")
+        torch.cuda.synchronize()
+        assert torch.equal(losses, eager_losses) and torch.equal(buf, eager_dlogits)

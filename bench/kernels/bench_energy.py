@@ -111,11 +111,12 @@ def flash_workloads():
     return rows
 
 
-# the classifier's variants for --classifier: the model's TRAIN_CONFIG, then one-pass entries of
+# the classifier's variants for --classifier: the model's TRAIN_CONFIG, then entries of
 # bench_fused_classifier's sweep. twopass reads a row twice (the second time mostly from L2) and takes two
-# exps an element; onepass holds the row in registers (one read, one exp) at one program an SM's worth of
-# registers, so it is slower alone (latency) but may spend less
-CLASSIFIER_LABELS = ["onepass p w16", "onepass p w16 pps1 prefetch", "onepass pl w16", "onepass xw w16"]
+# exps an element (run T also timed the one-pass kernels here, which hold the row in registers); tma
+# stages the row in shared memory (one read from HBM, two exps, the next row loading meanwhile: into the
+# program's other buffer, b2, or into the SM's other program's, b1)
+CLASSIFIER_LABELS = ["twopass B8192 w16", "tma w16 b2", "tma w16 b1"]
 
 
 def classifier_variants() -> list[tuple[str, dict]]:

@@ -53,6 +53,8 @@ TRAIN_SWEEP = [
     ("onepass xw w16", dict(variant="onepass", keep="xw", num_warps=16)),
     ("onepass p w16 pow2-block", dict(variant="onepass", keep="p", num_warps=16, exact=False, progs_per_sm=0)),
     ("split B4096 w8", dict(variant="split", block_size=4096, num_warps=8)),
+    ("tma w16 b2", dict(variant="tma", num_warps=16, buffers=2)),
+    ("tma w16 b1", dict(variant="tma", num_warps=16, buffers=1)),
 ]
 VAL_SWEEP = [
     ("legacy B1024 w4 (previous best)", dict(variant="legacy", block_size=1024, num_warps=4, stages=1)),
@@ -65,6 +67,7 @@ VAL_SWEEP = [
     ("onepass w16 pps1 prefetch", dict(variant="onepass", keep="x", num_warps=16, progs_per_sm=1, prefetch=True)),
     ("onepass w32", dict(variant="onepass", keep="x", num_warps=32, progs_per_sm=0)),
     ("split B4096 w8", dict(variant="split", block_size=4096, num_warps=8)),
+    ("tma w16 b2", dict(variant="tma", num_warps=16, buffers=2)),
 ]
 
 

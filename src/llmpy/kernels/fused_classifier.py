@@ -32,6 +32,9 @@ touch HBM and how many exp and other instructions they spend per element:
   scratch buffer, then each program combines its row's partials in a fixed order (deterministic, no
   atomics) and writes the gradient of its chunk. Reads the logits twice from HBM.
 - "legacy": the first version (per-lane online softmax, 1-exp trick, masks everywhere), for comparison.
+- "tma": the row staged in shared memory by the TMA unit, read from HBM once, the next row on its way
+  while this one is reduced (fused_classifier_tma.py: Gluon, sm_90 and bf16 only; elsewhere the two-pass
+  kernel with FALLBACK_CONFIG runs).
 
 Everything is fp32 in registers; exp is exp2 of log2(e)-scaled logits, and the log-sum-exp form keeps the
 loss finite where the target's probability underflows. Loads are masked at Vp (a multiple of 16: they
@@ -46,18 +49,27 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_classifier_tma import fused_classifier_tma, tma_classifier_usable
+
 # Per mode, the variant and its knobs; knobs left out come from KNOB_DEFAULTS[variant].
 # bench_fused_classifier sweeps the alternatives on the GPU: copy the winner here.
-TRAIN_CONFIG = {"variant": "twopass", "block_size": 8192, "num_warps": 16, "stages": 1, "tile": 8, "progs_per_sm": 0}
+# "tma" with one row buffer a program (two programs an SM): 0.454 ms a chunk of 8192 rows against 0.502 for
+# the two-pass kernel, and 0.9 ms off the whole step (bench/RESULTS.md, run AA); where its Gluon kernel
+# does not serve (the CPU, fp32, other GPUs), FALLBACK_CONFIG's two-pass kernel runs.
+TRAIN_CONFIG = {"variant": "tma", "num_warps": 16, "buffers": 1}
 # Validation runs the training configuration without the gradient pass: the same blocks, tiles and warps
 # give the same reduction order, so a batch's validation losses are bitwise its training losses (with
 # 4096 / 4 warps, faster alone, they differed in the last bit for some rows on the H200).
 VAL_CONFIG = dict(TRAIN_CONFIG)
+# What the "tma" variant falls back to where its kernel does not serve (the model's configuration before
+# it); knobs a caller passes for the two-pass kernel (block_size, tile...) still apply there.
+FALLBACK_CONFIG = {"variant": "twopass", "block_size": 8192, "num_warps": 16, "stages": 1, "tile": 8, "progs_per_sm": 0}
 KNOB_DEFAULTS = {
     "legacy": {"block_size": 2048, "num_warps": 8, "stages": 1},
     "twopass": {"block_size": 4096, "num_warps": 16, "stages": 1, "tile": 8, "progs_per_sm": 0},
     "onepass": {"num_warps": 16, "keep": "p", "exact": True, "progs_per_sm": 0, "prefetch": True},
     "split": {"block_size": 4096, "num_warps": 8},
+    "tma": {"num_warps": 16, "buffers": 2},
 }
 KEEP_MODES = {"p": 0, "x": 1, "pl": 2, "pw": 0, "xw": 1}  # pw / xw: the packed-words kernel
 _MAX_CHUNKS = 4  # onepass: chunks a row is cut into (the kernel has that many slots)
@@ -560,8 +572,10 @@ def split_scratch_numel(rows: int, Vp: int, block_size: int) -> int:
     return rows * (2 * triton.cdiv(Vp, block_size) + 1)
 
 
-def _knobs(write_dlogits: bool, given: dict) -> dict:
-    mode = TRAIN_CONFIG if write_dlogits else VAL_CONFIG
+def _knobs(write_dlogits: bool, given: dict, mode: dict | None = None) -> dict:
+    """The launch's knobs: those given, then the mode's (TRAIN_CONFIG / VAL_CONFIG) where the variant is
+    the mode's, then the variant's KNOB_DEFAULTS."""
+    mode = mode or (TRAIN_CONFIG if write_dlogits else VAL_CONFIG)
     variant = given.get("variant") or mode["variant"]
     assert variant in KNOB_DEFAULTS, f"unknown variant {variant!r}"
     knobs = dict(KNOB_DEFAULTS[variant])
@@ -579,7 +593,7 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
                      write_dlogits: bool = True, block_size: int | None = None, num_warps: int | None = None,
                      stages: int | None = None, *, variant: str | None = None, tile: int | None = None,
                      progs_per_sm: int | None = None, keep: str | None = None, exact: bool | None = None,
-                     prefetch: bool | None = None, scratch: torch.Tensor | None = None):
+                     prefetch: bool | None = None, buffers: int | None = None, scratch: torch.Tensor | None = None):
     """losses (B, T) fp32 = logsumexp(logits[..., :V]) - logits[target]; when write_dlogits, the logits
     (B, T, Vp) are overwritten by (softmax - onehot(target)) * dloss, with 0 in [V, Vp).
 
@@ -588,11 +602,11 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
     targets (...). Returns (losses, logits).
 
     Tuning knobs (None: TRAIN_CONFIG / VAL_CONFIG, then KNOB_DEFAULTS[variant]): variant ("twopass",
-    "onepass", "split", "legacy"); block_size (columns an iteration / a split program); num_warps; stages
+    "onepass", "split", "legacy", "tma"); block_size (columns an iteration / a split program); num_warps; stages
     (software pipelining of the row loops); tile (twopass: values a thread reduces before rescaling);
     progs_per_sm (twopass, onepass with keep p / pl / x: 0 = one program a row, k = a persistent grid of
     k programs an SM); keep, exact, prefetch (onepass, see the module docstring; prefetch only acts on a
-    persistent grid, on the GPU); scratch (split: fp32, split_scratch_numel elements; pass one to keep
+    persistent grid, on the GPU); buffers (tma: rows a program holds in shared memory, 2 or 1); scratch (split: fp32, split_scratch_numel elements; pass one to keep
     the launcher allocation-free).
     """
     Vp = logits.shape[-1]
@@ -602,14 +616,21 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
     assert losses.dtype == torch.float32 and losses.is_contiguous() and losses.numel() == rows
     assert targets.dtype in (torch.int32, torch.int64) and targets.is_contiguous() and targets.numel() == rows
     assert logits.device == losses.device == targets.device
-    k = _knobs(write_dlogits, dict(variant=variant, block_size=block_size, num_warps=num_warps, stages=stages,
-                                   tile=tile, progs_per_sm=progs_per_sm, keep=keep, exact=exact,
-                                   prefetch=prefetch))
+    given = dict(variant=variant, block_size=block_size, num_warps=num_warps, stages=stages, tile=tile,
+                 progs_per_sm=progs_per_sm, keep=keep, exact=exact, prefetch=prefetch, buffers=buffers)
+    k = _knobs(write_dlogits, given)
     if "block_size" in k:
         assert k["block_size"] & (k["block_size"] - 1) == 0, "block_size must be a power of two"
     if not rows:
         return losses, logits
     write, dloss = bool(write_dlogits), float(dloss)
+    if k["variant"] == "tma":
+        if tma_classifier_usable(logits):
+            fused_classifier_tma(logits, losses, targets, dloss, V, write, num_warps=k["num_warps"],
+                                 buffers=k["buffers"])
+            return losses, logits
+        # tma's own knobs (num_warps included) do not carry over to the two-pass kernel
+        k = _knobs(write, dict(given, variant=None, num_warps=None, buffers=None), mode=FALLBACK_CONFIG)
 
     if k["variant"] == "twopass":
         # at most the largest power of two <= V, so that the unmasked full-block loop runs at least once:
