@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels.fused_classifier import (fused_classifier, onepass_tiles, row_chunks, split_scratch_numel)
+from llmpy.kernels.fused_classifier import (FALLBACK_CONFIG, fused_classifier, onepass_tiles, row_chunks,
+                                            split_scratch_numel)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -262,8 +263,10 @@ def test_fused_classifier_gpt2_shapes_gpu(name, kw, dtype):
 
 
 @pytest.mark.gpu
-def test_fused_classifier_in_cuda_graph():
-    """Captured once, replayed on new logits and targets copied into the same buffers: the eager result."""
+@pytest.mark.parametrize("kw", [dict(variant="tma"), FALLBACK_CONFIG], ids=["tma", "twopass"])
+def test_fused_classifier_in_cuda_graph(kw):
+    """Captured once (tma: its descriptor baked into the graph), replayed on new logits and targets copied
+    into the same buffers: the eager result."""
     B, T, V, Vp = 4, 1024, 50257, 50304
     logits, targets = make_case(B, T, V, Vp, torch.bfloat16, seed=1)
     buf, tgt = logits.cuda(), targets.cuda()
@@ -271,17 +274,17 @@ def test_fused_classifier_in_cuda_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile before capture
-        fused_classifier(buf, losses, 0.5, tgt, V)
+        fused_classifier(buf, losses, 0.5, tgt, V, **kw)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_classifier(buf, losses, 0.5, tgt, V)
+        fused_classifier(buf, losses, 0.5, tgt, V, **kw)
     for seed in (2, 3):
         new_logits, new_targets = make_case(B, T, V, Vp, torch.bfloat16, seed=seed)
         buf.copy_(new_logits)
         tgt.copy_(new_targets)
         graph.replay()
-        eager_losses, eager_dlogits = run(new_logits, new_targets, V, 0.5, "cuda")
+        eager_losses, eager_dlogits = run(new_logits, new_targets, V, 0.5, "cuda", **kw)
         torch.cuda.synchronize()
         assert torch.equal(losses, eager_losses) and torch.equal(buf, eager_dlogits)
 
@@ -312,7 +315,6 @@ def test_default_configs_on_any_vocabulary(device, V, Vp, write_dlogits):
 def test_tma_variant_falls_back_off_hopper(device):
     """Where the Gluon kernel does not serve (the CPU, fp32 logits, Vp not a multiple of 128), the "tma"
     variant is the two-pass kernel of FALLBACK_CONFIG, bit for bit."""
-    from llmpy.kernels.fused_classifier import FALLBACK_CONFIG
     from llmpy.kernels.fused_classifier_tma import tma_classifier_usable
     for dtype, V, Vp in ((torch.float32, 450, 512), (torch.bfloat16, 61, 64)):
         logits, targets = make_case(2, 3, V, Vp, dtype, seed=V)
@@ -349,29 +351,3 @@ def test_gpu_tma_classifier(B, T, V, Vp, buffers):
     assert torch.equal(val_losses, losses), "validation losses must be bitwise the training losses"
     again = run(logits, targets, V, dloss, "cuda", **kw)
     assert torch.equal(losses, again[0]) and torch.equal(dlogits, again[1])
-
-
-@pytest.mark.gpu
-def test_gpu_tma_classifier_in_cuda_graph():
-    """Captured once (the TMA descriptor baked into the graph), replayed on new logits and targets copied
-    into the same buffers: the eager result."""
-    B, T, V, Vp = 4, 1024, 50257, 50304
-    logits, targets = make_case(B, T, V, Vp, torch.bfloat16, seed=5)
-    buf, tgt = logits.cuda(), targets.cuda()
-    losses = torch.empty(B, T, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile before capture
-        fused_classifier(buf, losses, 0.5, tgt, V, variant="tma")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_classifier(buf, losses, 0.5, tgt, V, variant="tma")
-    for seed in (6, 7):
-        new_logits, new_targets = make_case(B, T, V, Vp, torch.bfloat16, seed=seed)
-        buf.copy_(new_logits)
-        tgt.copy_(new_targets)
-        graph.replay()
-        eager_losses, eager_dlogits = run(new_logits, new_targets, V, 0.5, "cuda", variant="tma")
-        torch.cuda.synchronize()
-        assert torch.equal(losses, eager_losses) and torch.equal(buf, eager_dlogits)

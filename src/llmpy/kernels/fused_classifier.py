@@ -626,8 +626,8 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
     write, dloss = bool(write_dlogits), float(dloss)
     if k["variant"] == "tma":
         if tma_classifier_usable(logits):
-            fused_classifier_tma(logits, losses, targets, dloss, V, write, num_warps=k["num_warps"],
-                                 buffers=k["buffers"])
+            fused_classifier_tma(logits, losses, targets, dloss, V, write, _sm_count(logits),
+                                 num_warps=k["num_warps"], buffers=k["buffers"])
             return losses, logits
         # tma's own knobs (num_warps included) do not carry over to the two-pass kernel
         k = _knobs(write, dict(given, variant=None, num_warps=None, buffers=None), mode=FALLBACK_CONFIG)

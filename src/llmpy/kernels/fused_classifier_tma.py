@@ -172,15 +172,10 @@ def _box_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def fused_classifier_tma(logits: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor, dloss: float, V: int,
-                         write_dlogits: bool, num_warps: int = 16, buffers: int = 2) -> None:
+                         write_dlogits: bool, sm_count: int, num_warps: int = 16, buffers: int = 2) -> None:
     """fused_classifier's "tma" variant; the caller has checked shapes, dtypes and tma_classifier_usable.
-    num_warps: 16 (a warp covers two box rows, 16 the 32 of a box; with fewer, ptxas holds several box
+    sm_count: the GPU's SMs (the grid is persistent).    num_warps: 16 (a warp covers two box rows, 16 the 32 of a box; with fewer, ptxas holds several box
     rows' loads at once and needs 255 registers a thread). buffers: rows a program holds, 2 (one program
     an SM, the next row loading into the other buffer) or 1 (two programs an SM at 64 registers, each
     loading its next row after it has written this one)."""
@@ -190,8 +185,7 @@ def fused_classifier_tma(logits: torch.Tensor, losses: torch.Tensor, targets: to
     rows = logits.numel() // Vp
     view = logits.view(rows, Vp // BOX_COLS, BOX_COLS)
     x_desc = GluonTensorDescriptor.from_tensor(view, [1, BOX_ROWS, BOX_COLS], _box_layout())
-    device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-    grid = min(rows, ROW_BUFFERS // buffers * _sm_count(device))  # the SM's shared memory holds 2 rows
+    grid = min(rows, ROW_BUFFERS // buffers * sm_count)  # the SM's shared memory holds 2 rows
     global last_compiled
     last_compiled = _fc_tma_kernel[(grid,)](
         x_desc, logits, losses, targets, float(dloss), V, Vp, rows, NBOX=boxes_per_row(Vp), BOX_R=BOX_ROWS,
