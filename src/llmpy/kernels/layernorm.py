@@ -140,6 +140,13 @@ LN_BWD_SWEEP = {
     "r1 w1 k2048 s4 p3": dict(rows=1, num_warps=1, chunks=2048, stages=4, pieces=3),
     "r1 w2 k1024 s3 p3": dict(rows=1, num_warps=2, chunks=1024, stages=3, pieces=3),
     "r1 w2 k2048 s3 p3 m96": dict(rows=1, num_warps=2, chunks=2048, stages=3, pieces=3, maxnreg=96),
+    # session 22: with the row sums in one reduction (one exchange between a row's warps, not six)
+    "r1 w4 k1024 s3 p3": dict(rows=1, num_warps=4, chunks=1024, stages=3, pieces=3),
+    "r1 w2 k1024 s4 p3": dict(rows=1, num_warps=2, chunks=1024, stages=4, pieces=3),
+    "r1 w2 k1056 s3 p3": dict(rows=1, num_warps=2, chunks=1056, stages=3, pieces=3),
+    "r1 w2 k792 s3 p3": dict(rows=1, num_warps=2, chunks=792, stages=3, pieces=3),
+    "r2 w4 k1024 s3 p3": dict(rows=2, num_warps=4, chunks=1024, stages=3, pieces=3),
+    "r1 w1 k1024 s3 p3": dict(rows=1, num_warps=1, chunks=1024, stages=3, pieces=3),
     "r1 w2 k2048 s3 m104": dict(rows=1, num_warps=2, chunks=2048, stages=3, maxnreg=104),
     "r2 w4 k2048 s3 m96": dict(rows=2, num_warps=4, chunks=2048, stages=3, maxnreg=96),
 }
@@ -223,6 +230,11 @@ def _residual_forward_kernel(out_ptr, inp1_ptr, inp2_ptr, numel, BLOCK: tl.const
     a = tl.load(inp1_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     b = tl.load(inp2_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     tl.store(out_ptr + offs, round_to(a + b, out_ptr), mask=mask)
+
+
+@triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
 
 
 @triton.jit
@@ -324,9 +336,13 @@ def _layernorm_backward_pieces3_kernel(dinp_ptr, scratch_ptr, dout_ptr, inp_ptr,
         dout_a, norm_a, dnorm_a = _ln_bwd_piece(dout_ptr, inp_ptr, offs, mask, wa, mean, rstd)
         dout_b, norm_b, dnorm_b = _ln_bwd_piece(dout_ptr, inp_ptr, offs + PIECE, mask, wb, mean, rstd)
         dout_c, norm_c, dnorm_c = _ln_bwd_piece(dout_ptr, inp_ptr, offs + 2 * PIECE, mask, wc, mean, rstd)
-        dnorm_mean = (tl.sum(dnorm_a, axis=1) + tl.sum(dnorm_b, axis=1) + tl.sum(dnorm_c, axis=1)) / C
-        dnorm_norm_mean = (tl.sum(dnorm_a * norm_a, axis=1) + tl.sum(dnorm_b * norm_b, axis=1)
-                           + tl.sum(dnorm_c * norm_c, axis=1)) / C
+        # both row sums in one reduction over the pieces added lane by lane: one exchange between the
+        # warps a row instead of six
+        dnorm_sum, dnorm_norm_sum = tl.reduce((dnorm_a + dnorm_b + dnorm_c,
+                                               dnorm_a * norm_a + dnorm_b * norm_b + dnorm_c * norm_c),
+                                              1, _add_pairs)
+        dnorm_mean = dnorm_sum / C
+        dnorm_norm_mean = dnorm_norm_sum / C
         new_a = _ln_bwd_piece_update(dinp_ptr, offs, mask, dnorm_a, norm_a, dnorm_mean, dnorm_norm_mean, rstd)
         new_b = _ln_bwd_piece_update(dinp_ptr, offs + PIECE, mask, dnorm_b, norm_b, dnorm_mean, dnorm_norm_mean,
                                      rstd)
