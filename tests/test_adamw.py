@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels.adamw import adamw_update, decay_ranges_tensor, hyper_tensor, init_from_master, set_hyper
+from llmpy.kernels.adamw import (GRAD_SCALE, adamw_update, decay_ranges_tensor, hyper_tensor, init_from_master,
+                                 set_hyper)
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 RANGES = [(0, 700), (1500, 2300)]  # decayed spans; the rest gets no decay
@@ -187,3 +188,16 @@ def test_gpt2_124m_sized_update_on_gpu():
         ref.adamw_update(p_ref[a:b], grads[a:b].float(), m_ref[a:b], v_ref[a:b], 1, 6e-4, 0.9, 0.95, 1e-8, wd, 0.5)
     assert torch.allclose(master, p_ref, rtol=1e-5, atol=1e-7)
     assert torch.allclose(v, v_ref, rtol=1e-5, atol=1e-12)
+
+
+def test_set_hyper_from_a_staging_buffer():
+    """The values staged through a reused host buffer (the model's pinned one on CUDA) are those of a
+    fresh host tensor, bit for bit, and the device's gradient-scale slot is left as it was."""
+    fresh, staged = hyper_tensor("cpu"), hyper_tensor("cpu")
+    fresh[GRAD_SCALE] = staged[GRAD_SCALE] = 0.25
+    host = torch.full((GRAD_SCALE,), float("nan"))
+    for step in (1, 7, 1000):
+        set_hyper(fresh, 6e-4, step, 0.9, 0.95, 1e-8, 0.1)
+        set_hyper(staged, 6e-4, step, 0.9, 0.95, 1e-8, 0.1, host=host)
+        assert torch.equal(fresh, staged)
+        assert staged[GRAD_SCALE] == 0.25

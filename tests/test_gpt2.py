@@ -31,6 +31,7 @@ in every configuration; graphs, determinism, training, memory.
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -353,6 +354,9 @@ def test_bad_inputs(tiny, device):
         model.train_step([(x, torch.full((B, T), TINY.vocab_size))], LR, 1)
     with pytest.raises(LlmpyError, match="inputs hold token ids outside"):
         model.train_step([(x.numpy() * 0 - 1, y)], LR, 1)
+    for dtype in (np.int32, np.int16):  # negatives read as unsigned by the check: huge, so rejected
+        with pytest.raises(LlmpyError, match="inputs hold token ids outside"):
+            model.train_step([((x.numpy() * 0 - 1).astype(dtype), y)], LR, 1)
     with pytest.raises(RuntimeError, match="backward"):
         model.backward()
     with pytest.raises(LlmpyError, match="-r 3"):

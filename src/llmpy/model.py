@@ -583,6 +583,13 @@ class GPT2Model:
 
         # small device state: the optimizer's hyper-parameters, the squared norm, the loss sum, seeds
         self._hyper = kadamw.hyper_tensor(dev)
+        # on CUDA the host side of the hyper-parameters' copy is pinned and reused (torch.tensor + a pageable
+        # copy cost ~0.1 ms a step while the GPU waits); the event guards the buffer against a rewrite
+        # before the last copy out of it ran
+        self._hyper_host = self._hyper_copied = None
+        if dev.type == "cuda":
+            self._hyper_host = torch.zeros(kadamw.GRAD_SCALE, dtype=f32, pin_memory=True)
+            self._hyper_copied = torch.cuda.Event()
         self._decay = kadamw.decay_ranges_tensor(_decay_ranges(config), dev)
         self._norm_sq = torch.zeros(1, dtype=f32, device=dev)
         L = config.num_layers
@@ -729,8 +736,16 @@ class GPT2Model:
         return buf
 
     def _check_ids(self, ids: np.ndarray, what: str):
-        """Token ids (numpy: no wake-up of torch's CPU thread pool, see _stage) inside the vocabulary."""
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+        """Token ids (numpy: no wake-up of torch's CPU thread pool, see _stage) inside the vocabulary. Signed
+        integers are read as unsigned, where a negative id is a huge one: one pass over the ids, not two
+        (this runs on every step while the GPU waits for the batch)."""
+        if not ids.size:
+            return
+        if ids.dtype.kind == "i":
+            bad = int(ids.view(ids.dtype.str.replace("i", "u")).max()) >= self.config.vocab_size
+        else:
+            bad = int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size
+        if bad:
             raise LlmpyError(f"{what} hold token ids outside [0, {self.config.vocab_size})")
 
     # ------------------------------------------------------------------------------------------------
@@ -1131,7 +1146,12 @@ class GPT2Model:
     def _set_hyper(self, lr, step, beta1, beta2, eps, weight_decay):
         if step < 1:
             raise LlmpyError(f"AdamW step {step}: steps count from 1")
-        kadamw.set_hyper(self._hyper, lr, step, beta1, beta2, eps, weight_decay)
+        if self._hyper_host is None:
+            kadamw.set_hyper(self._hyper, lr, step, beta1, beta2, eps, weight_decay)
+            return
+        self._hyper_copied.synchronize()  # returns at once unless update() calls come faster than the GPU
+        kadamw.set_hyper(self._hyper, lr, step, beta1, beta2, eps, weight_decay, host=self._hyper_host)
+        self._hyper_copied.record()
 
     def _adamw(self):
         """AdamW from _update_grads: over the whole buffer, or (ZeRO-1) over this rank's shard - decay
@@ -1175,19 +1195,19 @@ class GPT2Model:
     # the whole step
 
     def _stage(self, batches):
-        """Copy the micro-batches into static device buffers (accum, B, T): one H2D copy each.
+        """Copy the micro-batches into static device buffers (accum, B, T): inputs and targets in one H2D copy.
 
         The checks and the copy into the pinned buffer are numpy's, on this thread: torch's CPU ops would
         wake its intra-op thread pool, and on the H200 machine that cost 13-35 ms in one step of six
         (bench/RESULTS.md, run O) while the device sat idle between two steps."""
         accum = len(batches)
         if accum not in self._staging:
-            dev_in = torch.zeros(accum, self.B, self.T, dtype=torch.int32, device=self.device)
-            dev_tg = torch.zeros_like(dev_in)
+            # inputs and targets side by side, on the host and on the device: one copy a step
+            dev = torch.zeros(2, accum, self.B, self.T, dtype=torch.int32, device=self.device)
             pin = self.device.type == "cuda"
             host = torch.zeros(2, accum, self.B, self.T, dtype=torch.int32, pin_memory=pin)
-            self._staging[accum] = (dev_in, dev_tg, host)
-        dev_in, dev_tg, host = self._staging[accum]
+            self._staging[accum] = (dev[0], dev[1], host, dev)
+        dev_in, dev_tg, host, dev = self._staging[accum]
         host_np = host.numpy()
         for k, (x, y) in enumerate(batches):
             x, y = _host_ids(x), _host_ids(y)
@@ -1199,8 +1219,7 @@ class GPT2Model:
             host_np[0, k] = x
             host_np[1, k] = y
         # the host buffer is reused next step; the step ends with a sync (loss, norm), so no copy is in flight
-        dev_in.copy_(host[0], non_blocking=True)
-        dev_tg.copy_(host[1], non_blocking=True)
+        dev.copy_(host, non_blocking=True)
         return dev_in, dev_tg
 
     # layers a reduction bucket holds: about this many bytes of gradients (one per layer at GPT-2 124M)
@@ -1426,7 +1445,7 @@ class GPT2Model:
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 self._warmed.add(key)
                 return result
-            dev_in, dev_tg, _ = self._staging[accum]
+            dev_in, dev_tg = self._staging[accum][:2]
             # several ranks: no eager collective may still be in flight when the capture starts, and the
             # capture checks only this thread (the process group's watchdog thread polls its own events)
             mode = "global"

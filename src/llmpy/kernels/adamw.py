@@ -106,11 +106,17 @@ def hyper_tensor(device) -> torch.Tensor:
 
 
 def set_hyper(hyper: torch.Tensor, lr: float, step: int, beta1: float, beta2: float, eps: float,
-              weight_decay: float, grad_scale: float | None = None):
+              weight_decay: float, grad_scale: float | None = None, host: torch.Tensor | None = None):
     """Fill the hyper-parameter tensor for AdamW step `step` (from 1). grad_scale None leaves the slot
-    as it is (written on the device by global_norm.clip_scale)."""
+    as it is (written on the device by global_norm.clip_scale). host: a pinned fp32 (GRAD_SCALE,) buffer
+    to stage the values in (the copy from it is asynchronous: the caller must not rewrite it before the
+    copy has run); None: a fresh host tensor each call."""
     values = [lr, beta1, beta2, 1.0 - beta1 ** step, 1.0 - beta2 ** step, eps, weight_decay]
-    host = torch.tensor(values, dtype=torch.float32)
+    if host is None:
+        host = torch.tensor(values, dtype=torch.float32)
+    else:
+        assert host.dtype == torch.float32 and host.shape == (GRAD_SCALE,)
+        host.numpy()[:] = values
     hyper[:GRAD_SCALE].copy_(host, non_blocking=hyper.is_cuda)
     if grad_scale is not None:
         hyper[GRAD_SCALE] = grad_scale
