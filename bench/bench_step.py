@@ -96,11 +96,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ln-proj-pieces", type=int, default=None, choices=(1, 3),
                     help="llmpy: the LayerNorm backward that sums a projection's bias takes a row as 1 tile "
                          "or 3 (layernorm.BWD_PIECES_PROJ)")
-    ap.add_argument("--dgelu-product", choices=("wgmma", "cublaslt"), default=None,
-                    help="llmpy: fcproj's DGELU product through our Gluon kernel or cuBLASLt's epilogue "
-                         "(default: the model's, kernels.matmul.DGELU_WGMMA)")
-    ap.add_argument("--dgelu-config", default=None,
-                    help="llmpy: JSON of kernels.matmul_dgelu_wgmma.CONFIG fields to override")
     ap.add_argument("--qkv-bias-full-pass", action="store_true",
                     help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
                          "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
@@ -256,11 +251,6 @@ def _build_llmpy(args, config, flat):
         layernorm.LN_BACKWARD_PROJ_CHUNKS = args.ln_proj_chunks
     if args.ln_proj_pieces is not None:  # read at every backward
         layernorm.BWD_PIECES_PROJ = args.ln_proj_pieces
-    if args.dgelu_config:
-        from llmpy.kernels import matmul_dgelu_wgmma
-        matmul_dgelu_wgmma.CONFIG.update(json.loads(args.dgelu_config))
-    if args.dgelu_product is not None:
-        matmul.DGELU_WGMMA = args.dgelu_product == "wgmma"
     if args.qkv_bias_full_pass:
         matmul.QKV_BIAS_FROM_IDENTITIES = False
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))

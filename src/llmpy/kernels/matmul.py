@@ -40,7 +40,6 @@ from ..errors import LlmpyError
 from . import cublaslt
 from .common import DOT_UPCAST, cdiv, interpreting, round_to, store_rounded, tma_descriptor_class, tma_usable
 from .gelu import gelu_backward_inplace, gelu_forward, gelu_fp32, gelu_grad_fp32
-from .matmul_dgelu_wgmma import dgelu_wgmma_usable, matmul_dgelu_wgmma
 
 # 2 * sqrt(2 / pi) and 2 * sqrt(2 / pi) * 0.044715: sigmoid(2u) with u = sqrt(2/pi) * (x + 0.044715 x^3)
 
@@ -618,12 +617,6 @@ def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None):
     return dweight, dbias
 
 
-# the DGELU product (fcproj's input gradient at -ge 2) through our Gluon kernel where it serves (sm_90,
-# bf16) instead of cuBLASLt's epilogue. Off: 0.85-0.92 ms against cuBLASLt's 0.65 on the H200, +1.9 to
-# +3.9 ms a step (bench/RESULTS.md, run AB; bench_step --dgelu-product wgmma to try it)
-DGELU_WGMMA = False
-
-
 # qkv_bias_backward's parts from attention's identities (True), or one reduction over all of dqkv as
 # llm.c does (False: bench_step --qkv-bias-full-pass, the comparison of bench/RESULTS.md run S)
 QKV_BIAS_FROM_IDENTITIES = True
@@ -724,9 +717,7 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
             assert pre_gelu.shape == dinp.shape and pre_gelu.dtype == dinp.dtype
         dgelu = pre_gelu is not None and dgelu_epilogue
         rank = _tuned("dinp_dgelu" if dgelu else "dinp", *dout2.shape, C, dout.device) if use_cublaslt else None
-        if dgelu and use_cublaslt and DGELU_WGMMA and dgelu_wgmma_usable(dinp2, dout2, weight, _rows(pre_gelu, C)):
-            matmul_dgelu_wgmma(dinp2, dout2, weight, _rows(pre_gelu, C))
-        elif dgelu and use_cublaslt:
+        if dgelu and use_cublaslt:
             cublaslt.linear_input_grad(dinp2, dout2, weight, pre_gelu=_rows(pre_gelu, C), algo_index=rank or 0)
         elif dgelu:
             triton_matmul(dinp2, dout2, weight, aux=_rows(pre_gelu, C), epilogue=EPILOGUE_DGELU)
