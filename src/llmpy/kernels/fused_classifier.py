@@ -602,12 +602,12 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
     targets (...). Returns (losses, logits).
 
     Tuning knobs (None: TRAIN_CONFIG / VAL_CONFIG, then KNOB_DEFAULTS[variant]): variant ("twopass",
-    "onepass", "split", "legacy", "tma"); block_size (columns an iteration / a split program); num_warps; stages
-    (software pipelining of the row loops); tile (twopass: values a thread reduces before rescaling);
+    "onepass", "split", "legacy", "tma"); block_size (columns an iteration / a split program); num_warps;
+    stages (software pipelining of the row loops); tile (twopass: values a thread reduces before rescaling);
     progs_per_sm (twopass, onepass with keep p / pl / x: 0 = one program a row, k = a persistent grid of
     k programs an SM); keep, exact, prefetch (onepass, see the module docstring; prefetch only acts on a
-    persistent grid, on the GPU); buffers (tma: rows a program holds in shared memory, 2 or 1); scratch (split: fp32, split_scratch_numel elements; pass one to keep
-    the launcher allocation-free).
+    persistent grid, on the GPU); buffers (tma: rows a program holds in shared memory, 2 or 1); scratch
+    (split: fp32, split_scratch_numel elements; pass one to keep the launcher allocation-free).
     """
     Vp = logits.shape[-1]
     rows = logits.numel() // Vp if Vp else 0

@@ -6,8 +6,9 @@ once. Why: the model's two-pass kernel reads a 100 KB row twice (the second time
 hits, 3.33 TB/s, bench/RESULTS.md run Y), and the one-pass kernels that hold the row in registers fill
 an SM's register file with one row, so nothing of the next row is in flight while this one is reduced
 (run T: slower than the two-pass kernel). Here the row goes into shared memory through the TMA unit, which
-needs no registers: a persistent program an SM holds two row buffers (2 x 104 KB), and while it reduces
-and writes one row, the next one is already on its way into the other buffer. The row is read three
+needs no registers: an SM's shared memory holds two row buffers (2 x 104 KB), either one program's two
+(the next row on its way into the other buffer while this one is reduced) or one each of two programs
+(the default: while one reduces and writes its row, the other's row arrives). The row is read three
 times from shared memory (max, sum of exp, gradient: two exps an element, as the two-pass kernel) and
 written once to HBM from registers.
 
@@ -175,8 +176,9 @@ def _box_layout():
 def fused_classifier_tma(logits: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor, dloss: float, V: int,
                          write_dlogits: bool, sm_count: int, num_warps: int = 16, buffers: int = 2) -> None:
     """fused_classifier's "tma" variant; the caller has checked shapes, dtypes and tma_classifier_usable.
-    sm_count: the GPU's SMs (the grid is persistent).    num_warps: 16 (a warp covers two box rows, 16 the 32 of a box; with fewer, ptxas holds several box
-    rows' loads at once and needs 255 registers a thread). buffers: rows a program holds, 2 (one program
+    sm_count: the GPU's SMs (the grid is persistent). num_warps: 16 (a warp covers two box rows, 16 the 32
+    of a box; with fewer, ptxas holds several box rows' loads at once and needs 255 registers a thread).
+    buffers: rows a program holds, 2 (one program
     an SM, the next row loading into the other buffer) or 1 (two programs an SM at 64 registers, each
     loading its next row after it has written this one)."""
     assert num_warps == 16, f"tma classifier: num_warps {num_warps}, only 16 is served"
@@ -186,11 +188,7 @@ def fused_classifier_tma(logits: torch.Tensor, losses: torch.Tensor, targets: to
     view = logits.view(rows, Vp // BOX_COLS, BOX_COLS)
     x_desc = GluonTensorDescriptor.from_tensor(view, [1, BOX_ROWS, BOX_COLS], _box_layout())
     grid = min(rows, ROW_BUFFERS // buffers * sm_count)  # the SM's shared memory holds 2 rows
-    global last_compiled
-    last_compiled = _fc_tma_kernel[(grid,)](
+    _fc_tma_kernel[(grid,)](
         x_desc, logits, losses, targets, float(dloss), V, Vp, rows, NBOX=boxes_per_row(Vp), BOX_R=BOX_ROWS,
         BOX_C=BOX_COLS, NUM_WARPS=num_warps, BUFFERS=buffers, WRITE_DLOGITS=bool(write_dlogits),
         num_warps=num_warps, **({"maxnreg": 64} if buffers == 1 else {}))  # two programs of 512 threads an SM
-
-
-last_compiled = None  # the kernel the last call ran (its registers and shared memory, for the benchmarks)
