@@ -225,6 +225,15 @@ def _build_torch(args, config, flat, compiled: bool):
     return lambda step, batch: trainer.step(batch[0], batch[1], lr=args.lr)
 
 
+def tuned_entries(table: dict) -> dict:
+    """kernels.matmul.TUNED_ALGOS entries from a --tuned-from file (bench_cublaslt's or search_cublaslt's
+    JSON): each names a rank in cuBLASLt's heuristic list or a whole configuration (an AlgoConfig)."""
+    from llmpy.kernels.cublaslt import AlgoConfig
+    capability = tuple(table["capability"])
+    return {(*entry["key"], capability): AlgoConfig(**entry["config"]) if "config" in entry else entry["rank"]
+            for entry in table["tuned"]}
+
+
 def _build_llmpy(args, config, flat):
     import torch
     from llmpy.model import GPT2Model
@@ -241,8 +250,7 @@ def _build_llmpy(args, config, flat):
         if args.tuned_from:
             with open(args.tuned_from) as f:
                 suggested = json.load(f)
-            capability = tuple(suggested["capability"])
-            TUNED_ALGOS.update({(*entry["key"], capability): entry["rank"] for entry in suggested["tuned"]})
+            TUNED_ALGOS.update(tuned_entries(suggested))
             print(f"TUNED_ALGOS from {args.tuned_from}: {TUNED_ALGOS}", file=sys.stderr)
     from llmpy.kernels import layernorm, matmul
     if args.bias_in_product:

@@ -405,3 +405,43 @@ def test_gpu_bias_grad_in_product(dtype, M, C, OC, monkeypatch):
         results.append((dw, db))
     assert torch.equal(results[1][0], results[2][0]) and torch.equal(results[1][1], results[2][1])
     assert rel_err(results[1][0], results[0][0]) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,C,OC", [(1000, 64, 200), (8192, 768, 2304)])
+def test_gpu_algo_config(M, C, OC, monkeypatch):
+    """An algorithm named in full (AlgoConfig): the heuristic's first choice read back (config_of) runs
+    the same kernel, so the same bits; another configuration cuBLASLt accepts is right within bf16
+    rounding and repeatable; one it refuses raises CublasLtError; and a TUNED_ALGOS entry holding an
+    AlgoConfig reaches cuBLASLt through matmul_forward."""
+    g = torch.Generator().manual_seed(M + OC)
+    bf = torch.bfloat16
+    inp, w, b = _dev(g, bf, M, C), _dev(g, bf, OC, C, scale=C ** -0.5), _dev(g, bf, OC)
+    expected = inp.double() @ w.double().t() + b.double()
+
+    def run(algo):
+        out = torch.full((M, OC), float("nan"), device="cuda", dtype=bf)
+        lt.linear_forward(out, inp, w, b, algo_index=algo)
+        return out
+
+    first = run(0)
+    plans = [p for k, p in lt._plans.items() if k[1:4] == (OC, M, C) and k[14] == 0 and k[11] == lt.EPILOGUE_BIAS]
+    config = lt.config_of(plans[-1].algo)
+    assert isinstance(config, lt.AlgoConfig)
+    assert torch.equal(run(config), first), "the first choice, named in full, is another kernel"
+    other = lt.AlgoConfig(config.algo_id, config.tile, config.stages, config.swizzle, config.custom,
+                          2 if config.cluster != 2 else 3)  # another cluster shape
+    try:
+        out = run(other)
+    except lt.CublasLtError:
+        pass  # not every algorithm runs every cluster shape
+    else:
+        assert rel_err(out, expected) < TOL[bf]
+        assert torch.equal(run(other), out), "two runs differ"
+    with pytest.raises(lt.CublasLtError, match="AlgoCheck|AlgoInit|attribute"):
+        run(lt.AlgoConfig(algo_id=config.algo_id, tile=1, stages=1, cluster=16))  # 8x8 tiles, 1x16 clusters
+    key = ("fwd_bias", M, C, OC, torch.cuda.get_device_capability())
+    monkeypatch.setitem(mm.TUNED_ALGOS, key, config)
+    out = torch.full((M, OC), float("nan"), device="cuda", dtype=bf)
+    mm.matmul_forward(out, inp, w, b, use_cublaslt=True)
+    assert torch.equal(out, first)

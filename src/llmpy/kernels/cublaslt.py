@@ -13,10 +13,11 @@ run L).
 The binding is small: one handle and one workspace per device (and per stream that asks for one), and
 per distinct problem (shapes, layouts, epilogue, pointer alignments, rank, SM target) a cached plan -
 the operation descriptor, four matrix layouts and the algorithm of that rank in cuBLASLt's heuristic
-list (0, the first, unless kernels.matmul.TUNED_ALGOS names another). The ranking is a pure function of
-the problem, so the same run gives the same kernels and the same bits every time (no timing-based choice);
-tests/test_cublaslt.py checks results against torch and repeats bitwise. Everything is enqueued on
-torch's current stream, so it is captured by CUDA graphs like any other kernel.
+list (0, the first, unless kernels.matmul.TUNED_ALGOS names another rank or a whole configuration, an
+AlgoConfig, that cuBLASLt's AlgoCheck accepts). The ranking is a pure function of the problem and a
+configuration names one kernel, so the same run gives the same kernels and the same bits every time
+(no timing-based choice); tests/test_cublaslt.py checks results against torch and repeats bitwise.
+Everything is enqueued on torch's current stream, so it is captured by CUDA graphs like any other kernel.
 
 Row-major tensors, as everywhere in llmpy: a row-major (R, C) matrix is cuBLAS's column-major (C, R), so
 out = inp @ weight.T is computed as out^T = weight^T' @ inp^T in cuBLAS's terms (the helpers below do
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import glob
 import os
@@ -50,6 +52,11 @@ _DESC_SM_COUNT_TARGET = 15
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D bytes
+# cublasLtMatmulAlgoConfigAttributes_t, with each attribute's C type
+_CONFIG_ATTRS = {"algo_id": (0, ctypes.c_int32), "tile": (1, ctypes.c_uint32), "splitk": (2, ctypes.c_int32),
+                 "reduction": (3, ctypes.c_uint32), "swizzle": (4, ctypes.c_uint32), "custom": (5, ctypes.c_uint32),
+                 "stages": (6, ctypes.c_uint32), "inner_shape": (7, ctypes.c_uint16),
+                 "cluster": (8, ctypes.c_uint16)}
 
 # cublasLtEpilogue_t
 EPILOGUE_DEFAULT = 1
@@ -64,6 +71,21 @@ _WITH_AUX = (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU)
 # llm.c's cuBLASLt workspace on sm_90 (32 MiB)
 WORKSPACE_BYTES = 32 << 20
 _HEURISTIC_RESULT_BYTES = 96  # cublasLtMatmulHeuristicResult_t: algo (64) + workspace size, state, waves, 4 reserved
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+    """One cuBLASLt algorithm named in full (cublasLtMatmulAlgoInit's id and the configuration attributes,
+    as the cublasLt.h enums number them), instead of a rank in the heuristic's list: the heuristic offers a
+    few configurations, an algorithm may run many more (bench/kernels/search_cublaslt.py finds them).
+    splitk stays 1 (no split-K: its reduction would change the bits with the split)."""
+    algo_id: int
+    tile: int
+    stages: int
+    swizzle: int = 0
+    custom: int = 0
+    cluster: int = 0
+    inner_shape: int = 0
 
 
 class CublasLtError(LlmpyError):
@@ -112,6 +134,12 @@ def _lib():
         "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
         "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, vp, ctypes.POINTER(i32)],
         "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+        "cublasLtMatmulAlgoGetIds": [vp, i32, i32, i32, i32, i32, i32, i32, vp, ctypes.POINTER(i32)],
+        "cublasLtMatmulAlgoInit": [vp, i32, i32, i32, i32, i32, i32, i32, vp],
+        "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, vp, vp],
+        "cublasLtMatmulAlgoCapGetAttribute": [vp, i32, vp, sz, ctypes.POINTER(sz)],
+        "cublasLtMatmulAlgoConfigSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatmulAlgoConfigGetAttribute": [vp, i32, vp, sz, ctypes.POINTER(sz)],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -196,7 +224,8 @@ def _set(setter, obj, attr: int, value, ctype):
 
 
 class _Plan:
-    """Descriptor, layouts and the algorithm of rank algo_index of one problem (the key _gemm makes)."""
+    """Descriptor, layouts and the algorithm of one problem (the key _gemm makes): the heuristic's rank
+    algo_index, or the AlgoConfig algo_index names."""
 
     def __init__(self, state: _Device, key, bias_ptr: int, aux_ptr: int):
         (_, m, n, k, transa, transb, lda, ldb, ldc, ldd, dtype, epilogue, aux_ld, aligns, algo_index, sms) = key
@@ -211,6 +240,7 @@ class _Plan:
             _set(dset, self.desc, _DESC_SM_COUNT_TARGET, sms, ctypes.c_int32)
         self.layouts = []
         t = _DTYPES[dtype]
+        self.types = (t, t, t, t)  # A, B, C, D
         a_rows, a_cols = (k, m) if transa else (m, k)
         b_rows, b_cols = (n, k) if transb else (k, n)
         for rows, cols, ld in ((a_rows, a_cols, lda), (b_rows, b_cols, ldb), (m, n, ldc), (m, n, ldd)):
@@ -225,6 +255,9 @@ class _Plan:
             _set(pset, pref, attr, align, ctypes.c_uint32)
         # the heuristic reads the epilogue pointers' alignment from the descriptor
         self.set_pointers(bias_ptr, aux_ptr, aux_ld)
+        if isinstance(algo_index, AlgoConfig):
+            self.algo, self.workspace_bytes = self.configured(state, algo_index)
+            return
         wanted = algo_index + 1
         results = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES * wanted)
         count = ctypes.c_int32(0)
@@ -240,6 +273,27 @@ class _Plan:
         if self.workspace_bytes > WORKSPACE_BYTES:
             raise CublasLtError(f"cuBLASLt: algorithm wants {self.workspace_bytes} bytes of workspace")
 
+    def configured(self, state: _Device, config: AlgoConfig):
+        """(algo buffer, workspace bytes) of `config` for this problem, or CublasLtError when cuBLASLt's
+        AlgoCheck refuses it here (another GPU, other alignments) or it wants more than our workspace."""
+        lib = _lib()
+        algo = ctypes.create_string_buffer(64)
+        _check(lib.cublasLtMatmulAlgoInit(state.handle, _COMPUTE_32F, _CUDA_R_32F, *self.types, config.algo_id,
+                                          algo), f"AlgoInit {config.algo_id}")
+        for name, (attr, ctype) in _CONFIG_ATTRS.items():
+            if name in ("algo_id", "splitk", "reduction"):
+                continue  # read-only; and no split-K (its defaults: 1, none)
+            _set(lib.cublasLtMatmulAlgoConfigSetAttribute, algo, attr, getattr(config, name), ctype)
+        result = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES)
+        a, b, c, d = self.layouts
+        status = lib.cublasLtMatmulAlgoCheck(state.handle, self.desc, a, b, c, d, algo, result)
+        if status != 0:
+            raise CublasLtError(f"cuBLASLt: AlgoCheck refused {config} (status {status})")
+        workspace = int.from_bytes(result.raw[64:72], "little")
+        if workspace > WORKSPACE_BYTES:
+            raise CublasLtError(f"cuBLASLt: {config} wants {workspace} bytes of workspace")
+        return algo, workspace
+
     def set_pointers(self, bias_ptr: int, aux_ptr: int, aux_ld: int):
         dset = _lib().cublasLtMatmulDescSetAttribute
         if bias_ptr:
@@ -249,12 +303,25 @@ class _Plan:
             _set(dset, self.desc, _DESC_AUX_LD, aux_ld, ctypes.c_int64)
 
 
+def config_of(algo) -> AlgoConfig:
+    """The AlgoConfig of an algorithm buffer (a plan's, or one the heuristic returned): what it runs."""
+    lib = _lib()
+    values = {}
+    for name, (attr, ctype) in _CONFIG_ATTRS.items():
+        v, written = ctype(0), ctypes.c_size_t(0)
+        _check(lib.cublasLtMatmulAlgoConfigGetAttribute(algo, attr, ctypes.byref(v), ctypes.sizeof(v),
+                                                        ctypes.byref(written)), f"get config attribute {attr}")
+        values[name] = int(v.value)
+    if values.pop("splitk") > 1 or values.pop("reduction"):
+        raise CublasLtError(f"cuBLASLt: a split-K algorithm ({values}) has no AlgoConfig")
+    return AlgoConfig(**values)
+
+
 def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_DEFAULT, bias=None, aux=None,
           aux_ld=0, accumulate=False, c=None, ldc=0, algo_index=0):
     """cuBLAS column-major D (m, n) = op(A) @ op(B) (+ D when accumulate; + C, leading dimension ldc, when c
     is given), with an epilogue. a, b, c, d, bias, aux are tensors whose data pointers are used as they
-    are. algo_index: which of the heuristic's ranked algorithms (0, the first, everywhere but in
-    benchmarks)."""
+    are. algo_index: which of the heuristic's ranked algorithms (0, the first), or an AlgoConfig."""
     if accumulate and c is not None:
         raise ValueError("cuBLASLt: accumulate adds D itself; c is another matrix to add")
     beta = 1.0 if accumulate or c is not None else 0.0

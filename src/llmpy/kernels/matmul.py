@@ -421,6 +421,10 @@ TUNED_ALGOS = {
     ("gelu_aux_bias", 65536, 768, 3072, (9, 0)): 4,  # fc: 0.54-0.61 ms against 0.59-0.64 for rank 0
     ("dinp", 65536, 768, 768, (9, 0)): 5,         # attproj input gradient: 0.117 ms against 0.152
     ("dweight", 65536, 2304, 768, (9, 0)): 5,     # qkv weight gradient: 0.36-0.38 ms against 0.40-0.47
+    # named in full (bench/kernels/search_cublaslt.py, run AC): nvjet 128x160 tiles, at the cap 0.349-0.355 ms
+    # against torch's 0.378-0.385 (qkv forward), 0.344-0.353 against 0.355-0.361 (qkv input gradient)
+    ("fwd_bias", 65536, 768, 2304, (9, 0)): cublaslt.AlgoConfig(algo_id=66, tile=29, stages=35, custom=1, cluster=3),
+    ("dinp", 65536, 2304, 768, (9, 0)): cublaslt.AlgoConfig(algo_id=66, tile=29, stages=35, custom=3, cluster=5),
 }
 
 
@@ -436,8 +440,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _tuned(product: str, rows: int, inner: int, outer: int, device) -> int | None:
-    """The rank TUNED_ALGOS gives this product on this device's GPU, or None (torch's call)."""
+def _tuned(product: str, rows: int, inner: int, outer: int, device) -> int | cublaslt.AlgoConfig | None:
+    """The algorithm TUNED_ALGOS gives this product on this device's GPU (a rank in cuBLASLt's heuristic
+    list or a whole AlgoConfig), or None (torch's call)."""
     return TUNED_ALGOS.get((product, rows, inner, outer, _capability(device)))
 
 

@@ -1,0 +1,348 @@
+"""Search: every configuration cuBLASLt can run for one of the step's products, not only the few its
+heuristic ranks (bench_cublaslt.py times those). For each algorithm id cuBLASLt lists for bf16 with fp32
+accumulation (cublasLtMatmulAlgoGetIds) that supports the product's epilogue, every tile, stage count, CTA
+swizzle, custom option and cluster shape its capabilities allow is checked (cublasLtMatmulAlgoCheck, on
+the host) and, if accepted, timed. No split-K: its reduction changes the bits with the split.
+
+Each product is one the GPT-2 124M step (B=64, T=1024) runs, through kernels/cublaslt.py, on fresh random
+operands. The quick screen (--budget-s seconds) times each candidate over a few calls against the
+heuristic's first choice, timed again every 10 candidates (the card warms over a search and its clock
+moves more than candidates differ); it takes the heuristic's algorithm ids first, then the others in
+turn. The --top fastest, the heuristic's first and what the model runs now (its TUNED_ALGOS entry, or
+torch's call) are then timed in --rounds alternated rounds, as bench_cublaslt times (best of 5 rounds of
+20 calls) and at the card's power cap (--sustain-ms of calls, then as many timed), and their results
+compared with the heuristic's first choice (max |difference| over max |value|: the order of the sums may
+differ, nothing else should). --json writes the results and a suggested table: TUNED_ALGOS with each
+product whose fastest finalist beats the model's call by --margin in every round, which bench_step
+--tuned-from (and so ab_step) runs. Whether a product's gain reaches the step only the step can say.
+
+    PYTHONPATH=src:. python -m bench.kernels.search_cublaslt [--products dgelu ...] [--algo-ids 66] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import itertools
+import json
+import statistics
+import sys
+import time
+
+BT, C, VP = 64 * 1024, 768, 50304
+
+ROWS = BT // 8  # the classifier's chunk of rows
+# name -> (kernels.cublaslt function, its operands' shapes (the output first), the product's key in
+# kernels.matmul.TUNED_ALGOS without the GPU capability); bias and pre_gelu as the model passes them
+PRODUCTS = {
+    "dgelu": ("linear_input_grad", dict(dinp=(BT, 4 * C), dout=(BT, C), weight=(C, 4 * C), pre_gelu=(BT, 4 * C)),
+              ("dinp_dgelu", BT, C, 4 * C)),
+    "fc_gelu": ("linear_forward", dict(out=(BT, 4 * C), inp=(BT, C), weight=(4 * C, C), bias=(4 * C,),
+                                       pre_gelu=(BT, 4 * C)), ("gelu_aux_bias", BT, C, 4 * C)),
+    "qkv_fwd": ("linear_forward", dict(out=(BT, 3 * C), inp=(BT, C), weight=(3 * C, C), bias=(3 * C,)),
+                ("fwd_bias", BT, C, 3 * C)),
+    "attproj_fwd": ("linear_forward", dict(out=(BT, C), inp=(BT, C), weight=(C, C), bias=(C,), residual=(BT, C)),
+                    ("fwd_bias_residual", BT, C, C)),
+    "fcproj_fwd": ("linear_forward", dict(out=(BT, C), inp=(BT, 4 * C), weight=(C, 4 * C), bias=(C,),
+                                          residual=(BT, C)), ("fwd_bias_residual", BT, 4 * C, C)),
+    "lm_head_fwd": ("linear_forward", dict(out=(ROWS, VP), inp=(ROWS, C), weight=(VP, C)), ("fwd", ROWS, C, VP)),
+    "qkv_dinp": ("linear_input_grad", dict(dinp=(BT, C), dout=(BT, 3 * C), weight=(3 * C, C)),
+                 ("dinp", BT, 3 * C, C)),
+    "attproj_dinp": ("linear_input_grad", dict(dinp=(BT, C), dout=(BT, C), weight=(C, C)), ("dinp", BT, C, C)),
+    "fc_dinp": ("linear_input_grad", dict(dinp=(BT, C), dout=(BT, 4 * C), weight=(4 * C, C)),
+                ("dinp", BT, 4 * C, C)),
+    "lm_head_dinp": ("linear_input_grad", dict(dinp=(ROWS, C), dout=(ROWS, VP), weight=(VP, C)),
+                     ("dinp", ROWS, VP, C)),
+    "qkv_dweight": ("linear_weight_grad", dict(dweight=(3 * C, C), dout=(BT, 3 * C), inp=(BT, C)),
+                    ("dweight", BT, 3 * C, C)),
+    "attproj_dweight": ("linear_weight_grad", dict(dweight=(C, C), dout=(BT, C), inp=(BT, C)),
+                        ("dweight", BT, C, C)),
+    "fcproj_dweight": ("linear_weight_grad", dict(dweight=(C, 4 * C), dout=(BT, C), inp=(BT, 4 * C)),
+                       ("dweight", BT, C, 4 * C)),
+    "lm_head_dweight": ("linear_weight_grad", dict(dweight=(VP, C), dout=(ROWS, VP), inp=(ROWS, C)),
+                        ("dweight", ROWS, VP, C)),
+}
+CLUSTERS = {0: "auto", 2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}
+MAX_CUSTOM = 15  # custom options tried at most (0..15)
+_CAP_TILE_IDS, _CAP_STAGES_IDS, _CAP_SWIZZLE, _CAP_CUSTOM_MAX, _CAP_EPILOGUE_MASK = 6, 13, 2, 7, 12
+
+
+def _cap(lib, algo, attr, ctype=ctypes.c_uint32):
+    """A scalar capability, or None when cuBLASLt does not say."""
+    v, written = ctype(0), ctypes.c_size_t(0)
+    status = lib.cublasLtMatmulAlgoCapGetAttribute(algo, attr, ctypes.byref(v), ctypes.sizeof(v),
+                                                   ctypes.byref(written))
+    return int(v.value) if status == 0 else None
+
+
+def _cap_list(lib, algo, attr):
+    """A capability that is an array of uint32 (tile ids, stage ids); [0] (undefined) when empty."""
+    need = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(algo, attr, None, 0, ctypes.byref(need)) != 0 or not need.value:
+        return [0]
+    buf = (ctypes.c_uint32 * (need.value // 4))()
+    written = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(algo, attr, buf, need.value, ctypes.byref(written)) != 0:
+        return [0]
+    return list(buf) or [0]
+
+
+def _operands(shapes: dict, seed: int):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ops = {}
+    for name, shape in shapes.items():
+        scale = 0.02 if name == "weight" else 1.0
+        ops[name] = (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+    return ops
+
+
+def _plan_key(plan):
+    from llmpy.kernels import cublaslt
+    return next(k for k, v in cublaslt._plans.items() if v is plan)
+
+
+def candidates(plan, epilogue: int, budget_s: float = 180.0, algo_ids=None):
+    """Every AlgoConfig cuBLASLt accepts (AlgoCheck) for the plan's problem, with its workspace bytes; and
+    how many configurations were checked."""
+    import torch
+
+    from llmpy.kernels import cublaslt
+    lib = cublaslt._lib()
+    state = cublaslt._device_state(torch.device("cuda"))
+    ids = (ctypes.c_int32 * 1024)()
+    count = ctypes.c_int32(0)
+    cublaslt._check(lib.cublasLtMatmulAlgoGetIds(state.handle, cublaslt._COMPUTE_32F, cublaslt._CUDA_R_32F,
+                                                 *plan.types, 1024, ids, ctypes.byref(count)), "AlgoGetIds")
+    found, checked, t0 = [], 0, time.time()
+    for algo_id in list(ids)[:count.value]:
+        if time.time() - t0 > budget_s:
+            print(f"  check budget spent at algo {algo_id}", flush=True)
+            break
+        if algo_ids and algo_id not in algo_ids:
+            continue
+        algo = ctypes.create_string_buffer(64)
+        if lib.cublasLtMatmulAlgoInit(state.handle, cublaslt._COMPUTE_32F, cublaslt._CUDA_R_32F, *plan.types,
+                                      algo_id, algo) != 0:
+            continue
+        mask = _cap(lib, algo, _CAP_EPILOGUE_MASK)
+        if epilogue != cublaslt.EPILOGUE_DEFAULT and mask is not None and mask & epilogue != epilogue:
+            continue
+        tiles = _cap_list(lib, algo, _CAP_TILE_IDS)
+        stages = _cap_list(lib, algo, _CAP_STAGES_IDS)
+        swizzles = [0, 1] if _cap(lib, algo, _CAP_SWIZZLE) else [0]
+        customs = range(min(_cap(lib, algo, _CAP_CUSTOM_MAX, ctypes.c_int32) or 0, MAX_CUSTOM) + 1)
+        print(f"  algo {algo_id}: {len(tiles)} tiles, {len(stages)} stage counts, {len(swizzles)} swizzles, "
+              f"{len(customs)} custom options", flush=True)
+        for tile, stage, swizzle, custom, cluster in itertools.product(tiles, stages, swizzles, customs, CLUSTERS):
+            config = cublaslt.AlgoConfig(algo_id, tile, stage, swizzle, custom, cluster)
+            checked += 1
+            try:
+                _, workspace = plan.configured(state, config)
+            except cublaslt.CublasLtError:
+                continue
+            found.append((config, workspace))
+    return found, checked
+
+
+def screening_order(found: list, preferred_ids: list) -> list:
+    """The candidates in the order the quick screen times them, so that a short budget still reaches every
+    kind of kernel: the algorithm ids the heuristic lists first, then the others taking turns (one
+    configuration of each in turn, each id's in cuBLASLt's order)."""
+    by_id: dict = {}
+    for item in found:
+        by_id.setdefault(item[0].algo_id, []).append(item)
+    ordered = []
+    for group in ([i for i in by_id if i in preferred_ids], [i for i in by_id if i not in preferred_ids]):
+        queues = [by_id[i] for i in group]
+        for turn in range(max((len(q) for q in queues), default=0)):
+            ordered += [q[turn] for q in queues if turn < len(q)]
+    return ordered
+
+
+def _quick_ms(run, calls=5):
+    import torch
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def _torch_call(fn_name: str, ops: dict):
+    """The call the model makes through torch for a product without a cuBLASLt-only epilogue, else None."""
+    import torch
+    if "pre_gelu" in ops or "residual" in ops:
+        return None
+    if fn_name == "linear_input_grad":
+        return lambda: torch.mm(ops["dout"], ops["weight"], out=ops["dinp"])
+    if fn_name == "linear_forward":
+        return lambda: torch.addmm(ops["bias"], ops["inp"], ops["weight"].t(), out=ops["out"])
+    return lambda: ops["dweight"].addmm_(ops["dout"].t(), ops["inp"])
+
+
+def _epilogue(fn_name: str, ops: dict) -> int:
+    from llmpy.kernels import cublaslt
+    if "pre_gelu" in ops:
+        return cublaslt.EPILOGUE_DGELU if fn_name == "linear_input_grad" else cublaslt.EPILOGUE_GELU_AUX_BIAS
+    return cublaslt.EPILOGUE_BIAS if "bias" in ops else cublaslt.EPILOGUE_DEFAULT
+
+
+def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, rounds: int = 3,
+           algo_ids=None, margin: float = 0.02) -> dict:
+    import dataclasses
+
+    import torch
+
+    from bench.kernels.bench_cublaslt import _ms_per_call
+    from bench.timing import sustained_ms
+    from llmpy.kernels import cublaslt
+    from llmpy.kernels import matmul
+    fn_name, shapes, tuned_key = PRODUCTS[name]
+    fn = getattr(cublaslt, fn_name)
+    ops = _operands(shapes, seed)
+    out_name = next(iter(shapes))  # the product's output (pre_gelu is one too in the forward)
+    fresh = {k: v.clone() for k, v in ops.items()}
+    before = set(cublaslt._plans)
+    fn(**ops)
+    plan = next(cublaslt._plans[k] for k in cublaslt._plans if k not in before)
+    key = _plan_key(plan)
+
+    def runner(algo):
+        return lambda: fn(**ops, algo_index=algo)
+
+    def result_of(algo):
+        for k, v in fresh.items():
+            ops[k].copy_(v)
+        ops[out_name].fill_(float("nan"))
+        if fn_name == "linear_weight_grad":
+            ops[out_name].zero_()  # it accumulates
+        fn(**ops, algo_index=algo)
+        return ops[out_name].float().clone()
+
+    reference = result_of(0)
+    heuristic = []
+    for rank in range(8):
+        try:
+            runner(rank)()
+        except cublaslt.CublasLtError:
+            break
+        algo = cublaslt._plans[key[:14] + (rank,) + key[15:]].algo
+        try:
+            heuristic.append(dataclasses.asdict(cublaslt.config_of(algo)))
+        except cublaslt.CublasLtError as e:
+            heuristic.append(str(e))
+    print(f"[{name}] the heuristic's list: " + "; ".join(map(str, heuristic)), flush=True)
+    t0 = time.time()
+    found, checked = candidates(plan, _epilogue(fn_name, ops), algo_ids=algo_ids)
+    per_algo = collections.Counter(c.algo_id for c, _ in found)
+    print(f"[{name}] {checked} configurations checked, {len(found)} accepted ({time.time() - t0:.1f} s): "
+          f"{dict(per_algo)}", flush=True)
+    found = screening_order(found, [h["algo_id"] for h in heuristic if isinstance(h, dict)])
+    # quick screen: each candidate's time over the heuristic's first, timed again every 10 candidates (the
+    # card warms over a search and its clock moves more than the candidates differ)
+    base = runner(0)
+    timed, base_ms = [], None
+    t0 = time.time()
+    for i, (config, workspace) in enumerate(found):
+        if time.time() - t0 > budget_s:
+            print(f"[{name}] budget spent after {len(timed)} timed", flush=True)
+            break
+        if i % 10 == 0:
+            base_ms = _quick_ms(base)
+        try:
+            timed.append((_quick_ms(runner(config)) / base_ms, config, workspace))
+        except cublaslt.CublasLtError:
+            continue
+    timed.sort(key=lambda r: r[0])
+    # the finalists: the heuristic's first, the screen's fastest, and what the model runs now (its table's
+    # entry, else torch's call where there is one, else the heuristic's first)
+    capability = tuple(torch.cuda.get_device_capability())
+    current = matmul.TUNED_ALGOS.get((*tuned_key, capability))
+    torch_call = _torch_call(fn_name, ops)
+    finalists = [{"label": "heuristic 0", "algo": 0, "ratio": 1.0}]
+    finalists += [{"label": dataclasses.asdict(c), "algo": c, "ratio": q} for q, c, _ in timed[:top]]
+    if current not in (None, 0):
+        finalists.append({"label": f"current: {current}", "algo": current, "ratio": None})
+    elif torch_call is not None:
+        finalists.append({"label": "current: torch", "algo": "torch", "ratio": None})
+    else:
+        finalists[0]["label"] = "current: heuristic 0"
+    scale = reference.abs().max().item()
+    rows = []
+    for f in finalists:
+        diff = float("nan") if f["algo"] == "torch" else \
+            (result_of(f["algo"]) - reference).abs().max().item() / scale
+        rows.append({"config": f["label"], "quick_ratio": f["ratio"], "diff": diff, "ms": [], "cap_ms": []})
+    for _ in range(rounds):  # alternated: every finalist once a round, best-of-5 and at the cap
+        for row, f in zip(rows, finalists):
+            run = torch_call if f["algo"] == "torch" else runner(f["algo"])
+            row["ms"].append(_ms_per_call(run))
+            row["cap_ms"].append(sustained_ms(run, sustain_ms))
+    for r in rows:
+        r["ms_median"], r["cap_ms_median"] = statistics.median(r["ms"]), statistics.median(r["cap_ms"])
+        ratio = f"x{r['quick_ratio']:.3f}" if r["quick_ratio"] else "-"
+        print(f"[{name}] quick {ratio}, best {r['ms_median']:.4f}, at cap {r['cap_ms_median']:.4f}"
+              f" ms ({' '.join(f'{v:.4f}' for v in r['cap_ms'])}), diff {r['diff']:.1e}: {r['config']}", flush=True)
+    # the suggestion: the fastest at the cap if it beats the current choice by margin in every round
+    now = next(r for r in rows if str(r["config"]).startswith("current"))
+    best = min((r for r in rows if isinstance(r["config"], dict)), key=lambda r: r["cap_ms_median"], default=None)
+    suggested = None
+    if best is not None and max(best["cap_ms"]) < min(now["cap_ms"]) * (1 - margin) and best["diff"] < 1e-2:
+        suggested = {"key": list(tuned_key), "config": best["config"],
+                     "cap_ms": best["cap_ms_median"], "current_cap_ms": now["cap_ms_median"]}
+    print(f"[{name}] suggested: {suggested}", flush=True)
+    return {"product": name, "suggested": suggested, "checked": checked, "accepted": len(found),
+            "timed": len(timed), "per_algo": dict(per_algo),
+            "heuristic": heuristic, "rows": rows, "quick": [(q, dataclasses.asdict(c)) for q, c, _ in timed[:100]]}
+
+
+def suggested_table(results: list, tuned_algos: dict, capability: tuple) -> list:
+    """The entries of a bench_step --tuned-from file (which replaces the whole table): tuned_algos' (a
+    kernels.matmul.TUNED_ALGOS) entries for this GPU capability, with the searches' suggestions in."""
+    import dataclasses
+    table = {}
+    for key, value in tuned_algos.items():
+        if key[-1] == capability:
+            entry = {"rank": value} if isinstance(value, int) else {"config": dataclasses.asdict(value)}
+            table[key[:-1]] = {"key": list(key[:-1]), **entry}
+    for r in results:
+        if r["suggested"]:
+            table[tuple(r["suggested"]["key"])] = r["suggested"]
+    return list(table.values())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--products", nargs="+", default=["dgelu"], choices=sorted(PRODUCTS))
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--sustain-ms", type=float, default=200.0)
+    ap.add_argument("--budget-s", type=float, default=60.0, help="seconds of quick timing a product at most")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds timing the finalists")
+    ap.add_argument("--algo-ids", type=int, nargs="*", default=None, help="only these algorithm ids")
+    ap.add_argument("--margin", type=float, default=0.02,
+                    help="a configuration is suggested when it beats the current choice by this in every round")
+    ap.add_argument("--json", default=None, help="results and the suggested table (bench_step --tuned-from)")
+    args = ap.parse_args(argv)
+    results = []
+    for product in args.products:
+        results.append(search(product, args.top, args.sustain_ms, args.budget_s, args.seed, args.rounds,
+                              args.algo_ids, args.margin))
+        if args.json:  # after every product: a timeout keeps what is done
+            import torch
+
+            from llmpy.kernels.matmul import TUNED_ALGOS
+            capability = tuple(torch.cuda.get_device_capability())
+            table = {"capability": list(capability), "tuned": suggested_table(results, TUNED_ALGOS, capability),
+                     "search": results}
+            with open(args.json, "w") as f:
+                json.dump(table, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

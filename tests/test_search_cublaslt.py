@@ -1,0 +1,52 @@
+"""bench/kernels/search_cublaslt.py without a GPU: the order its quick screen times candidates in, the
+table it suggests (what the model holds now, with the suggestions in), and that bench_step --tuned-from
+reads that table back into kernels.matmul.TUNED_ALGOS entries, AlgoConfigs included."""
+import json
+
+from bench import bench_step
+from bench.kernels import search_cublaslt as search
+from llmpy.kernels import matmul
+from llmpy.kernels.cublaslt import AlgoConfig
+
+
+def _found(algo_id, n):
+    return [(AlgoConfig(algo_id, tile=t, stages=35), 0) for t in range(n)]
+
+
+def test_screen_reaches_every_algorithm_early():
+    found = _found(21, 5) + _found(39, 2) + _found(66, 4)
+    order = [c.algo_id for c, _ in search.screening_order(found, preferred_ids=[66])]
+    assert sorted(order) == sorted(c.algo_id for c, _ in found), "every candidate exactly once"
+    assert order[:4] == [66] * 4, "the heuristic's algorithms first"
+    assert order[4:7] == [21, 39, 21] and order[-1] == 21, "then the others taking turns"
+    tiles_21 = [c.tile for c, _ in search.screening_order(found, []) if c.algo_id == 21]
+    assert tiles_21 == list(range(5)), "each algorithm's own order kept"
+
+
+def test_every_product_keyed_as_the_model_looks_it_up():
+    kinds = {"fwd", "fwd_bias", "fwd_bias_residual", "gelu_aux_bias", "dinp", "dinp_dgelu", "dweight"}
+    for name, (fn_name, shapes, key) in search.PRODUCTS.items():
+        assert key[0] in kinds, name
+        out = next(iter(shapes))
+        rows = shapes["dout"][0] if fn_name == "linear_weight_grad" else shapes[out][0]
+        assert key[1] == rows, name
+    held = {key[:4] for key in matmul.TUNED_ALGOS}
+    assert {search.PRODUCTS[p][2] for p in ("qkv_fwd", "qkv_dinp", "lm_head_fwd")} <= held
+
+
+def test_suggested_table_round_trip(tmp_path):
+    capability = (9, 0)
+    tuned = {("fwd", 8192, 768, 50304, capability): 5,
+             ("fwd_bias", 65536, 768, 2304, capability): AlgoConfig(66, 29, 35, custom=1, cluster=3),
+             ("dinp", 65536, 768, 768, (8, 0)): 2}  # another GPU's: not in this table
+    new = AlgoConfig(66, 32, 35, custom=7, cluster=2)
+    results = [{"suggested": {"key": ["dinp", 8192, 50304, 768], "config": new.__dict__, "cap_ms": 0.92}},
+               {"suggested": None},
+               {"suggested": {"key": ["fwd", 8192, 768, 50304], "config": new.__dict__}}]  # replaces rank 5
+    table = {"capability": list(capability), "tuned": search.suggested_table(results, tuned, capability)}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    entries = bench_step.tuned_entries(json.loads(path.read_text()))
+    assert entries == {("fwd", 8192, 768, 50304, capability): new,
+                       ("fwd_bias", 65536, 768, 2304, capability): AlgoConfig(66, 29, 35, custom=1, cluster=3),
+                       ("dinp", 8192, 50304, 768, capability): new}
