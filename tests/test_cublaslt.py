@@ -142,6 +142,24 @@ def test_linear_weight_grad_layout(emulated, M, C, OC):
     assert close(dw, dout.t() @ inp)
 
 
+def test_refused_configuration_falls_back_to_the_first_choice():
+    """matmul's cuBLASLt calls: a TUNED_ALGOS AlgoConfig this cuBLASLt refuses runs rank 0 instead (the
+    table outlives library versions); a refused rank stays an error."""
+    calls = []
+
+    def product(*args, algo_index):
+        calls.append(algo_index)
+        if algo_index != 0:
+            raise lt.CublasLtError("refused")
+        return "ran"
+
+    config = lt.AlgoConfig(66, tile=29, stages=35)
+    assert mm._lt(product, 1, algo=config) == "ran" and calls == [config, 0]
+    assert mm._lt(product, 1, algo=None) == "ran" and calls[-1] == 0
+    with pytest.raises(lt.CublasLtError):
+        mm._lt(product, 1, algo=5)
+
+
 def test_epilogue_arguments_checked():
     with pytest.raises(ValueError, match="bias/aux given"):
         lt._gemm(torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8), 8, 8, 8, False, False, 8, 8, 8,
@@ -438,10 +456,12 @@ def test_gpu_algo_config(M, C, OC, monkeypatch):
     else:
         assert rel_err(out, expected) < TOL[bf]
         assert torch.equal(run(other), out), "two runs differ"
+    refused = lt.AlgoConfig(algo_id=config.algo_id, tile=1, stages=1, cluster=16)  # 8x8 tiles, 1x16 clusters
     with pytest.raises(lt.CublasLtError, match="AlgoCheck|AlgoInit|attribute"):
-        run(lt.AlgoConfig(algo_id=config.algo_id, tile=1, stages=1, cluster=16))  # 8x8 tiles, 1x16 clusters
+        run(refused)
     key = ("fwd_bias", M, C, OC, torch.cuda.get_device_capability())
-    monkeypatch.setitem(mm.TUNED_ALGOS, key, config)
-    out = torch.full((M, OC), float("nan"), device="cuda", dtype=bf)
-    mm.matmul_forward(out, inp, w, b, use_cublaslt=True)
-    assert torch.equal(out, first)
+    for entry in (config, refused):  # the table's configuration; one refused runs the heuristic's first
+        monkeypatch.setitem(mm.TUNED_ALGOS, key, entry)
+        out = torch.full((M, OC), float("nan"), device="cuda", dtype=bf)
+        mm.matmul_forward(out, inp, w, b, use_cublaslt=True)
+        assert torch.equal(out, first), entry

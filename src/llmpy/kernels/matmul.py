@@ -446,6 +446,18 @@ def _tuned(product: str, rows: int, inner: int, outer: int, device) -> int | cub
     return TUNED_ALGOS.get((product, rows, inner, outer, _capability(device)))
 
 
+def _lt(product, *args, algo=None, **kwargs):
+    """cuBLASLt's product with the algorithm TUNED_ALGOS gave it (None: the heuristic's first). A whole
+    configuration this cuBLASLt refuses (another version of the library, another GPU of the same
+    capability) runs the heuristic's first choice instead; a refused rank is an error, as before."""
+    if isinstance(algo, cublaslt.AlgoConfig):
+        try:
+            return product(*args, algo_index=algo, **kwargs)
+        except cublaslt.CublasLtError:
+            algo = 0
+    return product(*args, algo_index=algo or 0, **kwargs)
+
+
 def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bool = False,
                    use_cublaslt: bool = False, residual=None):
     """out (..., OC) = inp (..., C) @ weight (OC, C).T + bias (OC) (llm.c's matmul_forward_cublaslt).
@@ -473,7 +485,7 @@ def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bo
         assert res2.shape == out2.shape and residual.dtype == out.dtype
         if use_cublaslt:
             rank = _tuned("fwd_bias_residual" if bias is not None else "fwd_residual", *inp2.shape, OC, out.device)
-            cublaslt.linear_forward(out2, inp2, weight, bias, residual=res2, algo_index=rank or 0)
+            _lt(cublaslt.linear_forward, out2, inp2, weight, bias, residual=res2, algo=rank)
         else:
             if out2.data_ptr() == res2.data_ptr():
                 out2.addmm_(inp2, weight.t())
@@ -485,7 +497,7 @@ def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bo
     if pre_gelu is None:
         rank = _tuned("fwd_bias" if bias is not None else "fwd", *inp2.shape, OC, out.device) if use_cublaslt else None
         if rank is not None:
-            cublaslt.linear_forward(out2, inp2, weight, bias, algo_index=rank)
+            _lt(cublaslt.linear_forward, out2, inp2, weight, bias, algo=rank)
         elif bias is not None:
             torch.addmm(bias, inp2, weight.t(), out=out2)  # cuBLASLt BIAS epilogue
         else:
@@ -495,7 +507,7 @@ def matmul_forward(out, inp, weight, bias=None, pre_gelu=None, gelu_epilogue: bo
     assert pre2.shape == out2.shape and pre_gelu.dtype == out.dtype
     if gelu_epilogue and use_cublaslt:
         rank = _tuned("gelu_aux_bias" if bias is not None else "gelu_aux", *inp2.shape, OC, out.device)
-        cublaslt.linear_forward(out2, inp2, weight, bias, pre_gelu=pre2, algo_index=rank or 0)
+        _lt(cublaslt.linear_forward, out2, inp2, weight, bias, pre_gelu=pre2, algo=rank)
     elif gelu_epilogue:
         triton_matmul(out2, inp2, weight.t(), bias, aux=pre2, epilogue=EPILOGUE_GELU_AUX)
     else:
@@ -723,12 +735,12 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
         dgelu = pre_gelu is not None and dgelu_epilogue
         rank = _tuned("dinp_dgelu" if dgelu else "dinp", *dout2.shape, C, dout.device) if use_cublaslt else None
         if dgelu and use_cublaslt:
-            cublaslt.linear_input_grad(dinp2, dout2, weight, pre_gelu=_rows(pre_gelu, C), algo_index=rank or 0)
+            _lt(cublaslt.linear_input_grad, dinp2, dout2, weight, pre_gelu=_rows(pre_gelu, C), algo=rank)
         elif dgelu:
             triton_matmul(dinp2, dout2, weight, aux=_rows(pre_gelu, C), epilogue=EPILOGUE_DGELU)
         else:
             if rank is not None:
-                cublaslt.linear_input_grad(dinp2, dout2, weight, algo_index=rank)
+                _lt(cublaslt.linear_input_grad, dinp2, dout2, weight, algo=rank)
             else:
                 torch.mm(dout2, weight, out=dinp2)
             if pre_gelu is not None:
@@ -749,7 +761,7 @@ def _weight_grad(dweight, dbias, dout2, inp2, scratch, seed, use_cublaslt: bool)
         sums = scratch.view(dout2.dtype)[:OC]
         rank = _tuned("dweight_bgradb", *dout2.shape, C, dout2.device)
         try:
-            cublaslt.linear_weight_grad(dweight, dout2, inp2, dbias_sums=sums, algo_index=rank or 0)
+            _lt(cublaslt.linear_weight_grad, dweight, dout2, inp2, dbias_sums=sums, algo=rank)
         except cublaslt.CublasLtError:
             pass  # no such algorithm here: the product and our reduction (matmul_backward's)
         else:
@@ -757,7 +769,7 @@ def _weight_grad(dweight, dbias, dout2, inp2, scratch, seed, use_cublaslt: bool)
             return True
     rank = _tuned("dweight", *dout2.shape, C, dout2.device) if use_cublaslt else None
     if rank is not None:
-        cublaslt.linear_weight_grad(dweight, dout2, inp2, algo_index=rank)  # accumulated (beta = 1) as well
+        _lt(cublaslt.linear_weight_grad, dweight, dout2, inp2, algo=rank)  # accumulated (beta = 1) as well
     else:
         dweight.addmm_(dout2.t(), inp2)  # beta = 1: cuBLAS accumulates into dweight in the GEMM
     return False
