@@ -87,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--untuned", action="store_true",
                     help="llmpy: every cuBLASLt product with its first-ranked algorithm (empty TUNED_ALGOS)")
     ap.add_argument("--tuned-from", default=None,
-                    help="llmpy: TUNED_ALGOS replaced by the table a bench_cublaslt --json file suggests")
+                    help="llmpy: TUNED_ALGOS replaced by the table a bench_cublaslt or search_cublaslt --json "
+                         "file suggests")
     ap.add_argument("--bias-in-product", action="store_true",
                     help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
     ap.add_argument("--ln-proj-chunks", type=int, default=None,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [dgelu-ab] [classifier-l2] [bias-column] [ablate] [energy] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [search] [dgelu-ab] [classifier-l2] [bias-column] [ablate] [energy] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 # .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
@@ -107,8 +107,8 @@ for stage in $stages; do
       # each variant's table is TUNED_ALGOS plus that one entry (bench_step --tuned-from replaces the table)
       for r in ${DGELU_RANKS:-2 3}; do
         python3 -c "import json, sys; from llmpy.kernels.matmul import TUNED_ALGOS as t
-e = [{'key': list(k[:4]), 'rank': v} for k, v in t.items() if k[4] == (9, 0)]
-e.append({'key': ['dinp_dgelu', 65536, 768, 3072], 'rank': int(sys.argv[1])})
+from bench.kernels.search_cublaslt import suggested_table
+e = suggested_table([{'suggested': {'key': ['dinp_dgelu', 65536, 768, 3072], 'rank': int(sys.argv[1])}}], t, (9, 0))
 json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OUT/dgelu$r.json"
       done
       variants=(--variant default=)
@@ -116,6 +116,20 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step "${variants[@]}" --rounds ${AB_ROUNDS:-2} \
         --json "$OUT/ab.json" -- --recompute 0 2>&1 | tee "$OUT/ab.log"
       rc=$? ;;
+    search)
+      # every configuration cuBLASLt runs, per product of the step (SEARCH_PRODUCTS), then the whole step with
+      # the suggested table against today's (bench/RESULTS.md run AC)
+      timeout ${SEARCH_TIMEOUT:-420} python3 -m bench.kernels.search_cublaslt --products ${SEARCH_PRODUCTS:-qkv_fwd \
+        fcproj_fwd attproj_fwd lm_head_fwd qkv_dinp fc_dinp attproj_dinp lm_head_dinp qkv_dweight attproj_dweight \
+        fcproj_dweight lm_head_dweight} --top 4 --rounds 2 --budget-s ${SEARCH_BUDGET:-20} --json "$OUT/search.json" \
+        2>&1 | tee "$OUT/search.log" | grep -v "^  algo"
+      rc=$?
+      if [ $rc -eq 0 ]; then
+        timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= \
+          --variant "searched=--tuned-from=$OUT/search.json" --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" \
+          -- --recompute 0 2>&1 | tee "$OUT/ab.log"
+        rc=$?
+      fi ;;
     classifier-l2)
       # the classifier section with the lm_head forward and the classifier in sub-chunks small enough for L2
       timeout ${L2_TIMEOUT:-200} python3 -m bench.kernels.bench_classifier_l2 ${L2_ARGS:-} --json "$OUT/l2.json" 2>&1 | tee "$OUT/l2.log"
