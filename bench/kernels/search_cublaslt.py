@@ -30,7 +30,6 @@ import sys
 import time
 
 BT, C, VP = 64 * 1024, 768, 50304
-
 ROWS = BT // 8  # the classifier's chunk of rows
 # name -> (kernels.cublaslt function, its operands' shapes (the output first), the product's key in
 # kernels.matmul.TUNED_ALGOS without the GPU capability); bias and pre_gelu as the model passes them
@@ -62,6 +61,7 @@ PRODUCTS = {
     "lm_head_dweight": ("linear_weight_grad", dict(dweight=(VP, C), dout=(ROWS, VP), inp=(ROWS, C)),
                         ("dweight", ROWS, VP, C)),
 }
+# cublasLtClusterShape_t ids tried (the names for reading results: 3 is 2 x 1 CTAs)
 CLUSTERS = {0: "auto", 2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}
 MAX_CUSTOM = 15  # custom options tried at most (0..15)
 _CAP_TILE_IDS, _CAP_STAGES_IDS, _CAP_SWIZZLE, _CAP_CUSTOM_MAX, _CAP_EPILOGUE_MASK = 6, 13, 2, 7, 12
