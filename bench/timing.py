@@ -13,19 +13,24 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def mean_ms(fn, calls: int) -> float:
+    """Mean ms of `calls` fn() calls back to back, between two CUDA events (no warm-up: the caller's)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def calls_to_sustain(fn, sustain_ms: float, estimate_ms: float | None = None) -> int:
     """How many fn() calls back to back take about sustain_ms (at least 3), from estimate_ms a call or,
     without one, from timing 5 calls (after one untimed)."""
     import math
     if estimate_ms is None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         fn()
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        end.synchronize()
-        estimate_ms = start.elapsed_time(end) / 5
+        estimate_ms = mean_ms(fn, 5)
     return max(3, math.ceil(sustain_ms / max(estimate_ms, 1e-3)))
 
 
@@ -37,13 +42,7 @@ def sustained_ms(fn, sustain_ms: float, estimate_ms: float | None = None) -> flo
     n = calls_to_sustain(fn, sustain_ms, estimate_ms)
     for _ in range(n):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
+    return mean_ms(fn, n)
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

@@ -161,15 +161,9 @@ def screening_order(found: list, preferred_ids: list) -> list:
 
 
 def _quick_ms(run, calls=5):
-    import torch
+    from bench.timing import mean_ms
     run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    return mean_ms(run, calls)
 
 
 def _torch_call(fn_name: str, ops: dict):
