@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ln-proj-pieces", type=int, default=None, choices=(1, 3),
                     help="llmpy: the LayerNorm backward that sums a projection's bias takes a row as 1 tile "
                          "or 3 (layernorm.BWD_PIECES_PROJ)")
+    ap.add_argument("--ln-forward-pieces", type=int, default=None, choices=(1, 3),
+                    help="llmpy: both LayerNorm forwards take a row as 1 tile or 3 (layernorm.FWD_PIECES)")
     ap.add_argument("--qkv-bias-full-pass", action="store_true",
                     help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
                          "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
@@ -260,6 +262,8 @@ def _build_llmpy(args, config, flat):
         layernorm.LN_BACKWARD_PROJ_CHUNKS = args.ln_proj_chunks
     if args.ln_proj_pieces is not None:  # read at every backward
         layernorm.BWD_PIECES_PROJ = args.ln_proj_pieces
+    if args.ln_forward_pieces is not None:  # read at every forward
+        layernorm.FWD_PIECES = args.ln_forward_pieces
     if args.qkv_bias_full_pass:
         matmul.QKV_BIAS_FROM_IDENTITIES = False
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))

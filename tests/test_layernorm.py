@@ -119,9 +119,51 @@ def test_layernorm_forward_many_rows_per_program(device):
 def test_layernorm_forward_sweep_candidates(name, device):
     # every benchmarked tiling, persistent grids included (19 rows: the last block partly masked, and
     # fewer programs than blocks, so programs loop); fused_residual_forward with the same tiling agrees
+    # C = 48 = 3 x 16 runs the three-piece kernels where the tiling asks for them
     cfg = LN_FWD_SWEEP[name]
     check_layernorm_forward((19, 40), BF16, device, seed=21, **cfg)
     check_fused((19, 40), BF16, device, seed=22, **cfg)
+    check_layernorm_forward((19, 48), BF16, device, seed=23, **cfg)
+    check_fused((19, 48), BF16, device, seed=24, **cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,rows,num_warps", [((3, 5, 48), 4, 4), ((37, 96), 2, 1), ((2, 3, 768), 1, 2)])
+def test_layernorm_forward_three_pieces(shape, rows, num_warps, dtype, device):
+    # C = 3 x a power of two as three tiles without padding (pieces=3), persistent or not; row counts
+    # that leave the last block partly masked
+    for programs_per_sm, stages in ((0, 1), (2, 2)):
+        cfg = dict(rows=rows, num_warps=num_warps, programs_per_sm=programs_per_sm, stages=stages, pieces=3)
+        check_layernorm_forward(shape, dtype, device, seed=25, **cfg)
+        check_fused(shape, dtype, device, seed=26, **cfg)
+
+
+def test_layernorm_forward_three_pieces_runs_its_own_kernel(device, monkeypatch):
+    # pieces=3 at C = 48 launches the three-piece kernels; where C does not split (40) or the bias column's
+    # padding is wider than a piece (24 > 16), the one-tile kernels, bit for bit as pieces=1
+    launched = []
+    real = layernorm.launch_pipelined
+    monkeypatch.setattr(layernorm, "launch_pipelined",
+                        lambda kernel, *a, **k: launched.append(getattr(kernel, "fn", kernel).__name__)
+                        or real(kernel, *a, **k))
+    gen = make_gen(27)
+    for C, pad, want in ((48, 8, "pieces3"), (40, 8, "_kernel"), (48, 24, "_kernel")):
+        inp1, inp2 = randn((5, C), gen, device, BF16, scale=2.0), randn((5, C), gen, device, BF16)
+        weight, bias = ln_params(C, gen, device, BF16)
+        outs = []
+        for pieces in (3, 1):
+            wide = torch.full((5, C + pad), float("nan"), dtype=BF16, device=device)
+            residual, mean, rstd = torch.empty_like(inp1), torch.empty(5, device=device), torch.empty(5, device=device)
+            launched.clear()
+            fused_residual_forward(residual, wide[:, :C], mean, rstd, inp1, inp2, weight, bias, bias_column=True,
+                                   pieces=pieces)
+            layernorm.layernorm_forward(wide[:, :C], mean, rstd, residual, weight, bias, bias_column=True,
+                                        pieces=pieces)
+            assert len(launched) == 2
+            assert all(name.endswith("pieces3_kernel") == (pieces == 3 and want == "pieces3") for name in launched)
+            outs.append((wide, mean, rstd))
+        if want != "pieces3":
+            assert all(bitwise_equal(x, y) for x, y in zip(*outs))
 
 
 def test_layernorm_forward_persistent_matches_one_block_per_program(device):
@@ -219,8 +261,10 @@ def test_fused_residual_normalises_the_rounded_residual(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape,pad", [((2, 3, 64), 8), ((3, 5, 40), 8), ((1, 7, 24), 1)])
-def test_bias_column_rows(shape, pad, dtype, device):
+@pytest.mark.parametrize("pieces", [1, 3])
+@pytest.mark.parametrize("shape,pad", [((2, 3, 64), 8), ((3, 5, 40), 8), ((1, 7, 24), 1), ((3, 5, 48), 8),
+                                       ((2, 96), 32)])
+def test_bias_column_rows(shape, pad, pieces, dtype, device):
     """bias_column: the normed rows into the first C columns of wider rows (NaN-poisoned), what a
     contiguous output gets (to rounding: on the GPU another row stride may compile to another order of the
     row sums), with column C set to 1 and the rest of the padding to 0 exactly; both kernels."""
@@ -231,18 +275,20 @@ def test_bias_column_rows(shape, pad, dtype, device):
     weight, bias = ln_params(C, gen, device, dtype)
     want_padding = torch.zeros(*shape[:-1], pad, dtype=dtype, device=device)
     want_padding[..., 0] = 1.0
-    fused_out = run_fused(inp1, inp2, weight, bias)
-    plain_out = run_layernorm_forward(fused_out[0], weight, bias)
+    fused_out = run_fused(inp1, inp2, weight, bias, pieces=pieces)
+    plain_out = run_layernorm_forward(fused_out[0], weight, bias, pieces=pieces)
     for fused in (False, True):
         wide = torch.full((*shape[:-1], C + pad), float("nan"), dtype=dtype, device=device)
         m, r = torch.empty_like(fused_out[2]), torch.empty_like(fused_out[3])
         if fused:
             residual = torch.empty_like(fused_out[0])
-            fused_residual_forward(residual, wide[..., :C], m, r, inp1, inp2, weight, bias, bias_column=True)
+            fused_residual_forward(residual, wide[..., :C], m, r, inp1, inp2, weight, bias, bias_column=True,
+                                   pieces=pieces)
             assert bitwise_equal(residual, fused_out[0])
             want = fused_out[1:]
         else:
-            layernorm.layernorm_forward(wide[..., :C], m, r, fused_out[0], weight, bias, bias_column=True)
+            layernorm.layernorm_forward(wide[..., :C], m, r, fused_out[0], weight, bias, bias_column=True,
+                                        pieces=pieces)
             want = plain_out
         assert rel_err(wide[..., :C], want[0]) < TOL[dtype]
         assert rel_err(m, want[1]) < STATS_TOL and rel_err(r, want[2]) < STATS_TOL

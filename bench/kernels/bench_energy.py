@@ -20,9 +20,11 @@ of its chunks.
 With --classifier, the fused classifier's variants on one chunk of logits (classifier_variants()). With
 --flash, the same for the flash attention backward (delta kernel included) at several tilings
 instead (FLASH_BWD; B=64, T=1024, NH=12, hs=64): larger tiles reuse each loaded tile for more FLOPs.
-bench/RESULTS.md run T has both tables.
+bench/RESULTS.md run T has both tables. With --ln-forward, the two LayerNorm forwards with a row as one
+padded tile or as three (layernorm's pieces), alternated.
 
-    PYTHONPATH=src:. python -m bench.kernels.bench_energy [--flash | --classifier] [--sustain-ms 1000] [--json F]
+    PYTHONPATH=src:. python -m bench.kernels.bench_energy [--flash | --classifier | --ln-forward] [--sustain-ms 1000]
+        [--json F]
 """
 from __future__ import annotations
 
@@ -74,6 +76,35 @@ def workloads():
         chunks = max(1, default_chunks // div)
         out.append((f"fc bias reduction, {chunks} chunks",
                     lambda k=chunks: kmm.matmul_backward_bias(dbias, d4, bias_scratch, seed, num_chunks=k)))
+    return out
+
+
+def layernorm_forward_workloads():
+    """--ln-forward: the fused residual + LayerNorm forward and the plain one as the model runs them (ln2's
+    rows 8 wider for fc's bias column), a row as one padded tile or as three (pieces), alternated twice."""
+    import torch
+
+    from llmpy.kernels import layernorm as kln
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    N, C = 65536, 768
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(bf)
+
+    src, dst = randn(2, N, C), randn(2, N, C)
+    inp1, inp2, w, b = randn(N, C), randn(N, C), randn(C, scale=0.1) + 1, randn(C, scale=0.1)
+    residual, normed = randn(N, C), randn(N, C + 8)[:, :C]
+    mean, rstd = torch.empty(N, device="cuda"), torch.empty(N, device="cuda")
+    out = [("copy 2x(N,C) -> 2x(N,C)", lambda: dst.copy_(src))]
+    for _ in range(2):
+        for pieces in (1, 3):
+            out.append((f"residual+LN fwd, pieces={pieces}",
+                        lambda p=pieces: kln.fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, w, b,
+                                                                    bias_column=True, pieces=p)))
+            out.append((f"LN fwd, pieces={pieces}",
+                        lambda p=pieces: kln.layernorm_forward(normed, mean, rstd, inp1, w, b, bias_column=True,
+                                                               pieces=p)))
     return out
 
 
@@ -185,9 +216,11 @@ def main(argv=None) -> int:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--flash", action="store_true", help="the flash backward's tilings instead of the memory-bound passes")
     which.add_argument("--classifier", action="store_true", help="the fused classifier's variants instead")
+    which.add_argument("--ln-forward", action="store_true", help="the LayerNorm forwards, one tile or three a row")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = measure(args.sustain_ms, flash_workloads if args.flash else classifier_workloads if args.classifier else None)
+    rows = measure(args.sustain_ms, flash_workloads if args.flash else classifier_workloads if args.classifier
+                   else layernorm_forward_workloads if args.ln_forward else None)
     print(f"\n{'pass':40s} {'ms':>7s} {'mJ':>7s} {'W':>5s} {'MHz':>5s} | {'pair ms':>7s} {'pair W':>6s} {'cost ms':>7s} {'cost mJ':>7s}")
     for r in rows:
         line = f"{r['name']:40s} {r['alone_ms']:7.3f} {r['alone_mj']:7.1f} {r['alone_watts']:5.0f} {r['alone_mhz']:5d}"

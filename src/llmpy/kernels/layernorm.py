@@ -61,6 +61,9 @@ FWD_PROGRAMS_PER_SM = 8 if not interpreting() else 0
 FWD_STAGES = 3
 FUSED_PROGRAMS_PER_SM = 0
 FUSED_STAGES = 1
+# Both forwards: a row as one next_pow2(C) tile (1) or, where C is 3 x a power of two, three tiles without
+# padding lanes (3; see layernorm_forward).
+FWD_PIECES = 1
 # Backward: pipelining depth of each chunk's row loop, and the row as one next_pow2(C) tile (1) or, where C
 # is 3 x a power of two, three tiles without padding (3). With the projection's bias summed along, three
 # tiles: 0.120 against 0.132 ms a call at C = 768 on the H200 (its third accumulator had the one-tile
@@ -107,6 +110,13 @@ LN_FWD_SWEEP = {
     "r8 w8 p4 s3": dict(rows=8, num_warps=8, programs_per_sm=4, stages=3),
     "r4 w4 p0 s1": dict(rows=4, num_warps=4, programs_per_sm=0, stages=1),
     "r8 w4 p8 s2": dict(rows=8, num_warps=4, programs_per_sm=8, stages=2),
+    # session 24: a row as three 256-wide tiles at C = 768 (pieces=3, no padding lanes)
+    "r4 w4 p0 s1 pieces3": dict(rows=4, num_warps=4, programs_per_sm=0, stages=1, pieces=3),
+    "r4 w4 p8 s3 pieces3": dict(rows=4, num_warps=4, programs_per_sm=8, stages=3, pieces=3),
+    "r4 w4 p8 s2 pieces3": dict(rows=4, num_warps=4, programs_per_sm=8, stages=2, pieces=3),
+    "r2 w2 p0 s1 pieces3": dict(rows=2, num_warps=2, programs_per_sm=0, stages=1, pieces=3),
+    "r8 w8 p0 s1 pieces3": dict(rows=8, num_warps=8, programs_per_sm=0, stages=1, pieces=3),
+    "r1 w1 p0 s1 pieces3": dict(rows=1, num_warps=1, programs_per_sm=0, stages=1, pieces=3),
 }
 # Backward names: r=rows per iteration w=num_warps k=chunks (the scratch's first dim) s=stages p3=pieces=3
 # m=maxnreg.
@@ -221,6 +231,100 @@ def _fused_residual_forward_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr,
         # sees the same numbers the forward normalised
         _normalize_rows(r.to(tl.float32), mask, rows, cols, row_ok, col_ok, normed_ptr, normed_stride, mean_ptr,
                         rstd_ptr, w, bb, C, eps, BIAS_COLUMN)
+
+
+@triton.jit
+def _normalize_rows3(xa, xb, xc, rows, cols, row_ok, mask, out_ptr, out_stride, mean_ptr, rstd_ptr,
+                     wa, wb, wc, ba, bb, bc, eps, PIECE: tl.constexpr, BIAS_COLUMN: tl.constexpr):
+    """_normalize_rows for a row held as three [ROWS, PIECE] tiles (C = 3 * PIECE, no padding lanes).
+    With BIAS_COLUMN the row's padding (out_stride - C, at most PIECE) is 1 then 0s."""
+    C: tl.constexpr = 3 * PIECE
+    # the pieces added lane by lane, then one reduction a sum (not three)
+    mean = tl.sum(xa + xb + xc, axis=1) / C
+    ca = xa - mean[:, None]
+    cb = xb - mean[:, None]
+    cc = xc - mean[:, None]
+    var = tl.sum(ca * ca + cb * cb + cc * cc, axis=1) / C
+    rstd = 1.0 / tl.sqrt(var + eps)
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_rows, round_to(ca * rstd[:, None] * wa[None, :] + ba[None, :], out_ptr), mask=mask)
+    tl.store(out_rows + PIECE, round_to(cb * rstd[:, None] * wb[None, :] + bb[None, :], out_ptr), mask=mask)
+    tl.store(out_rows + 2 * PIECE, round_to(cc * rstd[:, None] * wc[None, :] + bc[None, :], out_ptr), mask=mask)
+    if BIAS_COLUMN:
+        pad = cols < out_stride - C
+        ones = tl.where(cols == 0, 1.0, 0.0)
+        tl.store(out_rows + C, round_to(tl.zeros_like(xa) + ones[None, :], out_ptr),
+                 mask=row_ok[:, None] & pad[None, :])
+    tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _param_pieces(ptr, cols, PIECE: tl.constexpr):
+    """A parameter of C = 3 * PIECE values as three fp32 pieces (shared by every program: kept in cache)."""
+    a = tl.load(ptr + cols, eviction_policy="evict_last").to(tl.float32)
+    b = tl.load(ptr + PIECE + cols, eviction_policy="evict_last").to(tl.float32)
+    c = tl.load(ptr + 2 * PIECE + cols, eviction_policy="evict_last").to(tl.float32)
+    return a, b, c
+
+
+@triton.jit
+def _load_piece(ptr, offs, mask):
+    """A [ROWS, PIECE] tile of rows read once (streamed past the cache), in fp32."""
+    return tl.load(ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+
+@triton.jit
+def _layernorm_forward_pieces3_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, bias_ptr, N, out_stride,
+                                      eps, PIECE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                                      BIAS_COLUMN: tl.constexpr):
+    """_layernorm_forward_kernel for C = 3 * PIECE (PIECE a power of two: 768 = 3 x 256), each row as three
+    PIECE-wide tiles: a next_pow2(C) tile spends a quarter of its lanes' arithmetic on padding at C = 768.
+    Its sums run in another order than the one-tile kernel's (other bits, equally deterministic)."""
+    C: tl.constexpr = 3 * PIECE
+    cols = tl.arange(0, PIECE)
+    wa, wb, wc = _param_pieces(weight_ptr, cols, PIECE)
+    ba, bb, bc = _param_pieces(bias_ptr, cols, PIECE)
+    for blk in tl.range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0), num_stages=STAGES):
+        rows = blk * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N
+        mask = row_ok[:, None] & (cols < PIECE)[None, :]  # columns all valid: this gives the tile's shape
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        xa = _load_piece(inp_ptr, offs, mask)
+        xb = _load_piece(inp_ptr, offs + PIECE, mask)
+        xc = _load_piece(inp_ptr, offs + 2 * PIECE, mask)
+        _normalize_rows3(xa, xb, xc, rows, cols, row_ok, mask, out_ptr, out_stride, mean_ptr, rstd_ptr,
+                         wa, wb, wc, ba, bb, bc, eps, PIECE, BIAS_COLUMN)
+
+
+@triton.jit
+def _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs, mask):
+    """A piece of the residual sum: stored rounded to floatX, returned as stored (fp32)."""
+    r = round_to(_load_piece(inp1_ptr, offs, mask) + _load_piece(inp2_ptr, offs, mask), residual_ptr)
+    tl.store(residual_ptr + offs, r, mask=mask)
+    return r.to(tl.float32)
+
+
+@triton.jit
+def _fused_residual_forward_pieces3_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr, inp1_ptr, inp2_ptr,
+                                           weight_ptr, bias_ptr, N, normed_stride, eps, PIECE: tl.constexpr,
+                                           ROWS: tl.constexpr, STAGES: tl.constexpr, BIAS_COLUMN: tl.constexpr):
+    """_fused_residual_forward_kernel for C = 3 * PIECE, as _layernorm_forward_pieces3_kernel (with which
+    it agrees bit for bit at the same ROWS and num_warps)."""
+    C: tl.constexpr = 3 * PIECE
+    cols = tl.arange(0, PIECE)
+    wa, wb, wc = _param_pieces(weight_ptr, cols, PIECE)
+    ba, bb, bc = _param_pieces(bias_ptr, cols, PIECE)
+    for blk in tl.range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0), num_stages=STAGES):
+        rows = blk * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N
+        mask = row_ok[:, None] & (cols < PIECE)[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        ra = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs, mask)
+        rb = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs + PIECE, mask)
+        rc = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs + 2 * PIECE, mask)
+        _normalize_rows3(ra, rb, rc, rows, cols, row_ok, mask, normed_ptr, normed_stride, mean_ptr, rstd_ptr,
+                         wa, wb, wc, ba, bb, bc, eps, PIECE, BIAS_COLUMN)
 
 
 @triton.jit
@@ -455,6 +559,16 @@ def _forward_grid(N: int, rows: int, programs_per_sm: int, device) -> int:
     return blocks
 
 
+def _forward_in_pieces(C: int, out_stride: int, pieces: int | None) -> bool:
+    """Whether the forward runs a row as three pieces: asked for (pieces=3; None: FWD_PIECES, read at the
+    call), C = 3 x a power of two of at least 16, and a bias column's padding (out_stride - C) no wider
+    than a piece."""
+    pieces = FWD_PIECES if pieces is None else pieces
+    assert pieces in (1, 3), f"pieces must be 1 or 3, got {pieces}"
+    piece = C // 3
+    return pieces == 3 and C % 3 == 0 and piece >= 16 and piece & (piece - 1) == 0 and out_stride - C <= piece
+
+
 def _check_rows(t: torch.Tensor, name: str, C: int, dtype=None):
     assert t.is_contiguous(), f"{name} must be contiguous"
     assert t.shape[-1] == C, f"{name}: last dim {t.shape[-1]}, expected C={C}"
@@ -488,13 +602,16 @@ def _check_param(t: torch.Tensor, name: str, C: int):
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM_EPS, rows: int | None = None,
                       num_warps: int | None = None, programs_per_sm: int = FWD_PROGRAMS_PER_SM,
-                      stages: int = FWD_STAGES, bias_column: bool = False):
+                      stages: int = FWD_STAGES, bias_column: bool = False, pieces: int | None = None):
     """out (..., C) = layernorm(inp) * weight + bias; mean, rstd (...) fp32 saved for the backward.
     bias_column: out is a [..., :C] view of wider rows, whose column C is set to 1 and the rest to 0.
 
     Tuning (defaults: the FWD_* constants): rows per program tile, num_warps, programs_per_sm (> 0: a
-    persistent grid), stages (pipelining of the row-block loop). rows and num_warps set the per-row
-    reduction order; fused_residual_forward with the same values gives the same bits."""
+    persistent grid), stages (pipelining of the row-block loop), pieces (3: a row as three power-of-two
+    tiles where C is 3 x a power of two, e.g. 768, so no lane holds padding; elsewhere, or where the bias
+    column's padding is wider than a piece, 1: one next_pow2(C) tile; None: FWD_PIECES). rows, num_warps
+    and pieces set the per-row reduction order; fused_residual_forward with the same values gives the
+    same bits."""
     C = inp.shape[-1]
     N = inp.numel() // C
     assert inp.dtype in _FLOATX, f"inp: dtype {inp.dtype}"
@@ -507,8 +624,13 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM
     _check_param(bias, "bias", C)
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp.device),)
-    launch_pipelined(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, out_stride, eps),
-                     stages, BLOCK_C=block_c, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
+    if _forward_in_pieces(C, out_stride, pieces):
+        launch_pipelined(_layernorm_forward_pieces3_kernel, grid, (out, mean, rstd, inp, weight, bias, N, out_stride,
+                                                                   eps),
+                         stages, PIECE=C // 3, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
+    else:
+        launch_pipelined(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, out_stride, eps),
+                         stages, BLOCK_C=block_c, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
     return out, mean, rstd
 
 
@@ -525,7 +647,7 @@ def residual_forward(out, inp1, inp2):
 def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bias, eps: float = LAYERNORM_EPS,
                            rows: int | None = None, num_warps: int | None = None,
                            programs_per_sm: int = FUSED_PROGRAMS_PER_SM, stages: int = FUSED_STAGES,
-                           bias_column: bool = False):
+                           bias_column: bool = False, pieces: int | None = None):
     """residual = inp1 + inp2 (rounded to floatX), then normed, mean, rstd = layernorm(residual) as stored;
     bias_column as in layernorm_forward (for normed).
 
@@ -546,9 +668,14 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     _check_param(bias, "bias", C)
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp1.device),)
-    launch_pipelined(_fused_residual_forward_kernel, grid,
-                     (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, normed_stride, eps),
-                     stages, BLOCK_C=block_c, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
+    if _forward_in_pieces(C, normed_stride, pieces):
+        launch_pipelined(_fused_residual_forward_pieces3_kernel, grid,
+                         (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, normed_stride, eps),
+                         stages, PIECE=C // 3, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
+    else:
+        launch_pipelined(_fused_residual_forward_kernel, grid,
+                         (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, normed_stride, eps),
+                         stages, BLOCK_C=block_c, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
     return residual, normed, mean, rstd
 
 
