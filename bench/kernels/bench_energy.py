@@ -32,21 +32,28 @@ import argparse
 import json
 
 
+def _random_and_copy(N: int, C: int):
+    """randn(*shape, scale) of fresh bf16 values on the GPU (seeded), and the floor's workload: [(name, a copy
+    of 2 x (N, C) values)]."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    src, dst = randn(2, N, C), randn(2, N, C)
+    return randn, [("copy 2x(N,C) -> 2x(N,C)", lambda: dst.copy_(src))]
+
+
 def workloads():
     """[(name, fn)] of the passes, on fresh random inputs."""
     import torch
 
     from llmpy.kernels import layernorm as kln
     from llmpy.kernels import matmul as kmm
-    g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
     N, C = 65536, 768
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(bf)
-
-    src, dst = randn(2, N, C), randn(2, N, C)
-    out = [("copy 2x(N,C) -> 2x(N,C)", lambda: dst.copy_(src))]
+    randn, out = _random_and_copy(N, C)
 
     inp1, inp2, w, b = randn(N, C), randn(N, C), randn(C, scale=0.1) + 1, randn(C, scale=0.1)
     residual, normed = randn(N, C), randn(N, C)
@@ -85,18 +92,11 @@ def layernorm_forward_workloads():
     import torch
 
     from llmpy.kernels import layernorm as kln
-    g = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
     N, C = 65536, 768
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(bf)
-
-    src, dst = randn(2, N, C), randn(2, N, C)
+    randn, out = _random_and_copy(N, C)
     inp1, inp2, w, b = randn(N, C), randn(N, C), randn(C, scale=0.1) + 1, randn(C, scale=0.1)
     residual, normed = randn(N, C), randn(N, C + 8)[:, :C]
     mean, rstd = torch.empty(N, device="cuda"), torch.empty(N, device="cuda")
-    out = [("copy 2x(N,C) -> 2x(N,C)", lambda: dst.copy_(src))]
     for _ in range(2):
         for pieces in (1, 3):
             out.append((f"residual+LN fwd, pieces={pieces}",

@@ -275,12 +275,22 @@ def _load_piece(ptr, offs, mask):
 
 
 @triton.jit
-def _layernorm_forward_pieces3_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weight_ptr, bias_ptr, N, out_stride,
-                                      eps, PIECE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
-                                      BIAS_COLUMN: tl.constexpr):
-    """_layernorm_forward_kernel for C = 3 * PIECE (PIECE a power of two: 768 = 3 x 256), each row as three
+def _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs, mask):
+    """A piece of the residual sum: stored rounded to floatX, returned as stored (fp32)."""
+    r = round_to(_load_piece(inp1_ptr, offs, mask) + _load_piece(inp2_ptr, offs, mask), residual_ptr)
+    tl.store(residual_ptr + offs, r, mask=mask)
+    return r.to(tl.float32)
+
+
+@triton.jit
+def _forward_pieces3_kernel(normed_ptr, mean_ptr, rstd_ptr, inp1_ptr, inp2_ptr, residual_ptr, weight_ptr, bias_ptr,
+                            N, normed_stride, eps, PIECE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                            BIAS_COLUMN: tl.constexpr, RESIDUAL: tl.constexpr):
+    """_layernorm_forward_kernel (of inp1) or, with RESIDUAL, _fused_residual_forward_kernel (residual = inp1 +
+    inp2, then its LayerNorm) for C = 3 * PIECE (PIECE a power of two: 768 = 3 x 256), each row as three
     PIECE-wide tiles: a next_pow2(C) tile spends a quarter of its lanes' arithmetic on padding at C = 768.
-    Its sums run in another order than the one-tile kernel's (other bits, equally deterministic)."""
+    The two agree bit for bit at the same ROWS and num_warps; their sums run in another order than the
+    one-tile kernels' (other bits, equally deterministic)."""
     C: tl.constexpr = 3 * PIECE
     cols = tl.arange(0, PIECE)
     wa, wb, wc = _param_pieces(weight_ptr, cols, PIECE)
@@ -290,40 +300,15 @@ def _layernorm_forward_pieces3_kernel(out_ptr, mean_ptr, rstd_ptr, inp_ptr, weig
         row_ok = rows < N
         mask = row_ok[:, None] & (cols < PIECE)[None, :]  # columns all valid: this gives the tile's shape
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-        xa = _load_piece(inp_ptr, offs, mask)
-        xb = _load_piece(inp_ptr, offs + PIECE, mask)
-        xc = _load_piece(inp_ptr, offs + 2 * PIECE, mask)
-        _normalize_rows3(xa, xb, xc, rows, cols, row_ok, mask, out_ptr, out_stride, mean_ptr, rstd_ptr,
-                         wa, wb, wc, ba, bb, bc, eps, PIECE, BIAS_COLUMN)
-
-
-@triton.jit
-def _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs, mask):
-    """A piece of the residual sum: stored rounded to floatX, returned as stored (fp32)."""
-    r = round_to(_load_piece(inp1_ptr, offs, mask) + _load_piece(inp2_ptr, offs, mask), residual_ptr)
-    tl.store(residual_ptr + offs, r, mask=mask)
-    return r.to(tl.float32)
-
-
-@triton.jit
-def _fused_residual_forward_pieces3_kernel(residual_ptr, normed_ptr, mean_ptr, rstd_ptr, inp1_ptr, inp2_ptr,
-                                           weight_ptr, bias_ptr, N, normed_stride, eps, PIECE: tl.constexpr,
-                                           ROWS: tl.constexpr, STAGES: tl.constexpr, BIAS_COLUMN: tl.constexpr):
-    """_fused_residual_forward_kernel for C = 3 * PIECE, as _layernorm_forward_pieces3_kernel (with which
-    it agrees bit for bit at the same ROWS and num_warps)."""
-    C: tl.constexpr = 3 * PIECE
-    cols = tl.arange(0, PIECE)
-    wa, wb, wc = _param_pieces(weight_ptr, cols, PIECE)
-    ba, bb, bc = _param_pieces(bias_ptr, cols, PIECE)
-    for blk in tl.range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0), num_stages=STAGES):
-        rows = blk * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < N
-        mask = row_ok[:, None] & (cols < PIECE)[None, :]
-        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-        ra = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs, mask)
-        rb = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs + PIECE, mask)
-        rc = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs + 2 * PIECE, mask)
-        _normalize_rows3(ra, rb, rc, rows, cols, row_ok, mask, normed_ptr, normed_stride, mean_ptr, rstd_ptr,
+        if RESIDUAL:
+            xa = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs, mask)
+            xb = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs + PIECE, mask)
+            xc = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs + 2 * PIECE, mask)
+        else:
+            xa = _load_piece(inp1_ptr, offs, mask)
+            xb = _load_piece(inp1_ptr, offs + PIECE, mask)
+            xc = _load_piece(inp1_ptr, offs + 2 * PIECE, mask)
+        _normalize_rows3(xa, xb, xc, rows, cols, row_ok, mask, normed_ptr, normed_stride, mean_ptr, rstd_ptr,
                          wa, wb, wc, ba, bb, bc, eps, PIECE, BIAS_COLUMN)
 
 
@@ -625,9 +610,11 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, eps: float = LAYERNORM
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp.device),)
     if _forward_in_pieces(C, out_stride, pieces):
-        launch_pipelined(_layernorm_forward_pieces3_kernel, grid, (out, mean, rstd, inp, weight, bias, N, out_stride,
-                                                                   eps),
-                         stages, PIECE=C // 3, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
+        # inp stands in for the unused second input and residual
+        launch_pipelined(_forward_pieces3_kernel, grid, (out, mean, rstd, inp, inp, inp, weight, bias, N, out_stride,
+                                                         eps),
+                         stages, PIECE=C // 3, ROWS=rows, BIAS_COLUMN=bias_column, RESIDUAL=False,
+                         num_warps=num_warps)
     else:
         launch_pipelined(_layernorm_forward_kernel, grid, (out, mean, rstd, inp, weight, bias, N, C, out_stride, eps),
                          stages, BLOCK_C=block_c, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
@@ -669,9 +656,9 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bia
     block_c, rows, num_warps = _row_tile(C, FWD_TILE, FWD_MAX_ROWS, FWD_PER_THREAD, rows, num_warps)
     grid = (_forward_grid(N, rows, programs_per_sm, inp1.device),)
     if _forward_in_pieces(C, normed_stride, pieces):
-        launch_pipelined(_fused_residual_forward_pieces3_kernel, grid,
-                         (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, normed_stride, eps),
-                         stages, PIECE=C // 3, ROWS=rows, BIAS_COLUMN=bias_column, num_warps=num_warps)
+        launch_pipelined(_forward_pieces3_kernel, grid,
+                         (normed, mean, rstd, inp1, inp2, residual, weight, bias, N, normed_stride, eps),
+                         stages, PIECE=C // 3, ROWS=rows, BIAS_COLUMN=bias_column, RESIDUAL=True, num_warps=num_warps)
     else:
         launch_pipelined(_fused_residual_forward_kernel, grid,
                          (residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C, normed_stride, eps),
