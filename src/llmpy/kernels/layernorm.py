@@ -275,9 +275,9 @@ def _load_piece(ptr, offs, mask):
 
 
 @triton.jit
-def _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs, mask):
+def _store_residual_piece(residual_ptr, offs, mask, a, b):
     """A piece of the residual sum: stored rounded to floatX, returned as stored (fp32)."""
-    r = round_to(_load_piece(inp1_ptr, offs, mask) + _load_piece(inp2_ptr, offs, mask), residual_ptr)
+    r = round_to(a + b, residual_ptr)
     tl.store(residual_ptr + offs, r, mask=mask)
     return r.to(tl.float32)
 
@@ -300,14 +300,17 @@ def _forward_pieces3_kernel(normed_ptr, mean_ptr, rstd_ptr, inp1_ptr, inp2_ptr, 
         row_ok = rows < N
         mask = row_ok[:, None] & (cols < PIECE)[None, :]  # columns all valid: this gives the tile's shape
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        xa = _load_piece(inp1_ptr, offs, mask)
+        xb = _load_piece(inp1_ptr, offs + PIECE, mask)
+        xc = _load_piece(inp1_ptr, offs + 2 * PIECE, mask)
         if RESIDUAL:
-            xa = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs, mask)
-            xb = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs + PIECE, mask)
-            xc = _residual_piece(residual_ptr, inp1_ptr, inp2_ptr, offs + 2 * PIECE, mask)
-        else:
-            xa = _load_piece(inp1_ptr, offs, mask)
-            xb = _load_piece(inp1_ptr, offs + PIECE, mask)
-            xc = _load_piece(inp1_ptr, offs + 2 * PIECE, mask)
+            # every load before the first store: the compiler may not move a load past a store that could alias
+            ya = _load_piece(inp2_ptr, offs, mask)
+            yb = _load_piece(inp2_ptr, offs + PIECE, mask)
+            yc = _load_piece(inp2_ptr, offs + 2 * PIECE, mask)
+            xa = _store_residual_piece(residual_ptr, offs, mask, xa, ya)
+            xb = _store_residual_piece(residual_ptr, offs + PIECE, mask, xb, yb)
+            xc = _store_residual_piece(residual_ptr, offs + 2 * PIECE, mask, xc, yc)
         _normalize_rows3(xa, xb, xc, rows, cols, row_ok, mask, normed_ptr, normed_stride, mean_ptr, rstd_ptr,
                          wa, wb, wc, ba, bb, bc, eps, PIECE, BIAS_COLUMN)
 
