@@ -62,7 +62,9 @@ FWD_STAGES = 3
 FUSED_PROGRAMS_PER_SM = 0
 FUSED_STAGES = 1
 # Both forwards: a row as one next_pow2(C) tile (1) or, where C is 3 x a power of two, three tiles without
-# padding lanes (3; see layernorm_forward).
+# padding lanes (3; see layernorm_forward). At C = 768 on the H200 three tiles ran the fused pass as fast alone
+# (0.107 against 0.108 ms) and the plain one faster (0.061 against 0.078), but the whole step no faster
+# (bench/RESULTS.md run AD): one tile stays.
 FWD_PIECES = 1
 # Backward: pipelining depth of each chunk's row loop, and the row as one next_pow2(C) tile (1) or, where C
 # is 3 x a power of two, three tiles without padding (3). With the projection's bias summed along, three
