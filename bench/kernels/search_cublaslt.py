@@ -103,11 +103,6 @@ def _operands(shapes: dict, seed: int):
     return ops
 
 
-def _plan_key(plan):
-    from llmpy.kernels import cublaslt
-    return next(k for k, v in cublaslt._plans.items() if v is plan)
-
-
 def candidates(plan, epilogue: int, budget_s: float = 180.0, algo_ids=None):
     """Every AlgoConfig cuBLASLt accepts (AlgoCheck) for the plan's problem, with its workspace bytes; and
     how many configurations were checked."""
@@ -208,8 +203,8 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     fresh = {k: v.clone() for k, v in ops.items()}
     before = set(cublaslt._plans)
     fn(**ops)
-    plan = next(cublaslt._plans[k] for k in cublaslt._plans if k not in before)
-    key = _plan_key(plan)
+    key = next(k for k in cublaslt._plans if k not in before)  # the plan this first call made
+    plan = cublaslt._plans[key]
 
     def runner(algo):
         return lambda: fn(**ops, algo_index=algo)

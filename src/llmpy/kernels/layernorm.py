@@ -168,6 +168,15 @@ LN_BWD_SWEEP = {
 # kernels
 
 @triton.jit
+def _store_bias_column(pad_ptrs, cols, row_ok, width, like, out_ptr):
+    """The padding after each normed row (pad_ptrs: a [ROWS, BLOCK] tile of its addresses, the first `width`
+    of each row written): 1 in its first column (fc's bias column), 0 in the rest."""
+    ones = tl.where(cols == 0, 1.0, 0.0)
+    tl.store(pad_ptrs, round_to(tl.zeros_like(like) + ones[None, :], out_ptr),
+             mask=row_ok[:, None] & (cols < width)[None, :])
+
+
+@triton.jit
 def _normalize_rows(x, mask, rows, cols, row_ok, col_ok, out_ptr, out_stride, mean_ptr, rstd_ptr, w, b, C, eps,
                     BIAS_COLUMN: tl.constexpr):
     """x: a [ROWS, BLOCK_C] fp32 tile of rows (zero where masked); w, b: [BLOCK_C] fp32 weight and bias.
@@ -179,13 +188,10 @@ def _normalize_rows(x, mask, rows, cols, row_ok, col_ok, out_ptr, out_stride, me
     var = tl.sum(xc * xc, axis=1) / C
     rstd = 1.0 / tl.sqrt(var + eps)
     y = xc * rstd[:, None] * w[None, :] + b[None, :]
-    out_rows = out_ptr + rows.to(tl.int64)[:, None] * out_stride
-    tl.store(out_rows + cols[None, :], round_to(y, out_ptr), mask=mask)
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_rows, round_to(y, out_ptr), mask=mask)
     if BIAS_COLUMN:
-        pad = cols < out_stride - C
-        ones = tl.where(cols == 0, 1.0, 0.0)
-        tl.store(out_rows + C + cols[None, :], round_to(tl.zeros_like(y) + ones[None, :], out_ptr),
-                 mask=row_ok[:, None] & pad[None, :])
+        _store_bias_column(out_rows + C, cols, row_ok, out_stride - C, y, out_ptr)
     tl.store(mean_ptr + rows, mean, mask=row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -253,10 +259,7 @@ def _normalize_rows3(xa, xb, xc, rows, cols, row_ok, mask, out_ptr, out_stride, 
     tl.store(out_rows + PIECE, round_to(cb * rstd[:, None] * wb[None, :] + bb[None, :], out_ptr), mask=mask)
     tl.store(out_rows + 2 * PIECE, round_to(cc * rstd[:, None] * wc[None, :] + bc[None, :], out_ptr), mask=mask)
     if BIAS_COLUMN:
-        pad = cols < out_stride - C
-        ones = tl.where(cols == 0, 1.0, 0.0)
-        tl.store(out_rows + C, round_to(tl.zeros_like(xa) + ones[None, :], out_ptr),
-                 mask=row_ok[:, None] & pad[None, :])
+        _store_bias_column(out_rows + C, cols, row_ok, out_stride - C, xa, out_ptr)
     tl.store(mean_ptr + rows, mean, mask=row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -549,14 +552,18 @@ def _forward_grid(N: int, rows: int, programs_per_sm: int, device) -> int:
     return blocks
 
 
-def _forward_in_pieces(C: int, out_stride: int, pieces: int | None) -> bool:
-    """Whether the forward runs a row as three pieces: asked for (pieces=3; None: FWD_PIECES, read at the
-    call), C = 3 x a power of two of at least 16, and a bias column's padding (out_stride - C) no wider
-    than a piece."""
-    pieces = FWD_PIECES if pieces is None else pieces
+def _in_three_pieces(C: int, pieces: int) -> bool:
+    """Whether a row kernel takes a row as three tiles: asked for (pieces=3) and C = 3 x a power of two of
+    at least 16; else (pieces=1, or a C that does not split) as one next_pow2(C) tile."""
     assert pieces in (1, 3), f"pieces must be 1 or 3, got {pieces}"
     piece = C // 3
-    return pieces == 3 and C % 3 == 0 and piece >= 16 and piece & (piece - 1) == 0 and out_stride - C <= piece
+    return pieces == 3 and C % 3 == 0 and piece >= 16 and piece & (piece - 1) == 0
+
+
+def _forward_in_pieces(C: int, out_stride: int, pieces: int | None) -> bool:
+    """_in_three_pieces for the forwards (None: FWD_PIECES, read at the call), where a bias column's padding
+    (out_stride - C) must also be no wider than a piece."""
+    return _in_three_pieces(C, FWD_PIECES if pieces is None else pieces) and out_stride - C <= C // 3
 
 
 def _check_rows(t: torch.Tensor, name: str, C: int, dtype=None):
@@ -748,12 +755,10 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
     block_c, rows, num_warps = _row_tile(C, BWD_TILE, BWD_MAX_ROWS, BWD_PER_THREAD, rows, num_warps)
     if pieces is None:
         pieces = BWD_PIECES_PROJ if proj else BWD_PIECES
-    assert pieces in (1, 3), f"pieces must be 1 or 3, got {pieces}"
-    piece = C // 3
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    if pieces == 3 and C % 3 == 0 and piece >= 16 and piece & (piece - 1) == 0:
+    if _in_three_pieces(C, pieces):
         args = (dinp, scratch, dout, inp, weight, mean, rstd, N, rows_per_chunk)
-        launch_pipelined(_layernorm_backward_pieces3_kernel, (num_chunks,), args, stages, PIECE=piece, ROWS=rows,
+        launch_pipelined(_layernorm_backward_pieces3_kernel, (num_chunks,), args, stages, PIECE=C // 3, ROWS=rows,
                          PROJ_BIAS=proj, num_warps=num_warps, **extra)
     else:
         args = (dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows_per_chunk)
