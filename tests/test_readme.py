@@ -1,7 +1,8 @@
-"""The README's `llmpy train` flag table and the train parser name the same options: a flag the README shows
-must exist, and every option of the parser must be in the table (README.md says `--help` lists them all,
-so the table is where a reader looks first)."""
+"""The README stays true to the command line. Its `llmpy train` flag table and the train parser name the
+same options: a flag the table shows must exist, and every option of the parser must be in the table (README.md
+says `--help` lists them all, so the table is where a reader looks first). Its example command lines parse."""
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -45,3 +46,25 @@ def test_the_check_sees_a_wrong_flag(monkeypatch, tmp_path):
     monkeypatch.setattr(sys.modules[__name__], "README", fake)
     assert _readme_train_flags() == {"-b", "--batch-sise"}
     assert "--batch-sise" not in _train_options()
+
+
+def _example_commands() -> list[list[str]]:
+    """The README's `llmpy ...` command lines (code blocks and the two commands at the top), as argv."""
+    commands = []
+    for line in README.read_text().splitlines():
+        for part in line.split("&&"):
+            part = part.split(" # ")[0].strip()
+            if part.startswith("llmpy "):
+                commands.append(shlex.split(part)[1:])
+    return commands
+
+
+def test_readme_example_commands_parse():
+    commands = _example_commands()
+    assert len(commands) >= 7 and ["train"] in commands  # the first command, then prepare/sample/plot/export
+    for argv in commands:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:
+            raise AssertionError(f"README.md example `llmpy {' '.join(argv)}` does not parse") from None
+        assert args.command == argv[0]
