@@ -102,9 +102,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--qkv-bias-full-pass", action="store_true",
                     help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
                          "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
-    ap.add_argument("--dgelu-weight-transposed", action="store_true",
-                    help="llmpy: fcproj's DGELU product from a transposed copy of its weight, cuBLASLt's TN "
-                         "kernels (matmul.DGELU_WEIGHT_TRANSPOSED)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
     ap.add_argument("--classifier-config", default=None,
                     help="llmpy: JSON of fused_classifier keywords replacing its TRAIN_CONFIG and VAL_CONFIG "
@@ -269,8 +266,6 @@ def _build_llmpy(args, config, flat):
         layernorm.FWD_PIECES = args.ln_forward_pieces
     if args.qkv_bias_full_pass:
         matmul.QKV_BIAS_FROM_IDENTITIES = False
-    if args.dgelu_weight_transposed:
-        matmul.DGELU_WEIGHT_TRANSPOSED = True
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

@@ -117,15 +117,11 @@ def test_linear_forward_residual_layout(emulated, M, C, OC, bias, in_place):
 
 @pytest.mark.parametrize("M,C,OC", [(5, 8, 24), (33, 16, 8)])
 @pytest.mark.parametrize("dgelu", [False, True])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_linear_input_grad_layout(emulated, M, C, OC, dgelu, transposed):
+def test_linear_input_grad_layout(emulated, M, C, OC, dgelu):
     g = torch.Generator().manual_seed(M + C)
     dout, w, pre = _rand(g, M, OC), _rand(g, OC, C), _rand(g, M, C)
     dinp = _poison(M, C)
-    if transposed:  # the weight stored (C, OC): a TN product
-        lt.linear_input_grad(dinp, dout, weight_t=w.t().contiguous(), pre_gelu=pre if dgelu else None)
-    else:
-        lt.linear_input_grad(dinp, dout, w, pre_gelu=pre if dgelu else None)
+    lt.linear_input_grad(dinp, dout, w, pre_gelu=pre if dgelu else None)
     expected = dout @ w
     if dgelu:
         expected = ref.gelu_backward(pre, expected)
@@ -162,16 +158,6 @@ def test_refused_configuration_falls_back_to_the_first_choice():
     assert mm._lt(product, 1, algo=None) == "ran" and calls[-1] == 0
     with pytest.raises(lt.CublasLtError):
         mm._lt(product, 1, algo=5)
-
-
-def test_linear_input_grad_takes_one_weight(emulated):
-    dout, w, dinp = torch.ones(4, 8), torch.ones(8, 16), torch.empty(4, 16)
-    with pytest.raises(ValueError, match="one of weight and weight_t"):
-        lt.linear_input_grad(dinp, dout, w, weight_t=w.t().contiguous())
-    with pytest.raises(ValueError, match="one of weight and weight_t"):
-        lt.linear_input_grad(dinp, dout)
-    with pytest.raises(ValueError, match="has shape"):
-        lt.linear_input_grad(dinp, dout, weight_t=w)  # not transposed
 
 
 def test_epilogue_arguments_checked():
@@ -279,13 +265,6 @@ def test_gpu_backward_epilogues(dtype, M, C, OC):
         again = torch.empty_like(dinp)
         lt.linear_input_grad(again, dout, w, pre_gelu=pre if dgelu else None)
         assert torch.equal(again, dinp), "two runs differ"
-        # the weight stored transposed (a TN product): other kernels, the same math
-        tn = torch.full((M, C), float("nan"), device="cuda", dtype=dtype)
-        lt.linear_input_grad(tn, dout, weight_t=w.t().contiguous(), pre_gelu=pre if dgelu else None)
-        assert rel_err(tn, expected) < TOL[dtype]
-        tn2 = torch.empty_like(tn)
-        lt.linear_input_grad(tn2, dout, weight_t=w.t().contiguous(), pre_gelu=pre if dgelu else None)
-        assert torch.equal(tn2, tn), "two runs differ (weight_t)"
     dw0 = _dev(g, dtype, OC, C)
     dw = dw0.clone()
     lt.linear_weight_grad(dw, dout, inp)
@@ -355,12 +334,9 @@ def test_gpu_second_stream_and_sm_target(sms):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("weight_transposed", [False, True])
-def test_gpu_matmul_epilogues_agree(dtype, weight_transposed, monkeypatch):
+def test_gpu_matmul_epilogues_agree(dtype):
     """matmul_forward with the GELU epilogue and matmul_backward with the DGELU epilogue: cuBLASLt's and our
-    Triton GEMM's against the reference (the GELUs differ in their last bits, not beyond bf16 rounding);
-    cuBLASLt's DGELU also from the transposed weight (DGELU_WEIGHT_TRANSPOSED)."""
-    monkeypatch.setattr(mm, "DGELU_WEIGHT_TRANSPOSED", weight_transposed)
+    Triton GEMM's against the reference (the GELUs differ in their last bits, not beyond bf16 rounding)."""
     g = torch.Generator().manual_seed(5)
     M, C, OC = 2048, 256, 768
     inp, w, b = _dev(g, dtype, M, C), _dev(g, dtype, OC, C, scale=C ** -0.5), _dev(g, dtype, OC)

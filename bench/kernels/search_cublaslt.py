@@ -36,9 +36,6 @@ ROWS = BT // 8  # the classifier's chunk of rows
 PRODUCTS = {
     "dgelu": ("linear_input_grad", dict(dinp=(BT, 4 * C), dout=(BT, C), weight=(C, 4 * C), pre_gelu=(BT, 4 * C)),
               ("dinp_dgelu", BT, C, 4 * C)),
-    # the same with fcproj's weight stored transposed (matmul.DGELU_WEIGHT_TRANSPOSED): cuBLASLt's TN kernels
-    "dgelu_wt": ("linear_input_grad", dict(dinp=(BT, 4 * C), dout=(BT, C), weight_t=(4 * C, C),
-                                           pre_gelu=(BT, 4 * C)), ("dinp_dgelu_wt", BT, C, 4 * C)),
     "fc_gelu": ("linear_forward", dict(out=(BT, 4 * C), inp=(BT, C), weight=(4 * C, C), bias=(4 * C,),
                                        pre_gelu=(BT, 4 * C)), ("gelu_aux_bias", BT, C, 4 * C)),
     "qkv_fwd": ("linear_forward", dict(out=(BT, 3 * C), inp=(BT, C), weight=(3 * C, C), bias=(3 * C,)),
@@ -101,7 +98,7 @@ def _operands(shapes: dict, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     ops = {}
     for name, shape in shapes.items():
-        scale = 0.02 if name.startswith("weight") else 1.0
+        scale = 0.02 if name == "weight" else 1.0
         ops[name] = (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
     return ops
 

@@ -397,20 +397,14 @@ def linear_forward(out, inp, weight, bias=None, pre_gelu=None, residual=None, al
     return out
 
 
-def linear_input_grad(dinp, dout, weight=None, pre_gelu=None, algo_index=0, weight_t=None):
+def linear_input_grad(dinp, dout, weight, pre_gelu=None, algo_index=0):
     """dinp (M, C) = dout (M, OC) @ weight (OC, C), overwritten. With pre_gelu (this layer's input was
-    gelu(pre_gelu)): times gelu'(pre_gelu) in the epilogue (DGELU). weight_t (C, OC) instead of weight: the
-    same weight stored transposed, which cuBLASLt reads as op(A) = A^T (a "TN" product, the layout of the
-    forward products, against "NN" from weight); the math is the same, the kernels cuBLASLt has for it are
-    others."""
-    if (weight is None) == (weight_t is None):
-        raise ValueError("cuBLASLt: give linear_input_grad one of weight and weight_t")
+    gelu(pre_gelu)): times gelu'(pre_gelu) in the epilogue (DGELU)."""
     M, OC = dout.shape
-    C = weight.shape[1] if weight is not None else weight_t.shape[0]
-    _check_operands(dict(dinp=(M, C), dout=(M, OC), weight=(OC, C), weight_t=(C, OC), pre_gelu=(M, C)),
-                    dinp=dinp, dout=dout, weight=weight, weight_t=weight_t, pre_gelu=pre_gelu)
-    a = weight if weight is not None else weight_t
-    _gemm(dinp, a, dout, C, M, OC, weight_t is not None, False, a.stride(0), dout.stride(0), dinp.stride(0),
+    C = weight.shape[1]
+    _check_operands(dict(dinp=(M, C), dout=(M, OC), weight=(OC, C), pre_gelu=(M, C)),
+                    dinp=dinp, dout=dout, weight=weight, pre_gelu=pre_gelu)
+    _gemm(dinp, weight, dout, C, M, OC, False, False, weight.stride(0), dout.stride(0), dinp.stride(0),
           epilogue=EPILOGUE_DGELU if pre_gelu is not None else EPILOGUE_DEFAULT, aux=pre_gelu,
           aux_ld=pre_gelu.stride(0) if pre_gelu is not None else 0, algo_index=algo_index)
     return dinp

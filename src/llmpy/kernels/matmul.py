@@ -438,12 +438,6 @@ TUNED_ALGOS = {
 # cuBLASLt to slower products for three of the four layers; bench/RESULTS.md, run L).
 BIAS_GRAD_IN_PRODUCT = False
 
-# fcproj's input gradient with the DGELU epilogue from a transposed copy of the weight (C, OC): cuBLASLt's
-# "TN" kernels instead of its "NN" ones (the legacy sm90_xmma kernel, the slowest product per FLOP of the
-# step, bench/RESULTS.md runs AB-AF). The copy costs a transpose of the (small) weight a layer. Off until the
-# whole step says it pays (bench_step --dgelu-weight-transposed; TUNED_ALGOS key "dinp_dgelu_wt").
-DGELU_WEIGHT_TRANSPOSED = False
-
 
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -743,13 +737,8 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch=None, pre_g
         if pre_gelu is not None:
             assert pre_gelu.shape == dinp.shape and pre_gelu.dtype == dinp.dtype
         dgelu = pre_gelu is not None and dgelu_epilogue
-        transposed = dgelu and use_cublaslt and DGELU_WEIGHT_TRANSPOSED
-        product = ("dinp_dgelu_wt" if transposed else "dinp_dgelu") if dgelu else "dinp"
-        rank = _tuned(product, *dout2.shape, C, dout.device) if use_cublaslt else None
-        if transposed:
-            _lt(cublaslt.linear_input_grad, dinp2, dout2, weight_t=weight.t().contiguous(),
-                pre_gelu=_rows(pre_gelu, C), algo=rank)
-        elif dgelu and use_cublaslt:
+        rank = _tuned("dinp_dgelu" if dgelu else "dinp", *dout2.shape, C, dout.device) if use_cublaslt else None
+        if dgelu and use_cublaslt:
             _lt(cublaslt.linear_input_grad, dinp2, dout2, weight, pre_gelu=_rows(pre_gelu, C), algo=rank)
         elif dgelu:
             triton_matmul(dinp2, dout2, weight, aux=_rows(pre_gelu, C), epilogue=EPILOGUE_DGELU)
