@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before triton is imported anywhere, hence here, at collection start.
 """
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,3 +32,27 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+# the shared data (GPT-2's tokenizer files, tinyshakespeare): ../shared/data beside the checkout, where CI lays
+# it, else $LLMPY_SHARED_DATA
+_SHARED_BESIDE = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """shared_data(*names): the shared data folder, after checking that the files `names` (relative to it)
+    are there. One missing is a skip outside CI and a failure in CI (where shared/ is always laid beside the
+    clone), so a test cannot pass there by not running."""
+    env = os.environ.get("LLMPY_SHARED_DATA")
+    root = Path(env) if env and not _SHARED_BESIDE.is_dir() else _SHARED_BESIDE
+
+    def require(*names: str) -> Path:
+        missing = [str(root / n) for n in names if not (root / n).is_file()]
+        if missing:
+            what = f"{', '.join(missing)} not found"
+            if os.environ.get("CI"):
+                pytest.fail(f"{what} in CI")
+            pytest.skip(f"{what} (set LLMPY_SHARED_DATA)")
+        return root
+    return require

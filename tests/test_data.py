@@ -20,15 +20,6 @@ from llmpy.errors import LlmpyError
 from llmpy.tokenizer import ByteTokenizer
 
 
-def _shared_data() -> Path | None:
-    for p in (Path(__file__).resolve().parents[2] / "shared" / "data",
-              Path(os.environ.get("LLMPY_SHARED_DATA", "")) if os.environ.get("LLMPY_SHARED_DATA") else None):
-        if p is not None and p.is_dir():
-            return p
-    return None
-
-
-SHARED = _shared_data()
 
 
 @pytest.fixture
@@ -446,14 +437,12 @@ def test_prepare_folder_each_file_a_document(tmp_path, rng):
     assert int((train == 256).sum()) == 4
 
 
-@pytest.mark.skipif(SHARED is None or not (SHARED / "gpt2" / "vocab.bpe").is_file(),
-                    reason=f"GPT-2 tokenizer files not found under {Path(__file__).resolve().parents[2] / 'shared' / 'data'} "
-                           "or $LLMPY_SHARED_DATA")
-def test_prepare_with_gpt2_from_local_files(tmp_path):
+def test_prepare_with_gpt2_from_local_files(tmp_path, shared_data):
+    gpt2_dir = shared_data("gpt2/encoder.json", "gpt2/vocab.bpe") / "gpt2"
     src = tmp_path / "t.txt"
     src.write_text("Hello world\n\nHello world")
     out = tmp_path / "o"
-    run_prepare([src, "-o", out, "--tokenizer-dir", SHARED / "gpt2", "--val-tokens", 1])
+    run_prepare([src, "-o", out, "--tokenizer-dir", gpt2_dir, "--val-tokens", 1])
     _, val = _split_tokens(out, "t", "val")
     _, train = _split_tokens(out, "t", "train")
     assert val.tolist() == [50256]
@@ -466,10 +455,8 @@ class _FakeResponse(io.BytesIO):
         self.headers = {"Content-Length": str(len(data))}
 
 
-@pytest.mark.skipif(SHARED is None or not (SHARED / "tinyshakespeare" / "input.txt").is_file(),
-                    reason="tinyshakespeare/input.txt not found under shared/data or $LLMPY_SHARED_DATA")
-def test_prepare_tinyshakespeare_with_fake_download(tmp_path, monkeypatch):
-    data = (SHARED / "tinyshakespeare" / "input.txt").read_bytes()
+def test_prepare_tinyshakespeare_with_fake_download(tmp_path, monkeypatch, shared_data):
+    data = (shared_data("tinyshakespeare/input.txt") / "tinyshakespeare" / "input.txt").read_bytes()
     urls = []
     monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: urls.append(url) or _FakeResponse(data))
     out, cache = tmp_path / "o", tmp_path / "cache"

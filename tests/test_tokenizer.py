@@ -1,9 +1,7 @@
 """Tokenizers: GPT-2 BPE from the verified local files (offline) and the byte tokenizer."""
 from __future__ import annotations
 
-import os
 import secrets
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,19 +11,8 @@ from llmpy.tokenizer import (ByteTokenizer, GPT2Tokenizer, find_gpt2_dir, gpt2_m
                              load_tokenizer)
 
 
-def _shared_data() -> Path:
-    here = Path(__file__).resolve().parents[2] / "shared" / "data"
-    if here.is_dir() or not os.environ.get("LLMPY_SHARED_DATA"):
-        return here
-    return Path(os.environ["LLMPY_SHARED_DATA"])
-
-
-SHARED = _shared_data()
-GPT2_DIR = SHARED / "gpt2"
-SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
-
-needs_gpt2 = pytest.mark.skipif(not (GPT2_DIR / "encoder.json").is_file() or not (GPT2_DIR / "vocab.bpe").is_file(),
-                                reason=f"{GPT2_DIR}/encoder.json and vocab.bpe not found (set LLMPY_SHARED_DATA)")
+GPT2_FILES = ("gpt2/encoder.json", "gpt2/vocab.bpe")
+SHAKESPEARE = "tinyshakespeare/input.txt"
 
 
 @pytest.fixture
@@ -35,19 +22,14 @@ def rng():
     return np.random.default_rng(seed)
 
 
-def _missing(what: str):
-    """Outside CI a checkout without ../shared skips; in CI (where shared/ is always laid beside the
-    clone) a missing file is a failure, so these tests cannot pass by not running."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} not found in CI")
-    pytest.skip(f"{what} not found (set LLMPY_SHARED_DATA)")
+@pytest.fixture(scope="module")
+def gpt2_dir(shared_data):
+    return shared_data(*GPT2_FILES) / "gpt2"
 
 
 @pytest.fixture(scope="module")
-def gpt2():
-    if not (GPT2_DIR / "encoder.json").is_file() or not (GPT2_DIR / "vocab.bpe").is_file():
-        _missing(f"{GPT2_DIR}/encoder.json and vocab.bpe")
-    return GPT2Tokenizer.from_files(GPT2_DIR / "encoder.json", GPT2_DIR / "vocab.bpe")
+def gpt2(gpt2_dir):
+    return GPT2Tokenizer.from_files(gpt2_dir / "encoder.json", gpt2_dir / "vocab.bpe")
 
 
 def _random_text(rng, n):
@@ -67,10 +49,8 @@ def test_gpt2_known_ids(gpt2):
     assert 50256 not in gpt2.encode("<|endoftext|>")
 
 
-def test_gpt2_round_trip_on_shakespeare(gpt2, rng):
-    if not SHAKESPEARE.is_file():
-        _missing(str(SHAKESPEARE))
-    text = SHAKESPEARE.read_text(encoding="utf-8")
+def test_gpt2_round_trip_on_shakespeare(gpt2, rng, shared_data):
+    text = (shared_data(SHAKESPEARE) / SHAKESPEARE).read_text(encoding="utf-8")
     start = int(rng.integers(0, len(text) - 20000))
     piece = text[start:start + 20000]
     ids = gpt2.encode(piece)
@@ -85,18 +65,18 @@ def test_gpt2_round_trip_on_random_unicode(gpt2, rng):
         assert gpt2.decode(gpt2.encode(s)) == s
 
 
-def test_gpt2_pattern_agrees_with_tiktokens_own(gpt2, rng):
+def test_gpt2_pattern_agrees_with_tiktokens_own(gpt2, gpt2_dir, rng, shared_data):
     """Our transcription of GPT-2's split regex against the (equivalent, faster) one tiktoken ships."""
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
 
     ref = tiktoken.Encoding("ref", pat_str=r50k_pat_str,
-                            mergeable_ranks=gpt2_mergeable_ranks(GPT2_DIR / "encoder.json", GPT2_DIR / "vocab.bpe"),
+                            mergeable_ranks=gpt2_mergeable_ranks(gpt2_dir / "encoder.json", gpt2_dir / "vocab.bpe"),
                             special_tokens={"<|endoftext|>": 50256})
     texts = [_random_text(rng, int(rng.integers(1, 2000))) for _ in range(20)]
     texts += ["I'm sure they'll've  done it's   \n\n  ok?!  ", " \t\n", "a  b   c\n\n\nd", "123456 7.5e-3"]
-    if SHAKESPEARE.is_file():
-        texts.append(SHAKESPEARE.read_text(encoding="utf-8")[:50000])
+    if (shared_data() / SHAKESPEARE).is_file():
+        texts.append((shared_data() / SHAKESPEARE).read_text(encoding="utf-8")[:50000])
     for t in texts:
         assert gpt2.encode(t) == ref.encode_ordinary(t), repr(t[:80])
 
@@ -116,12 +96,11 @@ def test_gpt2_decode_refuses_ids_outside_vocab(gpt2):
         gpt2.decode([15496, 50257])
 
 
-@needs_gpt2
-def test_huggingface_file_names_and_env_var(monkeypatch, tmp_path, gpt2):
+def test_huggingface_file_names_and_env_var(monkeypatch, tmp_path, gpt2, gpt2_dir):
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "vocab.json").write_bytes((GPT2_DIR / "encoder.json").read_bytes())
-    (hf / "merges.txt").write_bytes((GPT2_DIR / "vocab.bpe").read_bytes())
+    (hf / "vocab.json").write_bytes((gpt2_dir / "encoder.json").read_bytes())
+    (hf / "merges.txt").write_bytes((gpt2_dir / "vocab.bpe").read_bytes())
     assert find_gpt2_dir(hf) == hf
     monkeypatch.setenv("LLMPY_GPT2_DIR", str(hf))
     tok = load_tokenizer("gpt2")
@@ -133,15 +112,14 @@ def test_huggingface_file_names_and_env_var(monkeypatch, tmp_path, gpt2):
         load_tokenizer("gpt2", tmp_path)
 
 
-@needs_gpt2
-def test_mismatched_merges_are_refused(tmp_path, rng):
-    lines = (GPT2_DIR / "vocab.bpe").read_text(encoding="utf-8").split("\n")
+def test_mismatched_merges_are_refused(tmp_path, rng, gpt2_dir):
+    lines = (gpt2_dir / "vocab.bpe").read_text(encoding="utf-8").split("\n")
     i = int(rng.integers(1, len(lines) - 3))
     lines[i], lines[i + 1] = lines[i + 1], lines[i]  # swap two merges: ranks no longer match ids
     bad = tmp_path / "vocab.bpe"
     bad.write_text("\n".join(lines), encoding="utf-8")
     with pytest.raises(LlmpyError, match=r"vocab\.bpe: merge .* do not belong together"):
-        gpt2_mergeable_ranks(GPT2_DIR / "encoder.json", bad)
+        gpt2_mergeable_ranks(gpt2_dir / "encoder.json", bad)
     with pytest.raises(LlmpyError, match=r"nope\.json: GPT-2 tokenizer file not found"):
         gpt2_mergeable_ranks(tmp_path / "nope.json", bad)
 
