@@ -44,10 +44,10 @@ def test_the_check_sees_a_wrong_flag():
     assert "--batch-sise" not in _train_options()
 
 
-def _example_commands() -> list[list[str]]:
+def _example_commands(text: str) -> list[list[str]]:
     """The README's `llmpy ...` command lines (code blocks and the two commands at the top), as argv."""
     commands = []
-    for line in README.read_text().splitlines():
+    for line in text.splitlines():
         for part in line.split("&&"):
             part = part.split(" # ")[0].strip()
             if part.startswith("llmpy "):
@@ -56,7 +56,7 @@ def _example_commands() -> list[list[str]]:
 
 
 def test_readme_example_commands_parse():
-    commands = _example_commands()
+    commands = _example_commands(README.read_text())
     assert len(commands) >= 7 and ["train"] in commands  # the first command, then prepare/sample/plot/export
     for argv in commands:
         try:
