@@ -93,9 +93,11 @@ def _compile_all() -> dict:
             return make()
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
             return {"error": " | ".join(line.strip() for line in str(e).strip().splitlines()[-4:])}
+
     def classifier(buffers):
         compiled, boxes = _compile_classifier(buffers)
         return dict(_summary(compiled), boxes=boxes)
+
     out = {f"classifier{b}": attempt(lambda: classifier(b)) for b in (1, 2)}
     out["flash_backward"] = attempt(lambda: _summary(_compile_flash_backward()))
     return out
