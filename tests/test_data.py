@@ -20,8 +20,6 @@ from llmpy.errors import LlmpyError
 from llmpy.tokenizer import ByteTokenizer
 
 
-
-
 @pytest.fixture
 def rng():
     seed = secrets.randbits(32)

@@ -75,8 +75,9 @@ def test_gpt2_pattern_agrees_with_tiktokens_own(gpt2, gpt2_dir, rng, shared_data
                             special_tokens={"<|endoftext|>": 50256})
     texts = [_random_text(rng, int(rng.integers(1, 2000))) for _ in range(20)]
     texts += ["I'm sure they'll've  done it's   \n\n  ok?!  ", " \t\n", "a  b   c\n\n\nd", "123456 7.5e-3"]
-    if (shared_data() / SHAKESPEARE).is_file():
-        texts.append((shared_data() / SHAKESPEARE).read_text(encoding="utf-8")[:50000])
+    shakespeare = shared_data() / SHAKESPEARE
+    if shakespeare.is_file():
+        texts.append(shakespeare.read_text(encoding="utf-8")[:50000])
     for t in texts:
         assert gpt2.encode(t) == ref.encode_ordinary(t), repr(t[:80])
 
