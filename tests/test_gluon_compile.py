@@ -4,8 +4,9 @@ Gluon has no CPU interpreter, so the kernels themselves are tested on the GPU on
 test_flash_backward_wgmma.py), against the triton of the device. Gluon's API still moves between triton
 releases (3.8 renamed `gl.thread_barrier` to `gl.barrier`, which broke the TMA classifier on a GPU with 3.8
 while every CPU test passed). Here each launcher runs on CPU tensors with its kernel's launch replaced by an
-ahead-of-time compile for an H100/H200 (triton.compile with an sm_90 target: the frontend, the Gluon and
-LLVM passes and ptxas), so an API change fails in CI, whose triton is the newest.
+ahead-of-time compile for an H100/H200 (triton.compile with an sm_90 target and the launch's alignment
+specialization: the frontend, the Gluon and LLVM passes and ptxas), so an API change fails in CI, whose
+triton is the newest.
 
 The compiles run in a child process without TRITON_INTERPRET: under the interpreter, the reductions Gluon
 borrows from triton.language (gl.max, gl.sum) are interpreter objects that the compiler refuses.
@@ -53,8 +54,18 @@ class CompileForSm90:
         constexprs = {(i,): values[n] for i, n in enumerate(fn.arg_names) if fn.params[i].is_constexpr}
         signature = {n: "constexpr" if fn.params[i].is_constexpr else mangle_type(values[n])
                      for i, n in enumerate(fn.arg_names)}
-        self.compiled.append(triton_compile(GluonASTSource(fn, signature, constexprs, {}),
+        # the launch's specialization, as the JIT makes it: 16-byte aligned pointers and integers divisible by
+        # 16 (without it the classifier's row writes compile to 2-byte stores, not the device's 16-byte ones)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if not fn.params[i].is_constexpr and _divisible_by_16(values[n])}
+        self.compiled.append(triton_compile(GluonASTSource(fn, signature, constexprs, attrs),
                                             target=GPUTarget("cuda", 90, 32), options=options))
+
+
+def _divisible_by_16(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def _compile_launch(module, name: str, launcher):
@@ -92,7 +103,8 @@ def _compile_flash_backward():
 def _summary(compiled) -> dict:
     return {"shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"]),
             "sm90a": ".target sm_90a" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
-            "tma_loads": compiled.asm["ptx"].count("cp.async.bulk.tensor")}
+            "tma_loads": compiled.asm["ptx"].count("cp.async.bulk.tensor"),
+            "stores": {width: compiled.asm["ptx"].count(f"st.global.{width}") for width in ("b16", "v4.b32")}}
 
 
 def _compile_all() -> dict:
@@ -128,6 +140,8 @@ def test_tma_classifier_compiles(compiled, buffers):
     # a program holds `buffers` rows of 8 kB boxes, and an SM two rows: one program of two or two of one
     assert buffers * c["boxes"] * fct.BOX_ROWS * fct.BOX_COLS * 2 <= c["shared"]
     assert c["shared"] * (2 // buffers) <= SM90_SHARED_BYTES
+    # the gradient leaves in 16-byte vectors (8 logits a thread a box), never element by element
+    assert c["stores"]["v4.b32"] > 0 and c["stores"]["b16"] == 0, c["stores"]
 
 
 def test_wgmma_flash_backward_compiles(compiled):
