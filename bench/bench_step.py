@@ -102,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--qkv-bias-full-pass", action="store_true",
                     help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
                          "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
+    ap.add_argument("--q-sums-from-attention", action="store_true",
+                    help="llmpy: the QKV bias gradient's query part from the column sums the Triton attention "
+                         "backward makes as it writes dq (matmul.QKV_QUERY_SUMS_FROM_ATTENTION = True)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
     ap.add_argument("--classifier-config", default=None,
                     help="llmpy: JSON of fused_classifier keywords replacing its TRAIN_CONFIG and VAL_CONFIG "
@@ -266,6 +269,8 @@ def _build_llmpy(args, config, flat):
         layernorm.FWD_PIECES = args.ln_forward_pieces
     if args.qkv_bias_full_pass:
         matmul.QKV_BIAS_FROM_IDENTITIES = False
+    if args.q_sums_from_attention:  # read when the model plans its buffers
+        matmul.QKV_QUERY_SUMS_FROM_ATTENTION = True
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

@@ -66,10 +66,35 @@ def run_forward(qkv, NH):
     return out, lse
 
 
-def run_backward(dout, qkv, out, lse, NH, delta=None):
+def run_backward(dout, qkv, out, lse, NH, delta=None, q_sums=None):
     dqkv = torch.full_like(qkv, float("nan"))
-    flash_attention_backward(dqkv, dout, qkv, out, lse, NH, delta=delta)
+    flash_attention_backward(dqkv, dout, qkv, out, lse, NH, delta=delta, q_sums=q_sums)
     return dqkv
+
+
+def poisoned_q_sums(qkv):
+    B, T, C3 = qkv.shape
+    return torch.full((fa.q_sum_blocks(B, T), C3 // 3), float("nan"), dtype=torch.float32, device=qkv.device)
+
+
+def block_sums(dq):
+    """float64 column sums of dq (B, T, C) over blocks of Q_SUM_ROWS of its B*T rows."""
+    rows = dq.reshape(-1, dq.shape[-1]).double()
+    pad = -rows.shape[0] % fa.Q_SUM_ROWS
+    rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    return rows.view(-1, fa.Q_SUM_ROWS, rows.shape[1]).sum(1)
+
+
+def check_q_sums(q_sums, dqkv, dqkv_ref, dtype, summed_before_rounding):
+    """q_sums against the block sums of the exact dq (the reference's, within the gradient's tolerance)
+    and of the dq written: exactly those sums up to fp32 rounding where they are sums of the stored
+    values, within one rounding of dq's storage where the kernel sums its fp32 dq before rounding it."""
+    assert torch.isfinite(q_sums).all(), "unwritten (NaN) or non-finite q_sums"
+    C = dqkv.shape[-1] // 3
+    assert rel_err(q_sums, block_sums(dqkv_ref[..., :C])) < 2 * TOL[dtype]["dqkv"]
+    stored, magnitude = block_sums(dqkv[..., :C]), block_sums(dqkv[..., :C].abs())
+    rounding = 2.0 ** -8 if summed_before_rounding else 1e-6
+    assert ((q_sums.double() - stored).abs() <= rounding * magnitude + 1e-30).all()
 
 
 def check_forward(out, lse, out_ref, lse_ref, dtype):
@@ -99,6 +124,22 @@ def test_forward_backward_match_reference(device, shape, dtype):
     check_forward(out, lse, out_ref, lse_ref, dtype)
     dqkv = run_backward(dout, qkv, out, lse, NH)
     check_backward(dqkv, dqkv_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 33, 2, 8), (3, 50, 1, 32), (1, 130, 2, 16)], ids=lambda s: "B%dT%dNH%dhs%d" % s)
+def test_backward_q_sums(device, shape, dtype):
+    """q_sums: dq's column sums in blocks of 64 of the B*T rows (blocks across batch rows, a partial last
+    one), for the QKV bias gradient; the gradient itself is the same with or without them."""
+    B, T, NH, hs = shape
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, device, seed=17)
+    _, _, dqkv_ref = reference(qkv, dout, NH)
+    out, lse = run_forward(qkv, NH)
+    q_sums = poisoned_q_sums(qkv)
+    dqkv = run_backward(dout, qkv, out, lse, NH, q_sums=q_sums)
+    check_backward(dqkv, dqkv_ref, dtype)
+    check_q_sums(q_sums, dqkv, dqkv_ref, dtype, summed_before_rounding=False)
+    assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

@@ -11,7 +11,8 @@ from llmpy.kernels import flash_attention as fa
 from llmpy.kernels import flash_backward_wgmma as fw
 from llmpy.kernels.flash_attention import FLASH_CONFIGS
 
-from test_flash_attention import check_backward, make_inputs, reference, run_backward, run_forward
+from test_flash_attention import (check_backward, check_q_sums, make_inputs, poisoned_q_sums, reference, run_backward,
+                                  run_forward)
 
 
 def test_config_names_the_kernel(monkeypatch):
@@ -65,6 +66,27 @@ def test_gpu_wgmma_backward(monkeypatch, shape, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B%dT%dNH%d" % s)
+def test_gpu_wgmma_q_sums(monkeypatch, shape):
+    """The kernel's own column sums of dq (fp32, before rounding) a 64-row block at a time: against the
+    reference's and the stored dq's block sums, repeatable bit for bit, and dq, dk, dv the same with or
+    without them."""
+    B, T, NH = shape
+    hs, dtype = 64, torch.bfloat16
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=19)
+    out, lse = run_forward(qkv, NH)
+    _, _, dqkv_ref = reference(qkv, dout, NH)
+    monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma"})
+    q_sums = poisoned_q_sums(qkv)
+    dqkv = run_backward(dout, qkv, out, lse, NH, q_sums=q_sums)
+    check_backward(dqkv, dqkv_ref, dtype)
+    check_q_sums(q_sums, dqkv, dqkv_ref, dtype, summed_before_rounding=True)
+    again = poisoned_q_sums(qkv)
+    assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH, q_sums=again)) and torch.equal(q_sums, again)
+    assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH))
+
+
+@pytest.mark.gpu
 def test_gpu_off_grid_falls_back(monkeypatch):
     B, T, NH, hs, dtype = 2, 1000, 12, 64, torch.bfloat16
     qkv, dout = make_inputs(B, T, NH, hs, dtype, "cuda", seed=12)
@@ -72,4 +94,7 @@ def test_gpu_off_grid_falls_back(monkeypatch):
     monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma"})
     _, _, dqkv_ref = reference(qkv, dout, NH)
     out, lse = run_forward(qkv, NH)
-    check_backward(run_backward(dout, qkv, out, lse, NH), dqkv_ref, dtype)
+    q_sums = poisoned_q_sums(qkv)  # summed by a pass over dq after the tl.dot kernel
+    dqkv = run_backward(dout, qkv, out, lse, NH, q_sums=q_sums)
+    check_backward(dqkv, dqkv_ref, dtype)
+    check_q_sums(q_sums, dqkv, dqkv_ref, dtype, summed_before_rounding=False)

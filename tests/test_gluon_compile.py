@@ -91,13 +91,14 @@ def _compile_classifier(buffers: int):
     return compiled, fct.boxes_per_row(Vp)
 
 
-def _compile_flash_backward():
+def _compile_flash_backward(q_sums: bool):
     B, T, NH, hs = 1, 256, 2, 64
     qkv = torch.empty(B, T, 3 * NH * hs, dtype=torch.bfloat16)
     dout = torch.empty(B, T, NH * hs, dtype=torch.bfloat16)
     lse, delta = torch.empty(B, NH, T), torch.empty(B, NH, T)
+    sums = torch.empty(B * T // fw.BLOCK_KEYS, NH * hs) if q_sums else None
     return _compile_launch(fw, "_flash_bwd_wgmma_kernel", lambda: fw.flash_backward_wgmma(
-        torch.empty_like(qkv), dout, qkv, lse, delta, NH, hs ** -0.5, hs ** -0.5 * 1.4427))
+        torch.empty_like(qkv), dout, qkv, lse, delta, NH, hs ** -0.5, hs ** -0.5 * 1.4427, q_sums=sums))
 
 
 def _summary(compiled) -> dict:
@@ -120,7 +121,8 @@ def _compile_all() -> dict:
         return dict(_summary(compiled), boxes=boxes)
 
     out = {f"classifier{b}": attempt(lambda: classifier(b)) for b in (1, 2)}
-    out["flash_backward"] = attempt(lambda: _summary(_compile_flash_backward()))
+    for q_sums in (False, True):
+        out[f"flash_backward{'_q_sums' * q_sums}"] = attempt(lambda: _summary(_compile_flash_backward(q_sums)))
     return out
 
 
@@ -144,8 +146,9 @@ def test_tma_classifier_compiles(compiled, buffers):
     assert c["stores"]["v4.b32"] > 0 and c["stores"]["b16"] == 0, c["stores"]
 
 
-def test_wgmma_flash_backward_compiles(compiled):
-    c = compiled["flash_backward"]
+@pytest.mark.parametrize("variant", ["flash_backward", "flash_backward_q_sums"])
+def test_wgmma_flash_backward_compiles(compiled, variant):
+    c = compiled[variant]
     assert "error" not in c, c.get("error")
     assert c["sm90a"] and c["wgmma"] and c["cubin_bytes"] > 0 and c["tma_loads"] > 0
     # three programs an SM: the balance run W measured (bench/RESULTS.md)

@@ -39,6 +39,7 @@ from llmpy.checkpoint import load_debug_state, save_debug_state
 from llmpy.config import PARAMETER_NAMES, GPT2Config, parameter_views, parse_descriptor
 from llmpy.errors import LlmpyError
 from llmpy.init import init_parameters
+from llmpy.kernels import matmul as kmm
 from llmpy.model import (FC_BIAS_COLUMNS, GPT2Model, activation_specs, default_classifier_chunks, format_memory,
                          memory_plan)
 from llmpy.reference import GPT2Reference, clip_scale
@@ -235,14 +236,18 @@ def test_matches_reference(tiny, tmp_path, device, name):
     check_against(model, state, state["inputs"], state["targets"], dtype, name)
 
 
+@pytest.mark.parametrize("q_sums", [False, True], ids=["q-pass", "q-sums"])
 @pytest.mark.parametrize("proj_bias_in_layernorm", [True, False])
-def test_qkv_bias_gradient_parts(tiny, device, proj_bias_in_layernorm):
+def test_qkv_bias_gradient_parts(tiny, device, monkeypatch, proj_bias_in_layernorm, q_sums):
     """The QKV bias gradient as kernels.matmul.qkv_bias_backward makes it: the key part exactly zero (the
     loss does not depend on the key bias), the value part equal to the column sums of dv within fp32
-    rounding, whether it comes through attproj's weight (proj_bias_in_layernorm) or from dv."""
+    rounding, whether it comes through attproj's weight (proj_bias_in_layernorm) or from dv; the query part
+    from a pass over dq or from the attention backward's block sums (QKV_QUERY_SUMS_FROM_ATTENTION)."""
     params, x, y, state = tiny
+    monkeypatch.setattr(kmm, "QKV_QUERY_SUMS_FROM_ATTENTION", q_sums)
     model = GPT2Model(TINY, params, B, T, device=device, dtype=FP32, attention="flash",
                       proj_bias_in_layernorm=proj_bias_in_layernorm)
+    assert (model.acts.get("q_bias_sums") is not None) == q_sums
     model.zero_grad()
     model.forward(x, y, dloss=1.0 / x.numel())
     model.backward()

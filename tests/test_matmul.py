@@ -537,6 +537,41 @@ def test_qkv_bias_backward(device, dtype, through_projection):
     assert torch.equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, N, rows", [(130, 40, 64), (64, 72, 64), (35, 24, 16), (7, 8, 64)])
+def test_column_sums_by_blocks(device, dtype, M, N, rows):
+    """part[i] = the column sums of rows [rows * i, rows * (i + 1)) of a strided (M, N) view (a partial last
+    block); fp32 sums of the stored values; nothing written past part."""
+    d = Rand(device, dtype, 24)(M, N + 5)[:, 2:N + 2]  # a row stride wider than N
+    blocks = -(-M // rows)
+    part, buf = guarded((blocks, N), torch.float32, device)
+    mm.column_sums_by_blocks(part, d, rows)
+    assert_guard_intact(buf)
+    exact = torch.cat([d.double(), d.new_zeros(-M % rows, N).double()]).view(blocks, rows, N).sum(1)
+    assert torch.isfinite(part).all()
+    torch.testing.assert_close(part.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_bias_backward_from_q_sums(device, dtype):
+    """With the attention backward's block sums of dq (q_sums), the query part is dbias0 + their sum, and
+    the key and value parts are as without them; repeatable bit for bit."""
+    _, W, G, dqkv64, _ = _attention_with_projection(device, dtype)
+    C = W.shape[0]
+    dqkv = dqkv64.to(device, dtype)
+    dbias0 = Rand(device, dtype, 25)(3 * C)
+    proj_sum = G.reshape(-1, C).sum(0).to(device, torch.float32)
+    extra = dict(proj_bias_grad=proj_sum, proj_weight=W.to(device, dtype))
+    rows = dqkv.reshape(-1, 3 * C)
+    q_sums = mm.column_sums_by_blocks(torch.empty(-(-rows.shape[0] // 8), C, device=device), rows[:, :C], 8)
+    seed = torch.tensor([99], device=device) if dtype == torch.bfloat16 else None
+    got = mm.qkv_bias_backward(dbias0.clone(), dqkv, seed=seed, q_sums=q_sums, **extra)
+    assert torch.equal(got, mm.qkv_bias_backward(dbias0.clone(), dqkv, seed=seed, q_sums=q_sums, **extra))
+    check(got[:C], up(dbias0[:C], dtype) + up(rows[:, :C], dtype).double().sum(0), dtype, "query part")
+    without = mm.qkv_bias_backward(dbias0.clone(), dqkv, seed=seed, **extra)
+    assert torch.equal(got[C:], without[C:])
+
+
 def test_qkv_bias_backward_full_pass(device, monkeypatch):
     """QKV_BIAS_FROM_IDENTITIES = False: llm.c's one reduction over all of dqkv (matmul_backward_bias)."""
     _, W, _, dqkv64, _ = _attention_with_projection(device, torch.float32)

@@ -42,8 +42,10 @@ The QKV bias gradient (kernels.matmul.qkv_bias_backward) uses what attention's m
 is exactly zero (softmax ignores the shift q . b_k of a whole row of scores: llm.c and PyTorch add up
 rounding noise there), its value part equals attproj's bias gradient through attproj's weight (each row
 of the attention matrix sums to one), handed over in fp32 by the LayerNorm backward that sums it under
-proj_bias_in_layernorm (else reduced over dv), and only its query part is a reduction (over dq): 100 MB
-read a layer at B=64, T=1024 instead of 300 (bench/RESULTS.md run S).
+proj_bias_in_layernorm (else reduced over dv), and only its query part is a sum, over dq: 100 MB read a
+layer at B=64, T=1024 instead of 300 (bench/RESULTS.md run S). With kernels.matmul.QKV_QUERY_SUMS_FROM_ATTENTION
+(off by default: not yet faster on the H200, run AH) the Triton attention backward ("flash", "cudnn+flash")
+sums dq's columns a 64-row block at a time as it writes dq, and no pass reads dq again.
 
 overlap_weight_grads ("off" by default): the backward issues every call through llmpy.streams.Lanes with
 the tensors it reads and writes; "on" puts the weight-gradient products and bias reductions on a second
@@ -308,6 +310,9 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
     if attention in kattn.TRITON_BACKWARD:
         specs.append(BufferSpec("delta", (B, NH, T), f32, "scratch"))
+    if attention in kattn.TRITON_BACKWARD and kmm.QKV_QUERY_SUMS_FROM_ATTENTION:
+        # the column sums of dq in blocks of rows, from the attention backward to the QKV bias gradient
+        specs.append(BufferSpec("q_bias_sums", (kattn._triton_flash().q_sum_blocks(B, T), C), f32, "scratch"))
     if attention in kattn.CUDNN_FRONTEND:
         # cuDNN's workspace (the deterministic backward's is large); sized by building the graphs, which
         # needs the GPU: a plan made off it counts none
@@ -983,6 +988,9 @@ class GPT2Model:
         if advance_seeds:
             self._advance_seeds()
         bias_scratch = a["bias_scratch"]
+        # the QKV bias gradient's query part summed by the attention backward (Triton's) as it writes dq, where
+        # the plan made room for it (kernels.matmul.QKV_QUERY_SUMS_FROM_ATTENTION)
+        q_sums = a.get("q_bias_sums") if kmm.QKV_BIAS_FROM_IDENTITIES else None
         plain_shape, proj_shape = ln_scratch_shapes(B * T, C)
         ln_scratch = a["ln_scratch"][:math.prod(plain_shape)].view(plain_shape)
         ln_scratch3 = a["ln_scratch"][:math.prod(proj_shape)].view(proj_shape)  # with the projection's slot
@@ -1093,8 +1101,9 @@ class GPT2Model:
             else:
                 delta, workspace = a.get("delta"), a.get("cudnn_workspace")
                 main(lambda: kattn.attention_backward_any(self.attention, dqkv, dl_btc, b["qkv"], b["atty"], NH,
-                                                          lse=b["lse"], delta=delta, workspace=workspace),
-                     [dl_btc, b["qkv"], b["atty"], b["lse"]], [dqkv, delta, workspace], "attention_backward")
+                                                          lse=b["lse"], delta=delta, workspace=workspace,
+                                                          q_sums=q_sums),
+                     [dl_btc, b["qkv"], b["atty"], b["lse"]], [dqkv, delta, workspace, q_sums], "attention_backward")
             if self.recompute >= 2:
                 main(lambda: kln.layernorm_forward(b["ln1"], b["ln1_mean"], b["ln1_rstd"], b["residual"],
                                                    p["ln1w"][l], p["ln1b"][l]),
@@ -1105,8 +1114,8 @@ class GPT2Model:
             # part through attproj's weight from its bias gradient (fused: no pass over dk and dv); see
             # kernels.matmul.qkv_bias_backward
             side(lambda: kmm.qkv_bias_backward(g["qkvb"][l], dqkv, bias_scratch, seed(2), proj_sum,
-                                               p["attprojw"][l] if fuse else None),
-                 [dqkv, seed(2), proj_sum, p["attprojw"][l]], [g["qkvb"][l], bias_scratch], "qkv bias")
+                                               p["attprojw"][l] if fuse else None, q_sums=q_sums),
+                 [dqkv, seed(2), proj_sum, p["attprojw"][l], q_sums], [g["qkvb"][l], bias_scratch], "qkv bias")
             # ln1: dresidual becomes the gradient of this layer's input residual
             ln_backward(dl_btc, b["residual"], p["ln1w"][l], g["ln1w"][l], g["ln1b"][l], b["ln1_mean"], b["ln1_rstd"],
                         seed(0), l - 1 if l > 0 else None, "fcprojb", 5)

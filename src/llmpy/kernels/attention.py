@@ -519,20 +519,22 @@ def attention_backward_any(impl: str, dqkv: torch.Tensor, dout: torch.Tensor, qk
                            qkvr: torch.Tensor | None = None, att: torch.Tensor | None = None,
                            dqkvr: torch.Tensor | None = None, datt: torch.Tensor | None = None,
                            scratch: torch.Tensor | None = None, delta: torch.Tensor | None = None,
-                           workspace: torch.Tensor | None = None):
+                           workspace: torch.Tensor | None = None, q_sums: torch.Tensor | None = None):
     """Causal attention backward through impl: dqkv (B, T, 3C) OVERWRITTEN from dout (B, T, C).
 
     classic: qkvr, att (from the forward), dqkvr, datt, scratch (scratch); qkv and out are not read.
     the others: qkv, out, lse from the forward; flash and cudnn+flash also take delta (B, NH, T) fp32
-    scratch (else they allocate one: not inside a CUDA graph capture); cudnn a workspace (optional).
+    scratch (else they allocate one: not inside a CUDA graph capture) and q_sums (optional: dq's column
+    sums in blocks of rows, see flash_attention.flash_attention_backward); cudnn a workspace (optional).
     """
     if impl == "classic":
         assert None not in (qkvr, att, dqkvr, datt, scratch), "classic attention needs qkvr, att, dqkvr, datt, scratch"
         attention_backward(dqkv, dqkvr, datt, scratch, dout, qkvr, att, num_heads)
         return
     assert lse is not None, f"{impl} attention needs lse"
+    assert q_sums is None or impl in TRITON_BACKWARD, f"{impl} attention does not sum dq's columns"
     if impl in TRITON_BACKWARD:
-        _triton_flash().flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads, delta=delta)
+        _triton_flash().flash_attention_backward(dqkv, dout, qkv, out, lse, num_heads, delta=delta, q_sums=q_sums)
     elif impl == "cudnn":
         _cudnn().cudnn_attention_backward(dqkv, dout, qkv, out, lse, num_heads, workspace=workspace)
     elif impl == "torch-cudnn":

@@ -40,7 +40,11 @@ import triton
 import triton.language as tl
 
 from .common import DOT_UPCAST, interpreting, tma_descriptor_class, tma_usable
-from .flash_backward_wgmma import flash_backward_wgmma, wgmma_backward_usable
+from .flash_backward_wgmma import BLOCK_KEYS, flash_backward_wgmma, wgmma_backward_usable
+from .matmul import column_sums_by_blocks
+
+# rows of dq a row of flash_attention_backward's q_sums sums: the wgmma kernel's query block
+Q_SUM_ROWS = 64
 
 LOG2E = 1.4426950408889634  # (kernels spell their constants out: Triton jit code reads no plain globals)
 
@@ -465,10 +469,16 @@ def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Ten
 
 
 def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
-                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None):
+                             lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None,
+                             q_sums: torch.Tensor | None = None):
     """Gradient of qkv (B, T, 3C) from dout (B, T, C), written over dqkv (B, T, 3C), given the forward's
     out and lse. delta (B, NH, T) fp32 is scratch; pass it preallocated to keep the launcher allocation-free
-    (CUDA-graph capture). Deterministic: no atomics. Returns dqkv."""
+    (CUDA-graph capture). Deterministic: no atomics. Returns dqkv.
+
+    q_sums: None, or fp32 (q_sum_blocks(B, T), C): row r receives the column sums of dq over rows
+    [Q_SUM_ROWS * r, Q_SUM_ROWS * (r + 1)) of the (B*T) rows, the QKV bias gradient's query part in pieces
+    (kernels.matmul.qkv_bias_backward adds them up). The wgmma kernel sums its fp32 dq as it stores it, so
+    no pass reads dq again; the tl.dot kernels are followed by a pass over dq's columns."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     assert dqkv.shape == qkv.shape and dout.shape == (B, T, C) and out.shape == (B, T, C)
@@ -480,6 +490,9 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     if delta is None:
         delta = torch.empty((B, num_heads, T), dtype=torch.float32, device=qkv.device)
     assert delta.shape == (B, num_heads, T) and delta.dtype == torch.float32 and delta.is_contiguous()
+    if q_sums is not None:
+        assert q_sums.shape == (q_sum_blocks(B, T), C) and q_sums.dtype == torch.float32 and q_sums.is_contiguous()
+        assert q_sums.device == qkv.device
     hs, hs_pad = _head_dims(C, num_heads)
     cfg = flash_config(hs, qkv.dtype)
     scale = 1.0 / math.sqrt(hs)
@@ -488,8 +501,9 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
+        assert BLOCK_KEYS == Q_SUM_ROWS  # a program's query block is one row of q_sums
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                    cfg["wgmma_stages"])
+                                    cfg["wgmma_stages"], q_sums=q_sums)
 
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,
@@ -505,4 +519,11 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     else:
         _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_N1"]), B * num_heads)](*args, DO_DKDV=True, DO_DQ=False, **common)
         _flash_bwd_kernel[(triton.cdiv(T, cfg["BLOCK_M2"]), B * num_heads)](*args, DO_DKDV=False, DO_DQ=True, **common)
+    if q_sums is not None:
+        column_sums_by_blocks(q_sums, dqkv.view(B * T, C3)[:, :C], Q_SUM_ROWS)
     return dqkv
+
+
+def q_sum_blocks(B: int, T: int) -> int:
+    """Rows of flash_attention_backward's q_sums: blocks of Q_SUM_ROWS of the B*T rows."""
+    return triton.cdiv(B * T, Q_SUM_ROWS)

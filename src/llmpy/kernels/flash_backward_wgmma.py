@@ -170,13 +170,15 @@ if GLUON:
         return dq
 
     @gluon.jit
-    def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr,
+    def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr, q_sums_ptr,
                                 T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, num_warps: gl.constexpr):
+                                STAGES1: gl.constexpr, STAGES2: gl.constexpr, Q_SUMS: gl.constexpr,
+                                num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
-        then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings."""
+        then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings. Q_SUMS: also
+        q_sums[b*T/BLOCK_N + i, h*HS:(h+1)*HS] = the column sums of the block's dq (fp32, before rounding)."""
         gl.static_assert(num_warps == 4 and BLOCK_N == 64, "one warpgroup a program, 64 rows a warpgroup")
         gl.static_assert(BLOCK_N % BLOCK_M == 0, "query tiles inside the diagonal block")
         gl.static_assert(min(STAGES1, STAGES2) >= 2, "a ring buffer is refilled while the next one is read")
@@ -252,9 +254,15 @@ if GLUON:
         for s in gl.static_range(STAGES2):
             mbarrier.invalidate(bars2.index(s))
         mbarrier.invalidate(one_bar)
-        q_smem.store((dq * sm_scale).to(dtype))  # q's buffer, as dk's above
+        dq = dq * sm_scale
+        q_smem.store(dq.to(dtype))  # q's buffer, as dk's above
         fence_async_shared()
         tma.async_copy_shared_to_global(dqkv_desc, [row0 + m0, col_q], q_smem)
+        if Q_SUMS:
+            # the QKV bias gradient's query part, a 64-row block at a time, under the store
+            cols = gl.arange(0, HS, layout=gl.SliceLayout(0, mma_d))
+            block_row = (row0 + m0) // BLOCK_N
+            gl.store(q_sums_ptr + block_row.to(gl.int64) * C + col_q + cols, gl.sum(dq, axis=0))
         tma.store_wait(pendings=0)
 
 
@@ -265,10 +273,11 @@ _TILE_LAYOUTS = tuple(gl.NVMMASharedLayout.get_default_for([rows, HEAD_SIZE], gl
 
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3)) -> torch.Tensor:
+                         stages=(3, 3), q_sums: torch.Tensor | None = None) -> torch.Tensor:
     """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
     (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
-    rings' depths in the dk/dv half and in the dq half."""
+    rings' depths in the dk/dv half and in the dq half. q_sums: None, or fp32 (B*T/64, C) that receives
+    the column sums of dq over each 64-row block (flash_attention_backward's q_sums)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q, lay_k = _TILE_LAYOUTS
@@ -278,10 +287,13 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     kv_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     do64_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     dqkv_desc = GluonTensorDescriptor.from_tensor(dqkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
+    if q_sums is not None:
+        assert q_sums.shape == (B * T // BLOCK_KEYS, C) and q_sums.dtype == torch.float32 and q_sums.is_contiguous()
     global last_compiled
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
-        q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, T, num_heads, C, scale, scale_log2,
-        HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1], num_warps=4)
+        q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, q_sums if q_sums is not None else delta,
+        T, num_heads, C, scale, scale_log2, HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
+        STAGES1=stages[0], STAGES2=stages[1], Q_SUMS=q_sums is not None, num_warps=4)
     return dqkv
 
 

@@ -70,6 +70,10 @@ BIAS_BLOCK_M, BIAS_BLOCK_N, BIAS_WARPS = (16, 64, 4) if interpreting() else (32,
 BIAS_GELU_BLOCK_M, BIAS_GELU_BLOCK_N, BIAS_GELU_WARPS = (16, 64, 4) if interpreting() else (32, 128, 8)
 BIAS_PROGRAMS_PER_SM = 4
 FINISH_BLOCK_CHUNKS, FINISH_BLOCK_N = 64, 64
+# the QKV bias gradient's query part from the attention backward's block sums (1024 rows of C at B=64,
+# T=1024): 48 programs at C = 768, not 12, each summing 512 rows a step (the default tiles took 38 us a call
+# on the H200, bench/RESULTS.md run AH; these are the LayerNorm backward's second level's, not yet timed here)
+Q_SUMS_FINISH_TILES = (512, 16, 8) if not interpreting() else (64, 16, 4)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -584,14 +588,31 @@ def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks, col0: int = 0):
         _finish_bias(dbias, scratch, seed, chunks, col0)
 
 
-def _finish_bias(dbias, part, seed, num_chunks: int = 1, col0: int = 0):
+def column_sums_by_blocks(part: torch.Tensor, d2: torch.Tensor, rows: int) -> torch.Tensor:
+    """part[i, :] = the column sums (fp32) of d2's rows [rows * i, rows * (i + 1)): d2 (M, N), any row stride;
+    part fp32 (cdiv(M, rows), N). The first level of a bias reduction in blocks of a fixed size (the QKV
+    bias gradient's query part where the attention backward does not sum it itself)."""
+    M, N = d2.shape
+    assert part.shape == (cdiv(M, rows), N) and part.dtype == torch.float32 and part.is_contiguous()
+    assert d2.stride(1) == 1
+    block_m = min(rows, BIAS_BLOCK_M)
+    assert rows % block_m == 0
+    _bias_partial_kernel[(cdiv(N, BIAS_BLOCK_N), part.shape[0])](
+        d2, d2, part, part, part, M, N, d2.stride(0), rows, 0, HAS_GELU=False, FINAL=False, STOCHASTIC=False,
+        BLOCK_M=block_m, BLOCK_N=BIAS_BLOCK_N, num_warps=BIAS_WARPS)
+    return part
+
+
+def _finish_bias(dbias, part, seed, num_chunks: int = 1, col0: int = 0, tiles=None):
     """dbias += the sum of part's num_chunks rows of len(dbias) (any float dtype) in a fixed order, rounded
-    stochastically with a seed for bf16 dbias (the reduction's second level; one row: BGRADB's sums)."""
+    stochastically with a seed for bf16 dbias (the reduction's second level; one row: BGRADB's sums).
+    tiles: (chunks, columns, warps) a program, default (FINISH_BLOCK_CHUNKS, FINISH_BLOCK_N, 4)."""
     N = dbias.shape[0]
     stochastic = seed is not None and dbias.dtype == torch.bfloat16
-    _bias_finish_kernel[(cdiv(N, FINISH_BLOCK_N),)](
+    block_chunks, block_n, warps = tiles or (FINISH_BLOCK_CHUNKS, FINISH_BLOCK_N, 4)
+    _bias_finish_kernel[(cdiv(N, block_n),)](
         part, dbias, seed if stochastic else dbias, N, num_chunks, col0, STOCHASTIC=stochastic,
-        BLOCK_CHUNKS=FINISH_BLOCK_CHUNKS if num_chunks > 1 else 2, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+        BLOCK_CHUNKS=block_chunks if num_chunks > 1 else 2, BLOCK_N=block_n, num_warps=warps)
 
 
 def matmul_backward_bias(dbias, dout, scratch=None, seed=None, num_chunks: int | None = None):
@@ -641,6 +662,13 @@ def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None):
 # qkv_bias_backward's parts from attention's identities (True), or one reduction over all of dqkv as
 # llm.c does (False: bench_step --qkv-bias-full-pass, the comparison of bench/RESULTS.md run S)
 QKV_BIAS_FROM_IDENTITIES = True
+# the query part from the column sums the Triton/Gluon attention backward makes a 64-row block at a time as it
+# writes dq (True), or from a pass over dq (False). On the H200 (bench/RESULTS.md run AH) the pass they replace
+# takes 0.32 ms a step, but adding up their 1024 rows with the default finish tiles took 0.46 ms (12
+# programs), and the flash backward's own cost was not separable from the drift between calls;
+# Q_SUMS_FINISH_TILES are not yet timed on the GPU, so the model keeps the pass until an A/B says otherwise
+# (bench_step --q-sums-from-attention)
+QKV_QUERY_SUMS_FROM_ATTENTION = False
 
 
 # bias_through_weight's tiles: [BLOCK_K rows of the weight, BLOCK_N columns] a step, a program per BLOCK_N
@@ -666,7 +694,7 @@ def bias_through_weight(dbias, grad_sum, weight, seed=None, col0: int = 0, block
     return dbias
 
 
-def qkv_bias_backward(dbias, dqkv, scratch=None, seed=None, proj_bias_grad=None, proj_weight=None):
+def qkv_bias_backward(dbias, dqkv, scratch=None, seed=None, proj_bias_grad=None, proj_weight=None, q_sums=None):
     """dbias (3C) += the QKV projection's bias gradient, from dqkv (..., 3C) and what attention's math gives
     for free (exact identities, whatever the attention kernel):
 
@@ -680,6 +708,9 @@ def qkv_bias_backward(dbias, dqkv, scratch=None, seed=None, proj_bias_grad=None,
       backward) @ proj_weight, with no pass over the rows. Without them: the column sums of dv.
 
     Rounded as matmul_backward_bias rounds (seed), each part with the counters of its columns in dbias.
+    q_sums: None, or fp32 (blocks, C): the column sums of dq in blocks of rows, from the attention backward
+    (flash_attention_backward's q_sums); the query part is then their sum, and no pass reads dq.
+
     QKV_BIAS_FROM_IDENTITIES = False: one reduction over all of dqkv instead (llm.c's; for comparison)."""
     C3 = dbias.shape[0]
     assert C3 % 3 == 0 and dqkv.shape[-1] == C3, (tuple(dbias.shape), tuple(dqkv.shape))
@@ -688,7 +719,11 @@ def qkv_bias_backward(dbias, dqkv, scratch=None, seed=None, proj_bias_grad=None,
     if not QKV_BIAS_FROM_IDENTITIES:
         _bias_reduce(dbias, scratch, d2, None, seed, None)
         return dbias
-    _bias_reduce(dbias[:C], scratch, d2[:, :C], None, seed, None, col0=0)
+    if q_sums is not None:
+        assert q_sums.dim() == 2 and q_sums.shape[1] == C, tuple(q_sums.shape)
+        _finish_bias(dbias[:C], q_sums, seed, q_sums.shape[0], col0=0, tiles=Q_SUMS_FINISH_TILES)
+    else:
+        _bias_reduce(dbias[:C], scratch, d2[:, :C], None, seed, None, col0=0)
     if proj_bias_grad is not None:
         bias_through_weight(dbias[2 * C:], proj_bias_grad, proj_weight, seed, col0=2 * C)
     else:
