@@ -43,8 +43,9 @@ from .common import DOT_UPCAST, interpreting, tma_descriptor_class, tma_usable
 from .flash_backward_wgmma import BLOCK_KEYS, flash_backward_wgmma, wgmma_backward_usable
 from .matmul import column_sums_by_blocks
 
-# rows of dq a row of flash_attention_backward's q_sums sums: the wgmma kernel's query block
-Q_SUM_ROWS = 64
+# rows of dq a row of flash_attention_backward's q_sums sums: the wgmma kernel's query block, so that a program
+# there sums exactly one row (the tl.dot kernels' pass uses the same blocks)
+Q_SUM_ROWS = BLOCK_KEYS
 
 LOG2E = 1.4426950408889634  # (kernels spell their constants out: Triton jit code reads no plain globals)
 
@@ -501,7 +502,6 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     _flash_bwd_delta_kernel[(triton.cdiv(T, _DELTA_BLOCK_T), B * num_heads)](
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
-        assert BLOCK_KEYS == Q_SUM_ROWS  # a program's query block is one row of q_sums
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
                                     cfg["wgmma_stages"], q_sums=q_sums)
 

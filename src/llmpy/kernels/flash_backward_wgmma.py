@@ -276,8 +276,9 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
                          stages=(3, 3), q_sums: torch.Tensor | None = None) -> torch.Tensor:
     """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
     (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
-    rings' depths in the dk/dv half and in the dq half. q_sums: None, or fp32 (B*T/64, C) that receives
-    the column sums of dq over each 64-row block (flash_attention_backward's q_sums)."""
+    rings' depths in the dk/dv half and in the dq half. q_sums: None, or fp32 (B*T/BLOCK_KEYS, C) that
+    receives the column sums of dq over each BLOCK_KEYS-row block (flash_attention_backward's q_sums, checked
+    there)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q, lay_k = _TILE_LAYOUTS
@@ -287,8 +288,6 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     kv_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     do64_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     dqkv_desc = GluonTensorDescriptor.from_tensor(dqkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
-    if q_sums is not None:
-        assert q_sums.shape == (B * T // BLOCK_KEYS, C) and q_sums.dtype == torch.float32 and q_sums.is_contiguous()
     global last_compiled
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
         q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, q_sums if q_sums is not None else delta,
