@@ -89,22 +89,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tuned-from", default=None,
                     help="llmpy: TUNED_ALGOS replaced by the table a bench_cublaslt or search_cublaslt --json "
                          "file suggests")
-    ap.add_argument("--bias-in-product", action="store_true",
-                    help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
-    ap.add_argument("--ln-proj-chunks", type=int, default=None,
-                    help="llmpy: row chunks of the LayerNorm backward that sums a projection's bias "
-                         "(layernorm.LN_BACKWARD_PROJ_CHUNKS)")
-    ap.add_argument("--ln-proj-pieces", type=int, default=None, choices=(1, 3),
-                    help="llmpy: the LayerNorm backward that sums a projection's bias takes a row as 1 tile "
-                         "or 3 (layernorm.BWD_PIECES_PROJ)")
-    ap.add_argument("--ln-forward-pieces", type=int, default=None, choices=(1, 3),
-                    help="llmpy: both LayerNorm forwards take a row as 1 tile or 3 (layernorm.FWD_PIECES)")
-    ap.add_argument("--qkv-bias-full-pass", action="store_true",
-                    help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
-                         "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
-    ap.add_argument("--q-sums-from-attention", action="store_true",
-                    help="llmpy: the QKV bias gradient's query part from the column sums the Triton attention "
-                         "backward makes as it writes dq (matmul.QKV_QUERY_SUMS_FROM_ATTENTION = True)")
     ap.add_argument("--no-graph", action="store_true", help="llmpy: no CUDA graph")
     ap.add_argument("--classifier-config", default=None,
                     help="llmpy: JSON of fused_classifier keywords replacing its TRAIN_CONFIG and VAL_CONFIG "
@@ -122,8 +106,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--systems: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(SYSTEMS)}")
     if args.child is not None and args.child not in SYSTEMS:
         ap.error(f"--child: unknown system {args.child}")
-    if args.ln_proj_chunks is not None and args.ln_proj_chunks < 1:
-        ap.error("--ln-proj-chunks must be at least 1")
     for name in ("B", "T", "steps", "warmup_median_from"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -151,6 +133,49 @@ def add_model_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--overlap-weight-grads", default=None, choices=("off", "on", "priority"),
                     help="llmpy: the backward's weight and bias gradients on a second stream "
                          "(overlap_weight_grads; priority: the input-gradient chain first; model default: off)")
+    # switches of the kernel modules (module constants, set by set_kernel_switches)
+    ap.add_argument("--bias-in-product", action="store_true",
+                    help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
+    ap.add_argument("--ln-proj-chunks", type=_at_least_one, default=None,
+                    help="llmpy: row chunks of the LayerNorm backward that sums a projection's bias "
+                         "(layernorm.LN_BACKWARD_PROJ_CHUNKS)")
+    ap.add_argument("--ln-proj-pieces", type=int, default=None, choices=(1, 3),
+                    help="llmpy: the LayerNorm backward that sums a projection's bias takes a row as 1 tile "
+                         "or 3 (layernorm.BWD_PIECES_PROJ)")
+    ap.add_argument("--ln-forward-pieces", type=int, default=None, choices=(1, 3),
+                    help="llmpy: both LayerNorm forwards take a row as 1 tile or 3 (layernorm.FWD_PIECES)")
+    ap.add_argument("--qkv-bias-full-pass", action="store_true",
+                    help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
+                         "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
+    ap.add_argument("--q-sums-from-attention", default=None, choices=("on", "off"),
+                    help="llmpy: the QKV bias gradient's query part from the column sums the Triton attention "
+                         "backward makes as it writes dq, or a pass over dq (matmul.QKV_QUERY_SUMS_FROM_ATTENTION; "
+                         "default: on)")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def set_kernel_switches(args) -> None:
+    """Set the kernel modules' constants that add_model_switches' module flags name (before the model is built:
+    some are read when it plans its buffers)."""
+    from llmpy.kernels import layernorm, matmul
+    if args.bias_in_product:
+        matmul.BIAS_GRAD_IN_PRODUCT = True
+    if args.ln_proj_chunks is not None:  # read when the model sizes its ln_scratch and at every backward
+        layernorm.LN_BACKWARD_PROJ_CHUNKS = args.ln_proj_chunks
+    if args.ln_proj_pieces is not None:  # read at every backward
+        layernorm.BWD_PIECES_PROJ = args.ln_proj_pieces
+    if args.ln_forward_pieces is not None:  # read at every forward
+        layernorm.FWD_PIECES = args.ln_forward_pieces
+    if args.qkv_bias_full_pass:
+        matmul.QKV_BIAS_FROM_IDENTITIES = False
+    if args.q_sums_from_attention is not None:  # read when the model plans its buffers
+        matmul.QKV_QUERY_SUMS_FROM_ATTENTION = args.q_sums_from_attention == "on"
 
 
 def model_switches(args) -> dict:
@@ -258,19 +283,7 @@ def _build_llmpy(args, config, flat):
                 suggested = json.load(f)
             TUNED_ALGOS.update(tuned_entries(suggested))
             print(f"TUNED_ALGOS from {args.tuned_from}: {TUNED_ALGOS}", file=sys.stderr)
-    from llmpy.kernels import layernorm, matmul
-    if args.bias_in_product:
-        matmul.BIAS_GRAD_IN_PRODUCT = True
-    if args.ln_proj_chunks is not None:  # read when the model sizes its ln_scratch and at every backward
-        layernorm.LN_BACKWARD_PROJ_CHUNKS = args.ln_proj_chunks
-    if args.ln_proj_pieces is not None:  # read at every backward
-        layernorm.BWD_PIECES_PROJ = args.ln_proj_pieces
-    if args.ln_forward_pieces is not None:  # read at every forward
-        layernorm.FWD_PIECES = args.ln_forward_pieces
-    if args.qkv_bias_full_pass:
-        matmul.QKV_BIAS_FROM_IDENTITIES = False
-    if args.q_sums_from_attention:  # read when the model plans its buffers
-        matmul.QKV_QUERY_SUMS_FROM_ATTENTION = True
+    set_kernel_switches(args)
     model = GPT2Model(config, flat, args.B, args.T, device=args.device, dtype=torch.bfloat16, **llmpy_options(args))
     # llm.c's AdamW step counter starts at 1 (gpt2_update(..., step + 1))
     return lambda step, batch: model.train_step([batch], args.lr, step, args.weight_decay, args.grad_clip)

@@ -353,8 +353,9 @@ def _build(args, cuda_graph: bool):
     from llmpy.model import GPT2Model
     config = parse_descriptor(args.model)
     flat = init_parameters(config, args.seed)
-    from bench.bench_step import set_flash_config
+    from bench.bench_step import set_flash_config, set_kernel_switches
     set_flash_config(args.flash_config, config)
+    set_kernel_switches(args)
     model = GPT2Model(config, flat, args.B, args.T, device="cuda", dtype=torch.bfloat16,
                       **_model_options(args, cuda_graph))
     return config, model

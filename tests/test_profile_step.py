@@ -183,3 +183,22 @@ def test_timeline_graphs_idle_and_between():
     assert one["between_ms"] is None and one["graph_ms"] == pytest.approx(0.3)
     with pytest.raises(ValueError):
         ps.timeline(ev, steps=0)
+
+
+def test_kernel_switches_are_bench_step_s(monkeypatch):
+    # profile_step takes bench_step's kernel-module flags and sets the same constants before the model is built
+    from bench.bench_step import set_kernel_switches
+    from llmpy.kernels import layernorm, matmul
+    for name in ("QKV_QUERY_SUMS_FROM_ATTENTION", "QKV_BIAS_FROM_IDENTITIES", "BIAS_GRAD_IN_PRODUCT"):
+        monkeypatch.setattr(matmul, name, getattr(matmul, name))
+    monkeypatch.setattr(layernorm, "LN_BACKWARD_PROJ_CHUNKS", layernorm.LN_BACKWARD_PROJ_CHUNKS)
+    before = (matmul.QKV_QUERY_SUMS_FROM_ATTENTION, matmul.QKV_BIAS_FROM_IDENTITIES, layernorm.LN_BACKWARD_PROJ_CHUNKS)
+    set_kernel_switches(ps.parse_args([]))
+    assert (matmul.QKV_QUERY_SUMS_FROM_ATTENTION, matmul.QKV_BIAS_FROM_IDENTITIES,
+            layernorm.LN_BACKWARD_PROJ_CHUNKS) == before  # no flag, no change
+    set_kernel_switches(ps.parse_args(["--q-sums-from-attention", "off", "--ln-proj-chunks", "7"]))
+    assert matmul.QKV_QUERY_SUMS_FROM_ATTENTION is False and layernorm.LN_BACKWARD_PROJ_CHUNKS == 7
+    set_kernel_switches(ps.parse_args(["--q-sums-from-attention", "on"]))
+    assert matmul.QKV_QUERY_SUMS_FROM_ATTENTION is True
+    with pytest.raises(SystemExit):
+        ps.parse_args(["--ln-proj-chunks", "0"])

@@ -44,8 +44,8 @@ rounding noise there), its value part equals attproj's bias gradient through att
 of the attention matrix sums to one), handed over in fp32 by the LayerNorm backward that sums it under
 proj_bias_in_layernorm (else reduced over dv), and only its query part is a sum, over dq: 100 MB read a
 layer at B=64, T=1024 instead of 300 (bench/RESULTS.md run S). With kernels.matmul.QKV_QUERY_SUMS_FROM_ATTENTION
-(off by default: not yet faster on the H200, run AH) the Triton attention backward ("flash", "cudnn+flash")
-sums dq's columns a 64-row block at a time as it writes dq, and no pass reads dq again.
+(on by default; run AI) the Triton attention backward ("flash", "cudnn+flash") sums dq's columns a 64-row
+block at a time as it writes dq, and no pass reads dq again (other attention paths keep the pass).
 
 overlap_weight_grads ("off" by default): the backward issues every call through llmpy.streams.Lanes with
 the tensors it reads and writes; "on" puts the weight-gradient products and bias reductions on a second

@@ -71,8 +71,8 @@ BIAS_GELU_BLOCK_M, BIAS_GELU_BLOCK_N, BIAS_GELU_WARPS = (16, 64, 4) if interpret
 BIAS_PROGRAMS_PER_SM = 4
 FINISH_BLOCK_CHUNKS, FINISH_BLOCK_N = 64, 64
 # the QKV bias gradient's query part from the attention backward's block sums (1024 rows of C at B=64,
-# T=1024): 48 programs at C = 768, not 12, each summing 512 rows a step (the default tiles took 38 us a call
-# on the H200, bench/RESULTS.md run AH; these are the LayerNorm backward's second level's, not yet timed here)
+# T=1024): 48 programs at C = 768, not 12, each summing 512 rows a step: 7.8 us a call on the H200 against the
+# default tiles' 38 (bench/RESULTS.md runs AH, AI)
 Q_SUMS_FINISH_TILES = (512, 16, 8) if not interpreting() else (64, 16, 4)
 
 
@@ -663,12 +663,10 @@ def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None):
 # llm.c does (False: bench_step --qkv-bias-full-pass, the comparison of bench/RESULTS.md run S)
 QKV_BIAS_FROM_IDENTITIES = True
 # the query part from the column sums the Triton/Gluon attention backward makes a 64-row block at a time as it
-# writes dq (True), or from a pass over dq (False). On the H200 (bench/RESULTS.md run AH) the pass they replace
-# takes 0.32 ms a step, but adding up their 1024 rows with the default finish tiles took 0.46 ms (12
-# programs), and the flash backward's own cost was not separable from the drift between calls;
-# Q_SUMS_FINISH_TILES are not yet timed on the GPU, so the model keeps the pass until an A/B says otherwise
-# (bench_step --q-sums-from-attention)
-QKV_QUERY_SUMS_FROM_ATTENTION = False
+# writes dq (True), or from a pass over dq (False: bench_step --q-sums-from-attention off). On the H200
+# (bench/RESULTS.md run AI) the pass and its finish take 0.35 ms a step, the block sums' finish 0.09 and the
+# flash backward ~0.13 more; the whole step 0.0 / -0.8 ms (medians) in two alternated A/Bs, energy the same
+QKV_QUERY_SUMS_FROM_ATTENTION = True
 
 
 # bias_through_weight's tiles: [BLOCK_K rows of the weight, BLOCK_N columns] a step, a program per BLOCK_N
