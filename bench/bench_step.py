@@ -361,6 +361,7 @@ def run_system(args, system: str) -> dict:
             if counter is not None and i == lo:
                 e0, w0 = counter.millijoules(), time.perf_counter()
                 res["celsius_at_window"] = [counter.temperature_c()]
+                throttled0 = counter.throttled_ms()
             t0 = time.perf_counter()
             loss, norm = step_fn(i + 1, batches[i])
             loss, norm = float(loss), float(norm)  # reading the loss waits for the step, as llm.c's log does
@@ -374,6 +375,7 @@ def run_system(args, system: str) -> dict:
             res["step_ms"].append(ms)
             if counter is not None:  # the SM clock after each step: the power cap's swings move slow steps
                 res.setdefault("step_sm_mhz", []).append(counter.sm_clock_mhz())
+                res.setdefault("step_clock_reasons", []).append(counter.clock_event_reasons())
             res["losses"].append(loss)
             res["norms"].append(norm)
             if i < args.print_steps or (i + 1) % 10 == 0 or i + 1 == args.steps:
@@ -393,6 +395,10 @@ def run_system(args, system: str) -> dict:
             res["watts"] = joules / secs
             res["celsius_at_window"].append(counter.temperature_c())
             res["sm_mhz_at_end"] = counter.sm_clock_mhz()
+            throttled1 = counter.throttled_ms()
+            if throttled0 is not None and throttled1 is not None:
+                # the share of the window the clock was held down by the power cap, by temperature
+                res["throttled_share"] = {k: (throttled1[k] - throttled0[k]) / (secs * 1e3) for k in throttled1}
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 -- the parent reports it; KeyboardInterrupt too
         res["error"] = f"{type(e).__name__}: {e}"
@@ -440,10 +446,15 @@ def _fmt(v, spec: str, scale: float = 1.0) -> str:
 
 
 def card_state(r: dict) -> str:
-    """', 41->47 C, 1755 MHz': the die's temperature over the median window and the SM clock after it."""
+    """', 41->47 C, 1755 MHz, held by power 97 % / thermal 0 %': the die's temperature over the median window,
+    the SM clock after it, and the share of the window NVML counts the clock held down by each limit."""
     temps = r.get("celsius_at_window") or []
     text = f", {temps[0]}->{temps[-1]} C" if len(temps) == 2 else ""
-    return text + (f", {r['sm_mhz_at_end']} MHz" if r.get("sm_mhz_at_end") is not None else "")
+    text += f", {r['sm_mhz_at_end']} MHz" if r.get("sm_mhz_at_end") is not None else ""
+    held = r.get("throttled_share")
+    if held:
+        text += f", held by power {held['power'] * 100:.0f} % / thermal {held['thermal'] * 100:.0f} %"
+    return text
 
 
 def format_table(results: dict, args) -> str:

@@ -11,6 +11,15 @@ import ctypes
 
 _NVML_CLOCK_SM = 1
 _NVML_TEMPERATURE_GPU = 0
+# nvmlPerfPolicyType_t: the policies whose violation time (ns the clock was held below what was asked) NVML keeps
+_NVML_PERF_POLICIES = {"power": 0, "thermal": 1}
+# nvmlClocksEventReasons bits: why the clock is where it is at the moment of the query
+CLOCK_EVENT_REASONS = {0x1: "idle", 0x4: "sw power cap", 0x8: "hw slowdown", 0x20: "sw thermal",
+                       0x40: "hw thermal", 0x80: "hw power brake"}
+
+
+class _ViolationTime(ctypes.Structure):
+    _fields_ = [("reference_time", ctypes.c_ulonglong), ("violation_time", ctypes.c_ulonglong)]
 
 
 class EnergyCounter:
@@ -55,10 +64,38 @@ class EnergyCounter:
                     "temperature")
         return int(value.value)
 
+    def throttled_ms(self) -> dict | None:
+        """{"power": ms, "thermal": ms}: the time, since the driver loaded, the clock was held down by the power cap
+        and by temperature (None where the driver does not keep these counters). Read around an interval, the
+        differences say which of the two held a run's clock down, without polling."""
+        query = getattr(self._nvml, "nvmlDeviceGetViolationStatus", None)
+        out = {}
+        for name, policy in _NVML_PERF_POLICIES.items():
+            value = _ViolationTime()
+            if query is None or query(self._handle, policy, ctypes.byref(value)) != 0:
+                return None
+            out[name] = value.violation_time * 1e-6
+        return out
+
+    def clock_event_reasons(self) -> int | None:
+        """The bit mask of why the SM clock is where it is now (CLOCK_EVENT_REASONS), or None if unsupported."""
+        value = ctypes.c_ulonglong()
+        # drivers before 535 name it the throttle reasons
+        query = (getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                 or getattr(self._nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+        return int(value.value) if query is not None and query(self._handle, ctypes.byref(value)) == 0 else None
+
     def power_limit_w(self) -> float:
         value = ctypes.c_uint()
         self._check(self._nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle, ctypes.byref(value)), "power limit")
         return value.value / 1000
+
+
+def reason_names(mask: int) -> list[str]:
+    """The names of the CLOCK_EVENT_REASONS bits set in mask (others as hex)."""
+    names = [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+    rest = mask & ~sum(CLOCK_EVENT_REASONS)
+    return names + ([hex(rest)] if rest else [])
 
 
 def sustained_energy(fn, sustain_ms: float, counter: EnergyCounter) -> dict:

@@ -58,6 +58,17 @@ def test_the_table_names_each_system_s_energy_when_measured():
     results["torch-compile"].update(celsius_at_window=[41, 47], sm_mhz_at_end=1755)
     lines = [l for l in format_table(results, args).splitlines() if l.startswith("energy")]
     assert lines[0].endswith("torch-compile 94.5 J/step at 700 W, 41->47 C, 1755 MHz")
+    # and the share of the window NVML counted the clock held down by the power cap and by temperature
+    results["torch-compile"]["throttled_share"] = {"power": 0.973, "thermal": 0.0}
+    lines = [l for l in format_table(results, args).splitlines() if l.startswith("energy")]
+    assert lines[0].endswith("1755 MHz, held by power 97 % / thermal 0 %")
+
+
+def test_clock_event_reasons_are_named():
+    from bench.energy import reason_names
+    assert reason_names(0) == []
+    assert reason_names(0x4 | 0x80) == ["sw power cap", "hw power brake"]
+    assert reason_names(0x4 | 0x400) == ["sw power cap", "0x400"]  # a bit this table does not name
 
 
 def test_classifier_config_flag():
