@@ -465,3 +465,39 @@ def test_gpu_algo_config(M, C, OC, monkeypatch):
         out = torch.full((M, OC), float("nan"), device="cuda", dtype=bf)
         mm.matmul_forward(out, inp, w, b, use_cublaslt=True)
         assert torch.equal(out, first), entry
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_algo_config():
+    """A split-K AlgoConfig (fp32 partial sums in the workspace) on a weight gradient of the model's shape: right
+    within bf16 rounding, bitwise repeatable, read back by config_of with its split; another split gives a
+    result as right (other bits are allowed); and a TUNED_ALGOS entry holding it reaches cuBLASLt."""
+    M, C, OC = 8192, 768, 2304
+    g = torch.Generator().manual_seed(11)
+    bf = torch.bfloat16
+    dout, inp, dw0 = _dev(g, bf, M, OC), _dev(g, bf, M, C), _dev(g, bf, OC, C)
+    expected = dw0.double() + dout.double().t() @ inp.double()
+
+    def run(algo):
+        dw = dw0.clone()
+        lt.linear_weight_grad(dw, dout, inp, algo_index=algo)
+        return dw
+
+    first = run(0)
+    plans = [p for k, p in lt._plans.items() if k[1:4] == (C, OC, M) and k[14] == 0]
+    base = lt.config_of(plans[-1].algo)
+    ran = 0
+    for splitk in (2, 4):
+        config = lt.AlgoConfig(base.algo_id, base.tile, base.stages, base.swizzle, base.custom, base.cluster,
+                               base.inner_shape, splitk=splitk, reduction=2)
+        try:
+            out = run(config)
+        except lt.CublasLtError:
+            continue  # not every algorithm splits every tile
+        ran += 1
+        assert rel_err(out, expected) < TOL[bf], config
+        assert torch.equal(run(config), out), f"two runs differ: {config}"
+        plan = [p for k, p in lt._plans.items() if k[1:4] == (C, OC, M) and k[14] == config][-1]
+        assert lt.config_of(plan.algo) == config
+    assert ran, f"no split of {base} ran"
+    assert rel_err(first, expected) < TOL[bf]

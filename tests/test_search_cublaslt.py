@@ -50,3 +50,26 @@ def test_suggested_table_round_trip(tmp_path):
     assert entries == {("fwd", 8192, 768, 50304, capability): new,
                        ("fwd_bias", 65536, 768, 2304, capability): AlgoConfig(66, 29, 35, custom=1, cluster=3),
                        ("dinp", 8192, 50304, 768, capability): new}
+
+
+def test_tile_shapes_read_from_the_header(tmp_path):
+    header = tmp_path / "cublasLt.h"
+    header.write_text("typedef enum {\n  CUBLASLT_MATMUL_TILE_UNDEFINED = 0,\n  CUBLASLT_MATMUL_TILE_8x8 = 1,\n"
+                      "  CUBLASLT_MATMUL_TILE_128x160 = 29,\n  CUBLASLT_MATMUL_TILE_END\n} cublasLtMatmulTile_t;\n")
+    assert search.tile_shapes(str(header)) == {1: (8, 8), 29: (128, 160)}
+    assert search.tile_shapes(str(tmp_path / "missing.h")) == {}
+
+
+def test_split_fills_waves():
+    # qkv's weight gradient: m = 768, n = 2304, k = 65536 on 132 SMs; 128 x 128 tiles: 6 x 18 = 108 of them
+    fills = search.split_fills_waves
+    assert not fills(768, 2304, 65536, (128, 128), 1, 132), "108 CTAs: less than one wave"
+    assert not fills(768, 2304, 65536, (128, 128), 5, 132), "540 CTAs: 4.09 waves of 5, 82 %"
+    assert fills(768, 2304, 65536, (128, 128), 6, 132), "648 CTAs: 4.91 waves of 5, 98 %"
+    assert fills(768, 2304, 65536, (128, 256), 7, 132), "54 tiles x 7: 2.86 waves of 3"
+    assert not fills(768, 2304, 65536, (128, 256), 5, 132), "54 tiles x 5: 2.05 waves of 3"
+    assert not fills(768, 2304, 65536, (128, 128), 2, 132), "216 CTAs: 1.64 waves of 2"
+    assert not fills(768, 2304, 65536, (128, 128), 64, 132), "parts of 1024: too shallow"
+    assert not fills(768, 2304, 65536, (64, 128), 6, 132), "tiles under 128 x 128"
+    assert not fills(768, 50304, 65536, (128, 128), 2, 132), "2358 tiles: eight waves without a split"
+    assert fills(2304, 768, 65536, (256, 128), 6, 132) == fills(2304, 768, 65536, (128, 256), 6, 132)

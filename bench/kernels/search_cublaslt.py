@@ -2,7 +2,11 @@
 heuristic ranks (bench_cublaslt.py times those). For each algorithm id cuBLASLt lists for bf16 with fp32
 accumulation (cublasLtMatmulAlgoGetIds) that supports the product's epilogue, every tile, stage count, CTA
 swizzle, custom option and cluster shape its capabilities allow is checked (cublasLtMatmulAlgoCheck, on
-the host) and, if accepted, timed. No split-K: its reduction changes the bits with the split.
+the host) and, if accepted, timed. With --split-k, the search is over split-K configurations instead (the
+inner dimension in parts, summed in fp32 in the workspace by default: --reductions), for the weight gradients,
+whose outputs are too small to fill the GPU with tiles: each tile with each split that fills whole waves of the
+SMs (the tiles' shapes read from the cublasLt.h beside the library), with the swizzles, custom options and
+cluster shapes narrowed to those earlier searches chose.
 
 Each product is one the GPT-2 124M step (B=64, T=1024) runs, through kernels/cublaslt.py, on fresh random
 operands. The quick screen (--budget-s seconds) times each candidate over a few calls against the
@@ -70,7 +74,45 @@ PRODUCTS = {
 # cublasLtClusterShape_t ids tried (the names for reading results: 3 is 2 x 1 CTAs)
 CLUSTERS = {0: "auto", 2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}
 MAX_CUSTOM = 15  # custom options tried at most (0..15)
+_CAP_SPLITK, _CAP_REDUCTION_MASK = 0, 1
 _CAP_TILE_IDS, _CAP_STAGES_IDS, _CAP_SWIZZLE, _CAP_CUSTOM_MAX, _CAP_EPILOGUE_MASK = 6, 13, 2, 7, 12
+# split-K candidates: the cluster shapes and nvjet custom options the plain searches chose (runs AC, AD), no swizzle
+SPLIT_CLUSTERS, SPLIT_CUSTOMS = (0, 2, 3, 5), (0, 1, 3, 7)
+
+
+def tile_shapes(header: str | None = None) -> dict:
+    """cublasLtMatmulTile_t id -> (rows, columns), parsed from cublasLt.h (NVIDIA's pip packages ship it in
+    include/ beside lib/); {} when there is none."""
+    import os
+    import re
+
+    from llmpy.kernels import cublaslt
+    if header is None:
+        library = cublaslt._find_library()
+        if not library:
+            return {}
+        header = os.path.join(os.path.dirname(os.path.dirname(library)), "include", "cublasLt.h")
+    try:
+        with open(header) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    return {int(i): (int(r), int(c)) for r, c, i in re.findall(r"CUBLASLT_MATMUL_TILE_(\d+)x(\d+)\s*=\s*(\d+)", text)}
+
+
+def split_fills_waves(m: int, n: int, k: int, tile: tuple, splitk: int, sms: int, min_part: int = 2048) -> bool:
+    """Whether splitting k in splitk parts (each at least min_part deep) makes the tiles of the m x n output
+    (tile rows x columns, either way round; 128 x 128 or larger: smaller ones read more bytes a FLOP than the
+    products at their best) fill whole waves of sms CTAs to 85 %, where there are fewer than eight waves of
+    them (beyond that, splitting buys nothing)."""
+    if k // splitk < min_part or tile[0] * tile[1] < 128 * 128 or min(tile) < 64:
+        return False
+    for rows, cols in (tile, tile[::-1]):
+        ctas = -(-m // rows) * -(-n // cols) * splitk
+        waves = ctas / sms
+        if sms <= ctas <= 8 * sms and waves / -(-ctas // sms) >= 0.85:
+            return True
+    return False
 
 
 def _cap(lib, algo, attr, ctype=ctypes.c_uint32):
@@ -103,9 +145,10 @@ def _operands(shapes: dict, seed: int):
     return ops
 
 
-def candidates(plan, epilogue: int, budget_s: float = 180.0, algo_ids=None):
+def candidates(plan, epilogue: int, budget_s: float = 180.0, algo_ids=None, splits=(), reductions=(2,), mnk=None):
     """Every AlgoConfig cuBLASLt accepts (AlgoCheck) for the plan's problem, with its workspace bytes; and
-    how many configurations were checked."""
+    how many configurations were checked. With splits (and the problem's m, n, k): the split-K ones instead,
+    for the tiles that each split makes fill whole waves (split_fills_waves)."""
     import torch
 
     from llmpy.kernels import cublaslt
@@ -116,6 +159,10 @@ def candidates(plan, epilogue: int, budget_s: float = 180.0, algo_ids=None):
     cublaslt._check(lib.cublasLtMatmulAlgoGetIds(state.handle, cublaslt._COMPUTE_32F, cublaslt._CUDA_R_32F,
                                                  *plan.types, 1024, ids, ctypes.byref(count)), "AlgoGetIds")
     found, checked, t0 = [], 0, time.time()
+    shapes = tile_shapes() if splits else {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if splits and not shapes:
+        print("  no cublasLt.h: split-K candidates are not narrowed by their waves", flush=True)
     for algo_id in list(ids)[:count.value]:
         if time.time() - t0 > budget_s:
             print(f"  check budget spent at algo {algo_id}", flush=True)
@@ -135,8 +182,19 @@ def candidates(plan, epilogue: int, budget_s: float = 180.0, algo_ids=None):
         customs = range(min(_cap(lib, algo, _CAP_CUSTOM_MAX, ctypes.c_int32) or 0, MAX_CUSTOM) + 1)
         print(f"  algo {algo_id}: {len(tiles)} tiles, {len(stages)} stage counts, {len(swizzles)} swizzles, "
               f"{len(customs)} custom options", flush=True)
-        for tile, stage, swizzle, custom, cluster in itertools.product(tiles, stages, swizzles, customs, CLUSTERS):
-            config = cublaslt.AlgoConfig(algo_id, tile, stage, swizzle, custom, cluster)
+        if splits:
+            if not _cap(lib, algo, _CAP_SPLITK, ctypes.c_int32):
+                continue
+            mask = _cap(lib, algo, _CAP_REDUCTION_MASK) or 0
+            schemes = [r for r in reductions if mask & r]
+            variants = [(t, st, 0, cu, cl, sk, r) for t, st, cu, cl, sk, r in itertools.product(
+                tiles, stages, [c for c in customs if c in SPLIT_CUSTOMS], SPLIT_CLUSTERS, splits, schemes)
+                if not shapes or (t in shapes and split_fills_waves(*mnk, shapes[t], sk, sms))]
+        else:
+            variants = [(*v, 1, 0) for v in itertools.product(tiles, stages, swizzles, customs, CLUSTERS)]
+        for tile, stage, swizzle, custom, cluster, splitk, reduction in variants:
+            config = cublaslt.AlgoConfig(algo_id, tile, stage, swizzle, custom, cluster, splitk=splitk,
+                                         reduction=reduction)
             checked += 1
             try:
                 _, workspace = plan.configured(state, config)
@@ -187,7 +245,7 @@ def _epilogue(fn_name: str, ops: dict) -> int:
 
 
 def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, rounds: int = 3,
-           algo_ids=None, margin: float = 0.02) -> dict:
+           algo_ids=None, margin: float = 0.02, splits=(), reductions=(2,)) -> dict:
     import dataclasses
 
     import torch
@@ -232,7 +290,8 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
             heuristic.append(str(e))
     print(f"[{name}] the heuristic's list: " + "; ".join(map(str, heuristic)), flush=True)
     t0 = time.time()
-    found, checked = candidates(plan, _epilogue(fn_name, ops), algo_ids=algo_ids)
+    found, checked = candidates(plan, _epilogue(fn_name, ops), algo_ids=algo_ids, splits=splits,
+                                reductions=reductions, mnk=key[1:4])
     per_algo = collections.Counter(c.algo_id for c, _ in found)
     print(f"[{name}] {checked} configurations checked, {len(found)} accepted ({time.time() - t0:.1f} s): "
           f"{dict(per_algo)}", flush=True)
@@ -322,11 +381,18 @@ def main(argv=None) -> int:
     ap.add_argument("--margin", type=float, default=0.02,
                     help="a configuration is suggested when it beats the current choice by this in every round")
     ap.add_argument("--json", default=None, help="results and the suggested table (bench_step --tuned-from)")
+    ap.add_argument("--split-k", type=int, nargs="*", default=[],
+                    help="search split-K configurations with these splits (each > 1) instead")
+    ap.add_argument("--reductions", type=int, nargs="+", default=[2], choices=[1, 2, 4],
+                    help="split-K reduction schemes: 1 in place (the output's type), 2 fp32 in the workspace, "
+                         "4 the output's type in the workspace")
     args = ap.parse_args(argv)
+    if any(s < 2 for s in args.split_k):
+        ap.error("--split-k: splits are 2 or more")
     results = []
     for product in args.products:
         results.append(search(product, args.top, args.sustain_ms, args.budget_s, args.seed, args.rounds,
-                              args.algo_ids, args.margin))
+                              args.algo_ids, args.margin, tuple(args.split_k), tuple(args.reductions)))
         if args.json:  # after every product: a timeout keeps what is done
             import torch
 

@@ -78,7 +78,10 @@ class AlgoConfig:
     """One cuBLASLt algorithm named in full (cublasLtMatmulAlgoInit's id and the configuration attributes,
     as the cublasLt.h enums number them), instead of a rank in the heuristic's list: the heuristic offers a
     few configurations, an algorithm may run many more (bench/kernels/search_cublaslt.py finds them).
-    splitk stays 1 (no split-K: its reduction would change the bits with the split)."""
+    splitk > 1 splits the inner dimension in that many parts, summed by the reduction scheme
+    (cublasLtReductionScheme_t: 1 in place in the output's type, 2 in fp32 in the workspace, 4 in the output's
+    type in the workspace); a fixed configuration sums its parts in a fixed order, so its bits repeat, but
+    another split gives other bits."""
     algo_id: int
     tile: int
     stages: int
@@ -86,6 +89,8 @@ class AlgoConfig:
     custom: int = 0
     cluster: int = 0
     inner_shape: int = 0
+    splitk: int = 1
+    reduction: int = 0
 
 
 class CublasLtError(LlmpyError):
@@ -281,8 +286,8 @@ class _Plan:
         _check(lib.cublasLtMatmulAlgoInit(state.handle, _COMPUTE_32F, _CUDA_R_32F, *self.types, config.algo_id,
                                           algo), f"AlgoInit {config.algo_id}")
         for name, (attr, ctype) in _CONFIG_ATTRS.items():
-            if name in ("algo_id", "splitk", "reduction"):
-                continue  # read-only; and no split-K (its defaults: 1, none)
+            if name == "algo_id" or (name in ("splitk", "reduction") and config.splitk == 1):
+                continue  # read-only; without split-K, cuBLASLt's defaults (1, none)
             _set(lib.cublasLtMatmulAlgoConfigSetAttribute, algo, attr, getattr(config, name), ctype)
         result = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES)
         a, b, c, d = self.layouts
@@ -312,8 +317,8 @@ def config_of(algo) -> AlgoConfig:
         _check(lib.cublasLtMatmulAlgoConfigGetAttribute(algo, attr, ctypes.byref(v), ctypes.sizeof(v),
                                                         ctypes.byref(written)), f"get config attribute {attr}")
         values[name] = int(v.value)
-    if values.pop("splitk") > 1 or values.pop("reduction"):
-        raise CublasLtError(f"cuBLASLt: a split-K algorithm ({values}) has no AlgoConfig")
+    if values["splitk"] <= 1:
+        values["splitk"], values["reduction"] = 1, 0
     return AlgoConfig(**values)
 
 

@@ -424,7 +424,10 @@ TUNED_ALGOS = {
     ("fwd", 8192, 768, 50304, (9, 0)): 5,         # lm_head, a chunk of 8192 rows: 0.86 ms against 1.00-1.13
     ("gelu_aux_bias", 65536, 768, 3072, (9, 0)): 4,  # fc: 0.54-0.61 ms against 0.59-0.64 for rank 0
     ("dinp", 65536, 768, 768, (9, 0)): 5,         # attproj input gradient: 0.117 ms against 0.152
-    ("dweight", 65536, 2304, 768, (9, 0)): 5,     # qkv weight gradient: 0.36-0.38 ms against 0.40-0.47
+    # qkv weight gradient, split-K (run AJ, search_cublaslt --split-k): 3 parts summed in fp32, nvjet 192 x 224
+    # tiles (4 x 11 of them, x 3: one wave of 132), at the cap 0.364 ms against 0.402 for run L's rank 5
+    ("dweight", 65536, 2304, 768, (9, 0)): cublaslt.AlgoConfig(algo_id=66, tile=472, stages=35, custom=7, cluster=2,
+                                                              splitk=3, reduction=2),
     # named in full (bench/kernels/search_cublaslt.py, run AC): nvjet 128x160 tiles, at the cap 0.349-0.355 ms
     # against torch's 0.378-0.405 (qkv forward), 0.344-0.353 against 0.349-0.362 (qkv input gradient)
     ("fwd_bias", 65536, 768, 2304, (9, 0)): cublaslt.AlgoConfig(algo_id=66, tile=29, stages=35, custom=1, cluster=3),
