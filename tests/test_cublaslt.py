@@ -469,9 +469,9 @@ def test_gpu_algo_config(M, C, OC, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_split_k_algo_config():
-    """A split-K AlgoConfig (fp32 partial sums in the workspace) on a weight gradient of the model's shape: right
-    within bf16 rounding, bitwise repeatable, read back by config_of with its split; another split gives a
-    result as right (other bits are allowed); and a TUNED_ALGOS entry holding it reaches cuBLASLt."""
+    """Split-K AlgoConfigs (fp32 partial sums in the workspace; two splits of the heuristic's first tile) on a
+    weight gradient of qkv's shape: each right within bf16 rounding, bitwise repeatable, and read back by
+    config_of with its split. (The model's TUNED_ALGOS entry runs in tests/test_gpt2.py's GPU cases.)"""
     M, C, OC = 8192, 768, 2304
     g = torch.Generator().manual_seed(11)
     bf = torch.bfloat16
