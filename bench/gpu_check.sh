@@ -118,10 +118,12 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       rc=$? ;;
     search)
       # every configuration cuBLASLt runs, per product of the step (SEARCH_PRODUCTS), then the whole step with
-      # the suggested table against today's (bench/RESULTS.md run AC)
+      # the suggested table against today's (bench/RESULTS.md run AC); SEARCH_ARGS="--split-k 2 3 4 6 8" searches
+      # the split-K configurations instead (run AJ)
       timeout ${SEARCH_TIMEOUT:-420} python3 -m bench.kernels.search_cublaslt --products ${SEARCH_PRODUCTS:-qkv_fwd \
         fcproj_fwd attproj_fwd lm_head_fwd qkv_dinp fc_dinp attproj_dinp lm_head_dinp qkv_dweight attproj_dweight \
-        fcproj_dweight lm_head_dweight} --top 4 --rounds 2 --budget-s ${SEARCH_BUDGET:-20} --json "$OUT/search.json" \
+        fcproj_dweight lm_head_dweight} --top 4 --rounds 2 --budget-s ${SEARCH_BUDGET:-20} ${SEARCH_ARGS:-} \
+        --json "$OUT/search.json" \
         2>&1 | tee "$OUT/search.log" | grep -v "^  algo"
       rc=$?
       if [ $rc -eq 0 ]; then
