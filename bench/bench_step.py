@@ -147,6 +147,9 @@ def add_model_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--qkv-bias-full-pass", action="store_true",
                     help="llmpy: the QKV bias gradient by one reduction over all of dqkv, as llm.c, not from "
                          "attention's identities (matmul.QKV_BIAS_FROM_IDENTITIES = False)")
+    ap.add_argument("--cublaslt-workspace-mib", type=_at_least_one, default=None,
+                    help="llmpy: cuBLASLt's workspace in MiB (cublaslt.set_workspace_bytes; default 32, llm.c's): "
+                         "room for the fp32 partial sums of a split-K configuration in a --tuned-from table")
     ap.add_argument("--q-sums-from-attention", default=None, choices=("on", "off"),
                     help="llmpy: the QKV bias gradient's query part from the column sums the Triton attention "
                          "backward makes as it writes dq, or a pass over dq (matmul.QKV_QUERY_SUMS_FROM_ATTENTION; "
@@ -163,7 +166,9 @@ def _at_least_one(text: str) -> int:
 def set_kernel_switches(args) -> None:
     """Set the kernel modules' constants that add_model_switches' module flags name (before the model is built:
     some are read when it plans its buffers)."""
-    from llmpy.kernels import layernorm, matmul
+    from llmpy.kernels import cublaslt, layernorm, matmul
+    if args.cublaslt_workspace_mib is not None:  # before the first product allocates the workspace
+        cublaslt.set_workspace_bytes(args.cublaslt_workspace_mib << 20)
     if args.bias_in_product:
         matmul.BIAS_GRAD_IN_PRODUCT = True
     if args.ln_proj_chunks is not None:  # read when the model sizes its ln_scratch and at every backward

@@ -75,3 +75,16 @@ def test_classifier_config_flag():
     text = '{"variant": "onepass", "keep": "p", "num_warps": 16}'
     assert parse_args(["--systems", "llmpy", "--classifier-config", text]).classifier_config == text
     assert parse_args(["--systems", "llmpy"]).classifier_config is None  # the module's configs stay
+
+
+def test_cublaslt_workspace_flag(monkeypatch):
+    from bench.bench_step import set_kernel_switches
+    from llmpy.kernels import cublaslt
+    monkeypatch.setattr(cublaslt, "WORKSPACE_BYTES", cublaslt.WORKSPACE_BYTES)
+    monkeypatch.setattr(cublaslt, "_devices", {})
+    set_kernel_switches(parse_args(["--systems", "llmpy"]))
+    assert cublaslt.WORKSPACE_BYTES == 32 << 20, "not given: llm.c's 32 MiB stays"
+    set_kernel_switches(parse_args(["--systems", "llmpy", "--cublaslt-workspace-mib", "96"]))
+    assert cublaslt.WORKSPACE_BYTES == 96 << 20
+    with pytest.raises(SystemExit):
+        parse_args(["--systems", "llmpy", "--cublaslt-workspace-mib", "0"])

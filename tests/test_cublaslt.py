@@ -501,3 +501,19 @@ def test_gpu_split_k_algo_config():
         assert lt.config_of(plan.algo) == config
     assert ran, f"no split of {base} ran"
     assert rel_err(first, expected) < TOL[bf]
+
+
+def test_workspace_size_set_before_the_first_product(monkeypatch):
+    """set_workspace_bytes: taken before any device has its workspace; refused after (the workspace is allocated
+    and the plans chosen to fit it), unless unchanged; a size under 1 byte refused."""
+    monkeypatch.setattr(lt, "WORKSPACE_BYTES", lt.WORKSPACE_BYTES)
+    monkeypatch.setattr(lt, "_devices", {})
+    lt.set_workspace_bytes(64 << 20)
+    assert lt.WORKSPACE_BYTES == 64 << 20
+    with pytest.raises(LlmpyError, match="at least 1"):
+        lt.set_workspace_bytes(0)
+    monkeypatch.setitem(lt._devices, 0, object())  # a device with its workspace
+    lt.set_workspace_bytes(64 << 20)  # the same size: nothing to change
+    with pytest.raises(LlmpyError, match="before the first product"):
+        lt.set_workspace_bytes(96 << 20)
+    assert lt.WORKSPACE_BYTES == 64 << 20

@@ -192,6 +192,18 @@ def _device_state(device: torch.device) -> _Device:
     return _devices[index]
 
 
+def set_workspace_bytes(nbytes: int):
+    """The workspace each device (and each reserved stream) gets, in bytes (llm.c's 32 MiB by default): before the
+    first product, since a device's workspace is allocated with it and its plans chosen to fit it. Split-K
+    configurations keep their fp32 partial sums there (bench/kernels/search_cublaslt.py --workspace-mib)."""
+    global WORKSPACE_BYTES
+    if nbytes < 1:
+        raise LlmpyError(f"cuBLASLt workspace: {nbytes} bytes; give at least 1")
+    if _devices and nbytes != WORKSPACE_BYTES:
+        raise LlmpyError("cuBLASLt workspace: set its size before the first product (a workspace is allocated)")
+    WORKSPACE_BYTES = int(nbytes)
+
+
 def reserve_workspace(stream: torch.cuda.Stream):
     """Give the products issued on stream a workspace of their own (allocated now, not inside a CUDA
     graph's capture). Every other stream shares the device's workspace."""
@@ -360,7 +372,7 @@ def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_
     workspace = state.stream_workspaces.get(stream, state.workspace)
     _check(lib.cublasLtMatmul(state.handle, plan.desc, ctypes.byref(alpha), ptrs[0], la, ptrs[1], lb,
                               ctypes.byref(beta), ptrs[2], lc, ptrs[3], ld_, plan.algo,
-                              workspace.data_ptr(), WORKSPACE_BYTES, stream), "cublasLtMatmul")
+                              workspace.data_ptr(), workspace.numel(), stream), "cublasLtMatmul")
 
 
 def _check_operands(shapes: dict, **tensors):
