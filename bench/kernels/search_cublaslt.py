@@ -160,9 +160,9 @@ def candidates(plan, epilogue: int, budget_s: float = 180.0, algo_ids=None, spli
                                                  *plan.types, 1024, ids, ctypes.byref(count)), "AlgoGetIds")
     found, checked, t0 = [], 0, time.time()
     shapes = tile_shapes() if splits else {}
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     if splits and not shapes:
         print("  no cublasLt.h: split-K candidates are not narrowed by their waves", flush=True)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if splits else 0
     for algo_id in list(ids)[:count.value]:
         if time.time() - t0 > budget_s:
             print(f"  check budget spent at algo {algo_id}", flush=True)
@@ -187,9 +187,11 @@ def candidates(plan, epilogue: int, budget_s: float = 180.0, algo_ids=None, spli
                 continue
             mask = _cap(lib, algo, _CAP_REDUCTION_MASK) or 0
             schemes = [r for r in reductions if mask & r]
+            fills = {(t, sk) for t, sk in itertools.product(tiles, splits)  # each (tile, split) judged once
+                     if not shapes or (t in shapes and split_fills_waves(*mnk, shapes[t], sk, sms))}
             variants = [(t, st, 0, cu, cl, sk, r) for t, st, cu, cl, sk, r in itertools.product(
                 tiles, stages, [c for c in customs if c in SPLIT_CUSTOMS], SPLIT_CLUSTERS, splits, schemes)
-                if not shapes or (t in shapes and split_fills_waves(*mnk, shapes[t], sk, sms))]
+                if (t, sk) in fills]
         else:
             variants = [(*v, 1, 0) for v in itertools.product(tiles, stages, swizzles, customs, CLUSTERS)]
         for tile, stage, swizzle, custom, cluster, splitk, reduction in variants:
