@@ -66,9 +66,9 @@ def run_forward(qkv, NH):
     return out, lse
 
 
-def run_backward(dout, qkv, out, lse, NH, delta=None, q_sums=None, ds=None):
+def run_backward(dout, qkv, out, lse, NH, delta=None, q_sums=None):
     dqkv = torch.full_like(qkv, float("nan"))
-    flash_attention_backward(dqkv, dout, qkv, out, lse, NH, delta=delta, q_sums=q_sums, ds=ds)
+    flash_attention_backward(dqkv, dout, qkv, out, lse, NH, delta=delta, q_sums=q_sums)
     return dqkv
 
 

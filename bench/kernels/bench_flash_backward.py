@@ -4,9 +4,8 @@ One layer of GPT-2 124M's attention at B=64, T=1024 (NH=12, hs=64, bf16) by defa
 FLASH_CONFIGS entry (flash_attention.flash_config's fields): the tl.dot kernel and the Gluon wgmma kernel
 (kernels/flash_backward_wgmma.py) at a few ring depths. First every variant's gradient is compared with
 the first variant's (bit for bit, and the largest difference) and its registers and shared memory are
-printed (wgmma kernel). A variant with "ds_heads" (not a FLASH_CONFIGS field; None: all heads) gets a
-dS scratch of that many heads, so dq is summed from the stored score gradients. Then, round after round
-in turn, each is timed by do_bench and sustained at the 700 W cap with NVML's energy counter (bench/energy.py), which is how it runs inside the step.
+printed (wgmma kernel); then, round after round in turn, each is timed by do_bench and sustained at the
+700 W cap with NVML's energy counter (bench/energy.py), which is how it runs inside the step.
 
     PYTHONPATH=src:. python -m bench.kernels.bench_flash_backward [--rounds 4] [--shape B T NH]
         [--variants '{"name": {fields}, ...}'] [--json F]
@@ -22,8 +21,6 @@ DEFAULT_VARIANTS = {
     "wgmma s3/2": {"bwd_kernel": "wgmma", "wgmma_stages": [3, 2]},
     "wgmma s4/3": {"bwd_kernel": "wgmma", "wgmma_stages": [4, 3]},
     "wgmma s2/2": {"bwd_kernel": "wgmma", "wgmma_stages": [2, 2]},
-    "wgmma dq from dS": {"bwd_kernel": "wgmma", "ds_heads": None},
-    "wgmma dq from dS 3 passes": {"bwd_kernel": "wgmma", "ds_heads": 256},
 }
 
 
@@ -56,16 +53,9 @@ def main(argv=None) -> int:
     delta = torch.empty(B, NH, T, device="cuda", dtype=torch.float32)
     dqkv = torch.empty_like(qkv)
 
-    scratch = {}
-    for name, fields in variants.items():
-        if "ds_heads" in fields:
-            rows, cols = fw.ds_pack_shape(T)
-            heads = fields["ds_heads"] or B * NH
-            scratch[name] = torch.empty(heads * rows * cols, device="cuda", dtype=torch.bfloat16)
-
     def backward(name):
-        fa.FLASH_CONFIGS[hs] = {k: v for k, v in variants[name].items() if k != "ds_heads"}
-        fa.flash_attention_backward(dqkv, dout, qkv, out, lse, NH, delta=delta, ds=scratch.get(name))
+        fa.FLASH_CONFIGS[hs] = variants[name]
+        fa.flash_attention_backward(dqkv, dout, qkv, out, lse, NH, delta=delta)
 
     results = {name: {"fields": fields} for name, fields in variants.items()}
     first = None

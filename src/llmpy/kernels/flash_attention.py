@@ -471,7 +471,7 @@ def flash_attention_forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Ten
 
 def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, num_heads: int, delta: torch.Tensor | None = None,
-                             q_sums: torch.Tensor | None = None, ds: torch.Tensor | None = None):
+                             q_sums: torch.Tensor | None = None):
     """Gradient of qkv (B, T, 3C) from dout (B, T, C), written over dqkv (B, T, 3C), given the forward's
     out and lse. delta (B, NH, T) fp32 is scratch; pass it preallocated to keep the launcher allocation-free
     (CUDA-graph capture). Deterministic: no atomics. Returns dqkv.
@@ -479,11 +479,7 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
     q_sums: None, or fp32 (q_sum_blocks(B, T), C): row r receives the column sums of dq over rows
     [Q_SUM_ROWS * r, Q_SUM_ROWS * (r + 1)) of the (B*T) rows, the QKV bias gradient's query part in pieces
     (kernels.matmul.qkv_bias_backward adds them up). The wgmma kernel sums its fp32 dq as it stores it, so
-    no pass reads dq again; the tl.dot kernels are followed by a pass over dq's columns.
-
-    ds: None, or a bf16 scratch (any shape, at least flash_backward_wgmma.ds_pack_shape's rows x columns, one
-    head's): where the wgmma kernel serves, its dk/dv half stores the score gradients there and dq is summed
-    from them (dq_from_ds) instead of recomputed, as many heads a pass as the scratch holds."""
+    no pass reads dq again; the tl.dot kernels are followed by a pass over dq's columns."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     assert dqkv.shape == qkv.shape and dout.shape == (B, T, C) and out.shape == (B, T, C)
@@ -507,7 +503,7 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                    cfg["wgmma_stages"], q_sums=q_sums, ds=ds)
+                                    cfg["wgmma_stages"], q_sums=q_sums)
 
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,

@@ -38,10 +38,8 @@ falls back to the tl.dot kernel elsewhere.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .common import DOT_UPCAST, tma_usable
+from .common import tma_usable
 
 try:  # Gluon ships with triton >= 3.5; anything missing here just means the tl.dot kernel serves
     from triton.experimental import gluon
@@ -103,13 +101,11 @@ if GLUON:
 
     @gluon.jit
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
-                   n_tiles, scale_log2, ds_ptrs, dtype: gl.constexpr, mma_s: gl.constexpr,
-                   mma_d: gl.constexpr, a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HS: gl.constexpr, STAGES: gl.constexpr, DS_STORE: gl.constexpr):
+                   n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
+                   a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
+                   STAGES: gl.constexpr):
         """dk, dv (fp32, dk unscaled) of the key block at n0 over its n_tiles query tiles, transposed (keys x
-        queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings.
-        DS_STORE: also each tile's dS^T (bf16, as the dk product takes it) to ds_ptrs + tile * BLOCK_M (a
-        [BLOCK_N, BLOCK_M] tile of pointers)."""
+        queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings."""
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_s)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
@@ -139,10 +135,8 @@ if GLUON:
             dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, ))
             # dv, dk issued and left in flight
             dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), a_d), do_tile, dv, is_async=True)
-            dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(dsT, a_d), q_tile, dk, is_async=True)
-            if DS_STORE:
-                gl.store(ds_ptrs + j * BLOCK_M, dsT)
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
+            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), a_d), q_tile, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         return dk, dv
 
@@ -177,10 +171,10 @@ if GLUON:
 
     @gluon.jit
     def _flash_bwd_wgmma_kernel(q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse_ptr, delta_ptr, q_sums_ptr,
-                                ds_ptr, ds_cols, bh0, T, NH, C, sm_scale, scale_log2,
+                                T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 STAGES1: gl.constexpr, STAGES2: gl.constexpr, Q_SUMS: gl.constexpr,
-                                DS_STORE: gl.constexpr, num_warps: gl.constexpr):
+                                num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
         then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings. Q_SUMS: also
@@ -189,7 +183,7 @@ if GLUON:
         gl.static_assert(BLOCK_N % BLOCK_M == 0, "query tiles inside the diagonal block")
         gl.static_assert(min(STAGES1, STAGES2) >= 2, "a ring buffer is refilled while the next one is read")
         pid = gl.program_id(0)
-        bh = bh0 + gl.program_id(1)
+        bh = gl.program_id(1)
         b = bh // NH
         h = bh % NH
         row0 = b * T
@@ -224,21 +218,8 @@ if GLUON:
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_k], one_bar, k_smem)
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
         mbarrier.wait(one_bar, 0)
-        if DS_STORE:
-            # key block pid's dS^T rows in the packed layout of ds_pack_shape: blocks n and NB-1-n share a row
-            # block of 64 rows, n's columns from 0 if it is the longer, else from (n + 1) * BLOCK_N
-            n_blocks = T // BLOCK_N
-            partner = n_blocks - 1 - pid
-            ds_row = (gl.program_id(1) * ((n_blocks + 1) // 2) + gl.minimum(pid, partner)) * BLOCK_N
-            ds_col = gl.where(pid < partner, 0, (pid + 1) * BLOCK_N)
-            rows_s = ds_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
-            cols_s = ds_col + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-            ds_ptrs = ds_ptr + gl.expand_dims(rows_s.to(gl.int64) * ds_cols, 1) + gl.expand_dims(cols_s, 0)
-        else:
-            ds_ptrs = ds_ptr
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
-                            col_q, n_tiles, scale_log2, ds_ptrs, dtype, mma_s, mma_d, a_d,
-                            BLOCK_M, BLOCK_N, HS, STAGES1, DS_STORE)
+                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
         for s in gl.static_range(STAGES1):
             mbarrier.invalidate(bars1.index(s))
 
@@ -251,40 +232,38 @@ if GLUON:
         tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_k], k_smem)
         tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_v], v_smem)
         tma.store_wait(pendings=0)  # read out of shared memory before the dq half's buffers may reuse it
-        if DS_STORE:  # dq from the stored dS^T, by dq_from_ds_kernel
-            mbarrier.invalidate(one_bar)
-        else:
-            # ---- dq of query block m0 over the key tiles from 0 to m0 (the last one the diagonal) ---------
-            m0 = pid * BLOCK_N
-            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
-            do_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], do64_desc.layout)
-            k_ring, v_ring, bars2 = _rings(kv_desc, kv_desc, STAGES2)
-            n_key_tiles = (m0 + BLOCK_N) // BLOCK_N  # pid + 1, written so: ptxas then takes 154 registers, not 160
-            for s in gl.static_range(STAGES2):
-                if s < n_key_tiles:
-                    _dq_tile_loads(kv_desc, k_ring, v_ring, bars2, s, row0, col_k, col_v, STAGES2, BLOCK_N)
-            mbarrier.expect(one_bar, kv_desc.block_type.nbytes + do64_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kv_desc, [row0 + m0, col_q], one_bar, q_smem)
-            tma.async_copy_global_to_shared(do64_desc, [row0 + m0, col_q], one_bar, do_smem)
-            offs_m = m0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
-            lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
-            delta = gl.load(delta_base + offs_m)
-            mbarrier.wait(one_bar, 1)
-            dq = _dq_loop(q_smem, do_smem, k_ring, v_ring, bars2, kv_desc, lse2, delta, offs_m, m0, row0, col_k, col_v,
-                          n_key_tiles, scale_log2, dtype, mma_d, a_d, BLOCK_N, HS, STAGES2)
-            for s in gl.static_range(STAGES2):
-                mbarrier.invalidate(bars2.index(s))
-            mbarrier.invalidate(one_bar)
-            dq = dq * sm_scale
-            q_smem.store(dq.to(dtype))  # q's buffer, as dk's above
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dqkv_desc, [row0 + m0, col_q], q_smem)
-            if Q_SUMS:
-                # the QKV bias gradient's query part, a 64-row block at a time, under the store
-                cols = gl.arange(0, HS, layout=gl.SliceLayout(0, mma_d))
-                block_row = (row0 + m0) // BLOCK_N
-                gl.store(q_sums_ptr + block_row.to(gl.int64) * C + col_q + cols, gl.sum(dq, axis=0))
-            tma.store_wait(pendings=0)
+
+        # ---- dq of query block m0 over the key tiles from 0 to m0 (the last one the diagonal) ---------
+        m0 = pid * BLOCK_N
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], kv_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HS], do64_desc.layout)
+        k_ring, v_ring, bars2 = _rings(kv_desc, kv_desc, STAGES2)
+        n_key_tiles = (m0 + BLOCK_N) // BLOCK_N  # pid + 1, written so: ptxas then takes 154 registers, not 160
+        for s in gl.static_range(STAGES2):
+            if s < n_key_tiles:
+                _dq_tile_loads(kv_desc, k_ring, v_ring, bars2, s, row0, col_k, col_v, STAGES2, BLOCK_N)
+        mbarrier.expect(one_bar, kv_desc.block_type.nbytes + do64_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row0 + m0, col_q], one_bar, q_smem)
+        tma.async_copy_global_to_shared(do64_desc, [row0 + m0, col_q], one_bar, do_smem)
+        offs_m = m0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
+        lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
+        delta = gl.load(delta_base + offs_m)
+        mbarrier.wait(one_bar, 1)
+        dq = _dq_loop(q_smem, do_smem, k_ring, v_ring, bars2, kv_desc, lse2, delta, offs_m, m0, row0, col_k, col_v,
+                      n_key_tiles, scale_log2, dtype, mma_d, a_d, BLOCK_N, HS, STAGES2)
+        for s in gl.static_range(STAGES2):
+            mbarrier.invalidate(bars2.index(s))
+        mbarrier.invalidate(one_bar)
+        dq = dq * sm_scale
+        q_smem.store(dq.to(dtype))  # q's buffer, as dk's above
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dqkv_desc, [row0 + m0, col_q], q_smem)
+        if Q_SUMS:
+            # the QKV bias gradient's query part, a 64-row block at a time, under the store
+            cols = gl.arange(0, HS, layout=gl.SliceLayout(0, mma_d))
+            block_row = (row0 + m0) // BLOCK_N
+            gl.store(q_sums_ptr + block_row.to(gl.int64) * C + col_q + cols, gl.sum(dq, axis=0))
+        tma.store_wait(pendings=0)
 
 
 # the shared-memory layouts of the [BLOCK_QUERIES, 64] and [BLOCK_KEYS, 64] bf16 boxes, once
@@ -292,26 +271,14 @@ _TILE_LAYOUTS = tuple(gl.NVMMASharedLayout.get_default_for([rows, HEAD_SIZE], gl
                       for rows in (BLOCK_QUERIES, BLOCK_KEYS)) if GLUON else None
 
 
-def ds_pack_shape(T: int) -> tuple[int, int]:
-    """Rows and columns of one head's dS^T in the packed causal layout that DS_STORE writes and
-    dq_from_ds_kernel reads: key block n (of NB = T / 64) holds the scores of queries n*64 .. T, 64 x (T -
-    64n); blocks n and NB-1-n share a 64-row block, (NB + 1) * 64 columns wide, so no column is left empty
-    (bf16, 1.05 MiB a head at T = 1024, 855 MB for B = 64 x 12 heads)."""
-    n_blocks = T // BLOCK_KEYS
-    return (n_blocks + 1) // 2 * BLOCK_KEYS, (n_blocks + 1) * BLOCK_KEYS
-
-
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3), q_sums: torch.Tensor | None = None,
-                         ds: torch.Tensor | None = None) -> torch.Tensor:
+                         stages=(3, 3), q_sums: torch.Tensor | None = None) -> torch.Tensor:
     """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
     (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
     rings' depths in the dk/dv half and in the dq half. q_sums: None, or fp32 (B*T/BLOCK_KEYS, C) that
     receives the column sums of dq over each BLOCK_KEYS-row block (flash_attention_backward's q_sums, checked
-    there). ds: None (dq recomputed, the fused schedule), or a bf16 scratch of at least one head's
-    ds_pack_shape: the dk/dv half stores dS^T there and dq_from_ds_kernel sums dq from it, as many heads at
-    a time as it holds."""
+    there)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q, lay_k = _TILE_LAYOUTS
@@ -321,83 +288,12 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     kv_desc = GluonTensorDescriptor.from_tensor(qkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     do64_desc = GluonTensorDescriptor.from_tensor(dout2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
     dqkv_desc = GluonTensorDescriptor.from_tensor(dqkv2, [BLOCK_KEYS, HEAD_SIZE], lay_k)
-    common = dict(HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES1=stages[0], STAGES2=stages[1],
-                  Q_SUMS=q_sums is not None, num_warps=4)
-    sums = q_sums if q_sums is not None else delta
     global last_compiled
-    if ds is None:
-        last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
-            q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, sums, qkv, 0, 0,
-            T, num_heads, C, scale, scale_log2, DS_STORE=False, **common)
-        return dqkv
-    rows, cols = ds_pack_shape(T)
-    room = ds.numel() // (rows * cols)  # heads the scratch holds
-    assert room >= 1 and ds.dtype == torch.bfloat16 and ds.is_contiguous(), (ds.shape, ds.dtype, rows, cols)
-    passes = -(-B * num_heads // room)
-    heads_a_pass = -(-B * num_heads // passes)  # as even as the passes allow
-    ds2 = ds.view(-1)[:heads_a_pass * rows * cols].view(heads_a_pass * rows, cols)
-    for bh0 in range(0, B * num_heads, heads_a_pass):
-        heads = min(heads_a_pass, B * num_heads - bh0)
-        last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, heads)](
-            q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, sums, ds2, cols, bh0,
-            T, num_heads, C, scale, scale_log2, DS_STORE=True, **common)
-        dq_from_ds(dqkv, qkv, ds2[:heads * rows], bh0, heads, num_heads, scale, q_sums)
+    last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
+        q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, q_sums if q_sums is not None else delta,
+        T, num_heads, C, scale, scale_log2, HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
+        STAGES1=stages[0], STAGES2=stages[1], Q_SUMS=q_sums is not None, num_warps=4)
     return dqkv
 
 
 last_compiled = None  # the kernel the last call ran (its registers and shared memory, for the benchmarks)
-
-
-@triton.jit
-def _dq_from_ds_kernel(ds_ptr, qkv_ptr, dqkv_ptr, q_sums_ptr, bh0, T, NH, C, ds_rows, ds_cols, sm_scale,
-                       HS: tl.constexpr, BLOCK: tl.constexpr, Q_SUMS: tl.constexpr, PREC: tl.constexpr,
-                       DOT_UPCAST: tl.constexpr):
-    """Program (m, head - bh0): dq of query block m = sm_scale * sum over key blocks n <= m, in order, of
-    dS[m, n] K[n], dS^T read from the packed layout of ds_pack_shape (head bh0 + i at rows i * ds_rows on)."""
-    m = tl.program_id(0)
-    rel = tl.program_id(1)
-    bh = bh0 + rel
-    b = bh // NH
-    h = bh % NH
-    n_blocks = T // BLOCK
-    offs = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HS)
-    ds_head = ds_ptr + rel.to(tl.int64) * ds_rows * ds_cols
-    k_cols = C + h * HS + offs_d
-    acc = tl.zeros([BLOCK, HS], dtype=tl.float32)
-    for n in range(0, m + 1):
-        partner = n_blocks - 1 - n
-        col = tl.where(n < partner, 0, (n + 1) * BLOCK) + (m - n) * BLOCK
-        rows = tl.minimum(n, partner) * BLOCK + offs
-        dsT = tl.load(ds_head + rows[:, None] * ds_cols + col + offs[None, :])
-        k_rows = (b * T + n * BLOCK + offs).to(tl.int64)
-        k = tl.load(qkv_ptr + k_rows[:, None] * (3 * C) + k_cols[None, :])
-        if DOT_UPCAST:  # the interpreter's bf16 dot is broken (common.DOT_UPCAST); bf16 is exact in fp32
-            dsT = dsT.to(tl.float32)
-            k = k.to(tl.float32)
-        acc = tl.dot(tl.trans(dsT), k, acc, input_precision=PREC)
-    dq = acc * sm_scale
-    q_rows = (b * T + m * BLOCK + offs).to(tl.int64)
-    tl.store(dqkv_ptr + q_rows[:, None] * (3 * C) + (h * HS + offs_d)[None, :], dq.to(dqkv_ptr.dtype.element_ty))
-    if Q_SUMS:
-        block_row = (b * T + m * BLOCK) // BLOCK
-        tl.store(q_sums_ptr + block_row.to(tl.int64) * C + h * HS + offs_d, tl.sum(dq, axis=0))
-
-
-DQ_FROM_DS_WARPS, DQ_FROM_DS_STAGES = 4, 3
-
-
-def dq_from_ds(dqkv: torch.Tensor, qkv: torch.Tensor, ds2: torch.Tensor, bh0: int, heads: int, num_heads: int,
-               scale: float, q_sums: torch.Tensor | None = None):
-    """dq of heads bh0 .. bh0 + heads (of the B * num_heads, batch-major) into dqkv's first C columns from
-    their dS^T in ds2 (heads * rows, cols of ds_pack_shape; the storage dtype, bf16 from the wgmma kernel),
-    deterministic: each query block sums its key blocks in order. q_sums as flash_backward_wgmma's."""
-    B, T, C3 = qkv.shape
-    rows, cols = ds_pack_shape(T)
-    assert C3 // 3 == num_heads * HEAD_SIZE and T % BLOCK_KEYS == 0 and ds2.shape == (heads * rows, cols)
-    assert ds2.dtype == qkv.dtype == dqkv.dtype and 0 <= bh0 and bh0 + heads <= B * num_heads
-    _dq_from_ds_kernel[(T // BLOCK_KEYS, heads)](
-        ds2, qkv, dqkv, q_sums if q_sums is not None else ds2, bh0, T, num_heads, C3 // 3, rows, cols, scale,
-        HS=HEAD_SIZE, BLOCK=BLOCK_KEYS, Q_SUMS=q_sums is not None,
-        PREC="ieee" if qkv.dtype == torch.float32 else "tf32", DOT_UPCAST=DOT_UPCAST,
-        num_warps=DQ_FROM_DS_WARPS, num_stages=DQ_FROM_DS_STAGES)
