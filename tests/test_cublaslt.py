@@ -142,6 +142,23 @@ def test_linear_weight_grad_layout(emulated, M, C, OC):
     assert close(dw, dout.t() @ inp)
 
 
+def test_linear_weight_grad_into_fp32(emulated):
+    """bf16 operands summed into an fp32 dweight (weight_grad_bias_column's wide product), overwritten;
+    fp32 is the one output dtype that may differ, and not with the bias sums in the product."""
+    g = torch.Generator().manual_seed(3)
+    M, C, OC = 37, 24, 16
+    dout, inp = _rand(g, M, OC).bfloat16(), _rand(g, M, C).bfloat16()
+    dw = _poison(OC, C)
+    lt.linear_weight_grad(dw, dout, inp, accumulate=False)
+    assert dw.dtype == torch.float32 and close(dw, dout.double().t() @ inp.double())
+    with pytest.raises(ValueError, match="BGRADB"):
+        lt.linear_weight_grad(dw, dout, inp, dbias_sums=torch.zeros(OC, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="one dtype"):
+        lt.linear_weight_grad(torch.zeros(OC, C, dtype=torch.float16), dout, inp)
+    with pytest.raises(ValueError, match="row-major"):
+        lt.linear_weight_grad(torch.zeros(C, OC).t(), dout, inp)
+
+
 def test_refused_configuration_falls_back_to_the_first_choice():
     """matmul's cuBLASLt calls: a TUNED_ALGOS AlgoConfig this cuBLASLt refuses runs rank 0 instead (the
     table outlives library versions); a refused rank stays an error."""
@@ -501,6 +518,61 @@ def test_gpu_split_k_algo_config():
         assert lt.config_of(plan.algo) == config
     assert ran, f"no split of {base} ran"
     assert rel_err(first, expected) < TOL[bf]
+
+
+
+@pytest.mark.gpu
+def test_gpu_weight_grad_into_fp32():
+    """bf16 operands summed into fp32 (weight_grad_bias_column's product, fc's shape with its bias columns
+    at 8192 rows), overwritten: the heuristic's first and a split-K configuration against float64, within fp32
+    sums' rounding, bitwise repeatable; and weight_grad_bias_column through cuBLASLt agrees with torch's."""
+    M, C, OC = 8192, 776, 3072
+    g = torch.Generator().manual_seed(13)
+    bf = torch.bfloat16
+    dout, inp = _dev(g, bf, M, OC), _dev(g, bf, M, C)
+    expected = dout.double().t() @ inp.double()
+
+    def run(algo):
+        dw = torch.full((OC, C), float("nan"), device="cuda")
+        lt.linear_weight_grad(dw, dout, inp, accumulate=False, algo_index=algo)
+        return dw
+
+    first = run(0)
+    assert rel_err(first, expected) < 1e-5, rel_err(first, expected)
+    assert torch.equal(run(0), first)
+    plans = [p for k, p in lt._plans.items() if k[1:4] == (C, OC, M) and k[14] == 0 and k[10] == torch.float32]
+    base = lt.config_of(plans[-1].algo)
+    config = lt.AlgoConfig(base.algo_id, base.tile, base.stages, base.swizzle, base.custom, base.cluster,
+                           base.inner_shape, splitk=2, reduction=2)
+    try:
+        split = run(config)
+    except lt.CublasLtError:
+        split = None  # not every algorithm splits every tile
+    if split is not None:
+        assert rel_err(split, expected) < 1e-5, rel_err(split, expected)
+        assert torch.equal(run(config), split)
+    # through the model's call: the tuned entry against torch's product, both into random dweight / dbias
+    x = torch.cat([inp[:, :768], torch.ones(M, 1, dtype=bf, device="cuda"), torch.zeros(M, 7, dtype=bf,
+                                                                                      device="cuda")], dim=1)
+    dw0, db0 = _dev(g, bf, OC, 768), _dev(g, bf, OC)
+    outs = []
+    for use in (False, True):
+        dw, db = dw0.clone(), db0.clone()
+        scratch = torch.full((OC * C,), float("nan"), device="cuda")
+        key = ("dweight_wide", M, OC, C, mm._capability(dout.device))
+        saved = mm.TUNED_ALGOS.get(key)
+        mm.TUNED_ALGOS[key] = config if split is not None else 0
+        try:
+            mm.weight_grad_bias_column(dw, db, dout, x, scratch, seed=None, use_cublaslt=use)
+        finally:
+            if saved is None:
+                del mm.TUNED_ALGOS[key]
+            else:
+                mm.TUNED_ALGOS[key] = saved
+        outs.append((dw.float(), db.float()))
+    for (a, b), name in zip(zip(*outs), ("dweight", "dbias")):
+        # fp32 sums in another order, then rounded to bf16: an ulp apart at most, or a hair where sums cancel
+        assert torch.allclose(a, b, rtol=2 ** -6, atol=1e-5 * b.abs().max().item()), name
 
 
 def test_workspace_size_set_before_the_first_product(monkeypatch):

@@ -473,6 +473,35 @@ def test_weight_grad_bias_column(device, dtype, M, C, OC, pad):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+
+def test_weight_grad_bias_column_tuned_product_through_cublaslt(monkeypatch):
+    """With use_cublaslt and a "dweight_wide" entry in TUNED_ALGOS the wide product goes to cuBLASLt
+    (overwriting its fp32 scratch, with the entry's algorithm); without either, torch's product serves."""
+    calls = []
+
+    def fake_weight_grad(dweight, dout, inp, accumulate=True, algo_index=0):
+        calls.append((dweight.dtype, tuple(dweight.shape), accumulate, algo_index))
+        dweight.copy_(dout.double().t() @ inp.double())
+
+    monkeypatch.setattr(mm.cublaslt, "linear_weight_grad", fake_weight_grad)
+    monkeypatch.setattr(mm, "_capability", lambda device: (9, 0))
+    rand = Rand("cpu", torch.bfloat16, 5)
+    M, C, OC, pad = 32, 16, 24, 8
+    dout = rand(M, OC)
+    wide_inp = torch.cat([rand(M, C), torch.ones(M, 1, dtype=torch.bfloat16),
+                          torch.zeros(M, pad - 1, dtype=torch.bfloat16)], dim=-1)
+    config = mm.cublaslt.AlgoConfig(66, tile=472, stages=35, splitk=3, reduction=2)
+    monkeypatch.setitem(mm.TUNED_ALGOS, ("dweight_wide", M, OC, C + pad, (9, 0)), config)
+    results = []
+    for use in (True, False):
+        dweight, dbias = torch.zeros(OC, C, dtype=torch.bfloat16), torch.zeros(OC, dtype=torch.bfloat16)
+        scratch = poisoned((OC * (C + pad),), torch.float32, "cpu")
+        mm.weight_grad_bias_column(dweight, dbias, dout, wide_inp, scratch, use_cublaslt=use)
+        results.append((dweight, dbias))
+    assert calls == [(torch.float32, (OC, C + pad), False, config)], "cuBLASLt once, with the entry's algorithm"
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def _attention_with_projection(device, dtype, B=2, T=7, NH=2, hs=8, seed=31):
     """A causal attention block with its output projection, in float64 for the identities: qkv, the
     projection's weight, the output gradient G of the projection; returns (qkv, W, G, dqkv, datt_out)

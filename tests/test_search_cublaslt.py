@@ -7,6 +7,7 @@ from bench import bench_step
 from bench.kernels import search_cublaslt as search
 from llmpy.kernels import matmul
 from llmpy.kernels.cublaslt import AlgoConfig
+from llmpy.model import FC_BIAS_COLUMNS
 
 
 def _found(algo_id, n):
@@ -24,7 +25,8 @@ def test_screen_reaches_every_algorithm_early():
 
 
 def test_every_product_keyed_as_the_model_looks_it_up():
-    kinds = {"fwd", "fwd_bias", "fwd_bias_residual", "gelu_aux_bias", "dinp", "dinp_dgelu", "dweight"}
+    kinds = {"fwd", "fwd_bias", "fwd_bias_residual", "gelu_aux_bias", "dinp", "dinp_dgelu", "dweight", "dweight_wide"}
+    assert search.CW == search.C + FC_BIAS_COLUMNS, "fc's weight gradient with the model's bias columns"
     for name, (fn_name, shapes, key) in search.PRODUCTS.items():
         assert key[0] in kinds, name
         out = next(iter(shapes))

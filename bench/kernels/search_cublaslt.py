@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import functools
 import itertools
 import json
 import statistics
@@ -34,6 +35,7 @@ import sys
 import time
 
 BT, C, VP = 64 * 1024, 768, 50304
+CW = C + 8  # ln2's row with fc's bias column (model.FC_BIAS_COLUMNS)
 ROWS = BT // 8  # the classifier's chunk of rows
 # name -> (kernels.cublaslt function, its operands' shapes (the output first), the product's key in
 # kernels.matmul.TUNED_ALGOS without the GPU capability); bias and pre_gelu as the model passes them
@@ -70,7 +72,12 @@ PRODUCTS = {
                        ("dweight", BT, C, 4 * C)),
     "lm_head_dweight": ("linear_weight_grad", dict(dweight=(VP, C), dout=(ROWS, VP), inp=(ROWS, C)),
                         ("dweight", ROWS, VP, C)),
+    # fc's weight and bias gradients in one product into fp32 (matmul.weight_grad_bias_column): ln2's rows with
+    # their bias column, the sums overwritten, not accumulated
+    "fc_dweight_wide": ("linear_weight_grad", dict(dweight=(4 * C, CW), dout=(BT, 4 * C), inp=(BT, CW)),
+                        ("dweight_wide", BT, 4 * C, CW)),
 }
+FP32_OUTPUTS = {"fc_dweight_wide"}  # products whose output is fp32 (their inputs bf16)
 # cublasLtClusterShape_t ids tried (the names for reading results: 3 is 2 x 1 CTAs)
 CLUSTERS = {0: "auto", 2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}
 MAX_CUSTOM = 15  # custom options tried at most (0..15)
@@ -135,13 +142,14 @@ def _cap_list(lib, algo, attr):
     return list(buf) or [0]
 
 
-def _operands(shapes: dict, seed: int):
+def _operands(shapes: dict, seed: int, fp32_output: bool = False):
     import torch
     g = torch.Generator(device="cuda").manual_seed(seed)
     ops = {}
-    for name, shape in shapes.items():
+    for i, (name, shape) in enumerate(shapes.items()):
         scale = 0.02 if name == "weight" else 1.0
-        ops[name] = (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+        dtype = torch.float32 if fp32_output and i == 0 else torch.bfloat16
+        ops[name] = (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
     return ops
 
 
@@ -236,6 +244,8 @@ def _torch_call(fn_name: str, ops: dict):
         return lambda: torch.mm(ops["dout"], ops["weight"], out=ops["dinp"])
     if fn_name == "linear_forward":
         return lambda: torch.addmm(ops["bias"], ops["inp"], ops["weight"].t(), out=ops["out"])
+    if ops["dweight"].dtype != ops["dout"].dtype:  # weight_grad_bias_column's product
+        return lambda: torch.mm(ops["dout"].t(), ops["inp"], out_dtype=ops["dweight"].dtype, out=ops["dweight"])
     return lambda: ops["dweight"].addmm_(ops["dout"].t(), ops["inp"])
 
 
@@ -258,7 +268,9 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     from llmpy.kernels import matmul
     fn_name, shapes, tuned_key = PRODUCTS[name]
     fn = getattr(cublaslt, fn_name)
-    ops = _operands(shapes, seed)
+    if name in FP32_OUTPUTS:  # overwritten, as weight_grad_bias_column runs it
+        fn = functools.partial(fn, accumulate=False)
+    ops = _operands(shapes, seed, fp32_output=name in FP32_OUTPUTS)
     out_name = next(iter(shapes))  # the product's output (pre_gelu is one too in the forward)
     fresh = {k: v.clone() for k, v in ops.items()}
     before = set(cublaslt._plans)

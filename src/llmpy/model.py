@@ -1027,7 +1027,8 @@ class GPT2Model:
                      [dout, weight, pre_gelu], [dinp], "matmul_backward dinp")
             if inp_wide is not None:
                 wide = a["fc_grad_wide"]
-                side(lambda: kmm.weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=slot_seed),
+                side(lambda: kmm.weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=slot_seed,
+                                                             use_cublaslt=lt),
                      [dout, inp_wide, slot_seed], [dweight, dbias, wide], "weight_grad_bias_column")
                 return
             side(lambda: kmm.matmul_backward(None, dweight, dbias, dout, inp, weight, scratch=bias_scratch,

@@ -245,7 +245,8 @@ class _Plan:
     algo_index, or the AlgoConfig algo_index names."""
 
     def __init__(self, state: _Device, key, bias_ptr: int, aux_ptr: int):
-        (_, m, n, k, transa, transb, lda, ldb, ldc, ldd, dtype, epilogue, aux_ld, aligns, algo_index, sms) = key
+        (_, m, n, k, transa, transb, lda, ldb, ldc, ldd, dtype, epilogue, aux_ld, aligns, algo_index, sms,
+         in_dtype) = key
         lib = _lib()
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
@@ -256,13 +257,15 @@ class _Plan:
         if sms:
             _set(dset, self.desc, _DESC_SM_COUNT_TARGET, sms, ctypes.c_int32)
         self.layouts = []
-        t = _DTYPES[dtype]
-        self.types = (t, t, t, t)  # A, B, C, D
+        t, t_in = _DTYPES[dtype], _DTYPES[in_dtype]
+        self.types = (t_in, t_in, t, t)  # A, B, C, D: bf16 products may sum into fp32 (linear_weight_grad)
         a_rows, a_cols = (k, m) if transa else (m, k)
         b_rows, b_cols = (n, k) if transb else (k, n)
-        for rows, cols, ld in ((a_rows, a_cols, lda), (b_rows, b_cols, ldb), (m, n, ldc), (m, n, ldd)):
+        for (rows, cols, ld), layout_type in zip(((a_rows, a_cols, lda), (b_rows, b_cols, ldb), (m, n, ldc),
+                                                  (m, n, ldd)), self.types):
             layout = ctypes.c_void_p()
-            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), t, rows, cols, ld), "MatrixLayoutCreate")
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), layout_type, rows, cols, ld),
+                   "MatrixLayoutCreate")
             self.layouts.append(layout)
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
@@ -352,7 +355,7 @@ def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_
     ptrs = (a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), bias_ptr, aux_ptr)
     aligns = tuple(_alignment(p) for p in ptrs)
     key = (d.device.index, m, n, k, bool(transa), bool(transb), lda, ldb, ldc, ldd, d.dtype, epilogue, aux_ld,
-           aligns, algo_index, _sm_count_target)
+           aligns, algo_index, _sm_count_target, a.dtype)
     plan = _plans.get(key)
     if isinstance(plan, CublasLtError):  # refused before: refuse again without asking the heuristic
         raise plan
@@ -375,12 +378,18 @@ def _gemm(d, a, b, m, n, k, transa, transb, lda, ldb, ldd, *, epilogue=EPILOGUE_
                               workspace.data_ptr(), workspace.numel(), stream), "cublasLtMatmul")
 
 
-def _check_operands(shapes: dict, **tensors):
+def _check_operands(shapes: dict, fp32_out: str | None = None, **tensors):
     """Every given tensor a row-major 2-D matrix (rows may be strided views) or a contiguous vector of the
-    expected shape, all of one dtype: cuBLASLt reads raw pointers, so a mismatch must stop here."""
+    expected shape, all of one dtype: cuBLASLt reads raw pointers, so a mismatch must stop here. fp32_out:
+    the name of an output that may be fp32 whatever the rest are (bf16 products summed into fp32)."""
     dtypes = set()
     for name, t in tensors.items():
         if t is None:
+            continue
+        if name == fp32_out and t.dtype == torch.float32:
+            if t.shape != shapes[name] or t.stride(-1) != 1 or t.dim() != 2 or t.stride(0) < t.shape[1]:
+                raise ValueError(f"cuBLASLt: {name} must be a row-major {shapes[name]} matrix, got "
+                                 f"{tuple(t.shape)} strides {t.stride()}")
             continue
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"cuBLASLt: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
@@ -428,12 +437,15 @@ def linear_input_grad(dinp, dout, weight, pre_gelu=None, algo_index=0):
 
 
 def linear_weight_grad(dweight, dout, inp, accumulate: bool = True, dbias_sums=None, algo_index=0):
-    """dweight (OC, C) += dout (M, OC).T @ inp (M, C) (accumulate=False: =). dbias_sums (OC), dout's dtype:
-    OVERWRITTEN with the column sums of dout, summed in the same product (BGRADB)."""
+    """dweight (OC, C) += dout (M, OC).T @ inp (M, C) (accumulate=False: =). dweight may be fp32 where dout
+    and inp are bf16: the fp32 sums unrounded (matmul.weight_grad_bias_column's wide product). dbias_sums
+    (OC), dout's dtype: OVERWRITTEN with the column sums of dout, summed in the same product (BGRADB)."""
     M, OC = dout.shape
     C = inp.shape[1]
-    _check_operands(dict(dweight=(OC, C), dout=(M, OC), inp=(M, C), dbias_sums=(OC,)),
+    _check_operands(dict(dweight=(OC, C), dout=(M, OC), inp=(M, C), dbias_sums=(OC,)), fp32_out="dweight",
                     dweight=dweight, dout=dout, inp=inp, dbias_sums=dbias_sums)
+    if dbias_sums is not None and dweight.dtype != dout.dtype:
+        raise ValueError("cuBLASLt: the bias sums in the product (BGRADB) only with dweight in dout's dtype")
     _gemm(dweight, inp, dout, C, OC, M, False, True, inp.stride(0), dout.stride(0), dweight.stride(0),
           epilogue=EPILOGUE_BGRADB if dbias_sums is not None else EPILOGUE_DEFAULT, bias=dbias_sums,
           accumulate=accumulate, algo_index=algo_index)

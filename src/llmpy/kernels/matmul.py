@@ -634,7 +634,7 @@ def matmul_backward_bias(dbias, dout, scratch=None, seed=None, num_chunks: int |
 WIDE_FINISH_BLOCK_R, WIDE_FINISH_BLOCK_C = 16, 256
 
 
-def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None):
+def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None, use_cublaslt: bool = False):
     """dweight (OC, C) += dout.T @ inp and dbias (OC) += dout's column sums, from one product: inp_wide
     (..., Cw) is the layer input with the column C set to 1 and the rest of its row to 0 (the LayerNorm
     forward's bias_column), so the product dout.T @ inp_wide (OC, Cw), summed in fp32 into wide (fp32
@@ -643,7 +643,8 @@ def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None):
     does) and dbias (rounded like the bias reductions: stochastically with seed for bf16).
 
     This replaces the bias reduction's pass over dout (fc's: 403 MB a layer at GPT-2 124M, B*T = 65536)
-    by 8 more output columns of the product (bench/RESULTS.md, run W)."""
+    by 8 more output columns of the product (bench/RESULTS.md, run W). use_cublaslt: the product through
+    cuBLASLt where TUNED_ALGOS has a "dweight_wide" entry for it, else torch's."""
     OC, C = dweight.shape
     Cw = inp_wide.shape[-1]
     dout2, inp2 = _rows(dout, OC), _rows(inp_wide, Cw)
@@ -651,7 +652,10 @@ def weight_grad_bias_column(dweight, dbias, dout, inp_wide, wide, seed=None):
     assert dout.dtype == inp_wide.dtype == dweight.dtype and wide.dtype == torch.float32
     assert wide.is_contiguous() and wide.numel() >= OC * Cw, "wide: fp32 scratch of OC * Cw elements"
     wide2 = wide.view(-1)[:OC * Cw].view(OC, Cw)
-    if dout.is_cuda and dout.dtype != torch.float32:
+    algo = _tuned("dweight_wide", dout2.shape[0], OC, Cw, dout.device) if use_cublaslt else None
+    if algo is not None and dout.dtype == torch.bfloat16:
+        _lt(cublaslt.linear_weight_grad, wide2, dout2, inp2, accumulate=False, algo=algo)
+    elif dout.is_cuda and dout.dtype != torch.float32:
         torch.mm(dout2.t(), inp2, out_dtype=torch.float32, out=wide2)  # fp32 sums, no rounding to bf16
     else:
         torch.mm(dout2.t().float(), inp2.float(), out=wide2)
