@@ -384,6 +384,7 @@ def suggested_table(results: list, tuned_algos: dict, capability: tuple) -> list
 
 
 def main(argv=None) -> int:
+    from bench.bench_step import _at_least_one
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--products", nargs="+", default=["dgelu"], choices=sorted(PRODUCTS))
     ap.add_argument("--top", type=int, default=8)
@@ -400,15 +401,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reductions", type=int, nargs="+", default=[2], choices=[1, 2, 4],
                     help="split-K reduction schemes: 1 in place (the output's type), 2 fp32 in the workspace, "
                          "4 the output's type in the workspace")
-    ap.add_argument("--workspace-mib", type=int, default=None,
+    ap.add_argument("--workspace-mib", type=_at_least_one, default=None,
                     help="cuBLASLt's workspace in MiB (default 32, the model's): a split-K configuration keeps its "
                          "fp32 partial sums there, and one that needs more is refused")
     args = ap.parse_args(argv)
     if any(s < 2 for s in args.split_k):
         ap.error("--split-k: splits are 2 or more")
     if args.workspace_mib is not None:
-        if args.workspace_mib < 1:
-            ap.error("--workspace-mib: at least 1")
         from llmpy.kernels import cublaslt
         cublaslt.set_workspace_bytes(args.workspace_mib << 20)
     results = []

@@ -386,17 +386,13 @@ def _check_operands(shapes: dict, fp32_out: str | None = None, **tensors):
     for name, t in tensors.items():
         if t is None:
             continue
-        if name == fp32_out and t.dtype == torch.float32:
-            if t.shape != shapes[name] or t.stride(-1) != 1 or t.dim() != 2 or t.stride(0) < t.shape[1]:
-                raise ValueError(f"cuBLASLt: {name} must be a row-major {shapes[name]} matrix, got "
-                                 f"{tuple(t.shape)} strides {t.stride()}")
-            continue
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"cuBLASLt: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
         if t.stride(-1) != 1 or (t.dim() == 2 and t.stride(0) < t.shape[1]) or t.dim() not in (1, 2):
             raise ValueError(f"cuBLASLt: {name} must be a row-major matrix or a contiguous vector, got "
                              f"strides {t.stride()}")
-        dtypes.add(t.dtype)
+        if name != fp32_out or t.dtype != torch.float32:  # an fp32 output is outside the one-dtype rule
+            dtypes.add(t.dtype)
     if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
         raise ValueError(f"cuBLASLt: operands of one dtype, fp32 or bf16, expected: got {sorted(map(str, dtypes))}")
 
