@@ -24,6 +24,12 @@ def test_config_names_the_kernel(monkeypatch):
     monkeypatch.setitem(FLASH_CONFIGS, 64, {"bwd_kernel": "wgmma", "wgmma_stages": (1, 2)})
     with pytest.raises(AssertionError, match="wgmma_stages"):
         fa.flash_config(64, torch.bfloat16)
+    # the dk/dv half's k from registers is the GPU table's default at hs 64 (three programs an SM at 168
+    # registers); q and dout (bits 4, 8) are not offered
+    assert fa._CONFIGS_16[64]["wgmma_a_regs"] == 1 and fa._CONFIGS_16[64]["wgmma_maxnreg"] == 168
+    monkeypatch.setitem(FLASH_CONFIGS, 64, {"bwd_kernel": "wgmma", "wgmma_a_regs": 4})
+    with pytest.raises(AssertionError, match="wgmma_a_regs"):
+        fa.flash_config(64, torch.bfloat16)
 
 
 def test_other_calls_fall_back(monkeypatch, device):
@@ -41,7 +47,8 @@ def test_other_calls_fall_back(monkeypatch, device):
 
 # (B, T, NH): one 64-row block (two query tiles on the diagonal, one key tile), a few blocks, GPT-2 sizes
 GPU_SHAPES = [(2, 64, 3), (3, 192, 2), (4, 1024, 12), (1, 2048, 12)]
-VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3))}
+VARIANTS = {"default": {}, "stages-2-2": dict(wgmma_stages=(2, 2)), "stages-4-3": dict(wgmma_stages=(4, 3)),
+            "k-v-in-shared": dict(wgmma_a_regs=0, wgmma_maxnreg=None), "v-in-registers": dict(wgmma_a_regs=2)}
 
 
 @pytest.mark.gpu
@@ -63,6 +70,10 @@ def test_gpu_wgmma_backward(monkeypatch, shape, variant):
     # run V; asked here only to within a bf16 rounding, so that a compiler's other FMA choice passes)
     assert torch.allclose(dqkv.float(), dqkv_tl.float(), rtol=2 ** -7, atol=1e-3 * dqkv_tl.float().abs().max().item())
     assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH)), "not reproducible"
+    # ring depths and where the A operands come from change no product: every variant gives the same bits
+    monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma", "wgmma_stages": (3, 3), "wgmma_a_regs": 0,
+                                            "wgmma_maxnreg": None})
+    assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH)), "not the bits of k and v from shared memory"
 
 
 @pytest.mark.gpu

@@ -91,14 +91,15 @@ def _compile_classifier(buffers: int):
     return compiled, fct.boxes_per_row(Vp)
 
 
-def _compile_flash_backward(q_sums: bool):
+def _compile_flash_backward(q_sums: bool, a_regs: int = 0, maxnreg: int | None = None):
     B, T, NH, hs = 1, 256, 2, 64
     qkv = torch.empty(B, T, 3 * NH * hs, dtype=torch.bfloat16)
     dout = torch.empty(B, T, NH * hs, dtype=torch.bfloat16)
     lse, delta = torch.empty(B, NH, T), torch.empty(B, NH, T)
     sums = torch.empty(B * T // fw.BLOCK_KEYS, NH * hs) if q_sums else None
     return _compile_launch(fw, "_flash_bwd_wgmma_kernel", lambda: fw.flash_backward_wgmma(
-        torch.empty_like(qkv), dout, qkv, lse, delta, NH, hs ** -0.5, hs ** -0.5 * 1.4427, q_sums=sums))
+        torch.empty_like(qkv), dout, qkv, lse, delta, NH, hs ** -0.5, hs ** -0.5 * 1.4427, q_sums=sums,
+        a_regs=a_regs, maxnreg=maxnreg))
 
 
 def _summary(compiled) -> dict:
@@ -123,6 +124,8 @@ def _compile_all() -> dict:
     out = {f"classifier{b}": attempt(lambda: classifier(b)) for b in (1, 2)}
     for q_sums in (False, True):
         out[f"flash_backward{'_q_sums' * q_sums}"] = attempt(lambda: _summary(_compile_flash_backward(q_sums)))
+    # the model's configuration at hs 64: k from registers, capped at 168 registers (flash_attention's table)
+    out["flash_backward_k_in_registers"] = attempt(lambda: _summary(_compile_flash_backward(True, 1, 168)))
     return out
 
 
@@ -146,7 +149,7 @@ def test_tma_classifier_compiles(compiled, buffers):
     assert c["stores"]["v4.b32"] > 0 and c["stores"]["b16"] == 0, c["stores"]
 
 
-@pytest.mark.parametrize("variant", ["flash_backward", "flash_backward_q_sums"])
+@pytest.mark.parametrize("variant", ["flash_backward", "flash_backward_q_sums", "flash_backward_k_in_registers"])
 def test_wgmma_flash_backward_compiles(compiled, variant):
     c = compiled[variant]
     assert "error" not in c, c.get("error")

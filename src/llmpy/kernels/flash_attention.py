@@ -364,7 +364,7 @@ def _flash_bwd_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, q_desc, d
 _CONFIGS_16 = {
     64: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3, fwd_tma=True,
              BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_warps=4, bwd_stages=3, bwd_tma=True,
-             bwd_kernel="wgmma"),
+             bwd_kernel="wgmma", wgmma_a_regs=1, wgmma_maxnreg=168),
     128: dict(BLOCK_M=64, BLOCK_N=64, fwd_warps=4, fwd_stages=3,
               BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_warps=4, bwd_stages=3),
 }
@@ -381,7 +381,7 @@ _CONFIG_INTERPRET = dict(BLOCK_M=16, BLOCK_N=16, fwd_warps=4, fwd_stages=1,
                          BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_warps=4, bwd_stages=1)
 # the fields the tables above leave at their default
 _FIELD_DEFAULTS = dict(fwd_tma=False, bwd_schedule="fused", bwd_tma=False, bwd_kernel="tl.dot",
-                       wgmma_stages=(3, 3))
+                       wgmma_stages=(3, 3), wgmma_a_regs=0, wgmma_maxnreg=None)
 _DELTA_BLOCK_T = 64
 
 # How the backward gets dq: "fused" (program i also owns query block i) or "split" (the same two halves as
@@ -391,7 +391,10 @@ BWD_SCHEDULES = ("fused", "split")
 # Which kernel runs the backward: "tl.dot" (_flash_bwd_kernel above, every shape and dtype, CPU-tested) or
 # "wgmma" (flash_backward_wgmma: the fused schedule with explicit asynchronous wgmma, Gluon, sm_90 only;
 # where it does not apply - another GPU, fp32, head size != 64, T not a multiple of 64 - the tl.dot kernel
-# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half).
+# serves). wgmma_stages: its TMA rings' depths (dk/dv half, dq half); wgmma_a_regs: which loop-invariant A
+# operands of its dk/dv half's score products come from registers instead of shared memory (flash_backward_wgmma's
+# A_REGS: 0 none, 1 k, 2 v, 3 both); wgmma_maxnreg: its register cap a thread (None: ptxas's choice). At hs 64
+# k comes from registers at 168 registers, three programs an SM (1.4 % faster at the power cap, run AL).
 BWD_KERNELS = ("tl.dot", "wgmma")
 
 # Override hook: FLASH_CONFIGS[hs] (or FLASH_CONFIGS[(hs, dtype)], which wins) = dict of the fields above
@@ -417,6 +420,7 @@ def flash_config(hs: int, dtype: torch.dtype) -> dict:
     assert cfg["bwd_kernel"] in BWD_KERNELS, f"bwd_kernel {cfg['bwd_kernel']!r}: one of {BWD_KERNELS}"
     assert len(cfg["wgmma_stages"]) == 2 and min(cfg["wgmma_stages"]) >= 2, \
         f"wgmma_stages {cfg['wgmma_stages']}: two ring depths >= 2"
+    assert cfg["wgmma_a_regs"] in (0, 1, 2, 3), f"wgmma_a_regs {cfg['wgmma_a_regs']}: 0-3 (bit 0 k, bit 1 v)"
     assert cfg["bwd_schedule"] != "fused" or cfg["BLOCK_N1"] == cfg["BLOCK_M2"], \
         "fused backward needs BLOCK_N1 == BLOCK_M2"
     return cfg
@@ -503,7 +507,8 @@ def flash_attention_backward(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.
         out, dout, delta, T, num_heads, C, HS=hs, HS_PAD=hs_pad, BLOCK_T=_DELTA_BLOCK_T, num_warps=4)
     if cfg["bwd_kernel"] == "wgmma" and wgmma_backward_usable(qkv, T, hs, dout, dqkv):
         return flash_backward_wgmma(dqkv, dout, qkv, lse, delta, num_heads, scale, scale * LOG2E,
-                                    cfg["wgmma_stages"], q_sums=q_sums)
+                                    cfg["wgmma_stages"], q_sums=q_sums, a_regs=cfg["wgmma_a_regs"],
+                                    maxnreg=cfg["wgmma_maxnreg"])
 
     common = dict(HS=hs, HS_PAD=hs_pad, BLOCK_M1=cfg["BLOCK_M1"], BLOCK_N1=cfg["BLOCK_N1"],
                   BLOCK_M2=cfg["BLOCK_M2"], BLOCK_N2=cfg["BLOCK_N2"], DOT_UPCAST=DOT_UPCAST, PREC=prec,

@@ -2,38 +2,43 @@
 
 Same work as flash_attention._flash_bwd_kernel's fused schedule (program i: key block i's dk, dv over the
 query tiles at or after it, then query block i's dq over the key tiles up to it; no atomics, bitwise
-reproducible), the same tiles (64 keys x 32 queries in the dk/dv half, 64 x 64 in the dq half) and the
-same order of the sums, written where tl.dot cannot be: Triton waits for every product whose result is
-not a loop accumulator right after issuing it, so the score product S^T and dP^T run one after the other
-and the tensor cores sit idle during the softmax (ncu: 47 % busy, against 98 % in a cuBLAS product;
-bench/RESULTS.md, run U). Here each tile issues both score products at once and waits for S^T alone:
-the exponentials run while dP^T is still on the tensor cores, and the dv, dk (dq) products of a tile run
-on, unwaited, under the next tile's loads and score products. Queries and dout (keys and values in the
-dq half) stream through rings of TMA buffers, each refilled as soon as the products that read it are
-known to be done; dk, dv and dq leave through TMA stores from the buffers k, v and q came in. 154
-registers a thread (rings of 3 and 3), 65.6 kB of shared memory, so three programs an SM, as the tl.dot
-kernel's 168 registers. At B=64, T=1024 on the H200 at its power cap: 0.955-0.991 ms a layer against
-0.980-1.008 for the tl.dot kernel (-1.7 to -2.5 %, run W), with dqkv bitwise equal.
+reproducible), the same tiles (64 keys x 32 queries in the dk/dv half, 64 x 64 in the dq half) and the same
+order of the sums, written where tl.dot cannot be: Triton waits for every product whose result is not a loop
+accumulator right after issuing it, so the score product S^T and dP^T run one after the other and the tensor
+cores sit idle during the softmax (ncu: 47 % busy, against 98 % in a cuBLAS product; bench/RESULTS.md, run U).
+Here each tile issues both score products at once and waits for S^T alone: the exponentials run while dP^T is
+still on the tensor cores, and the dv, dk (dq) products of a tile run on, unwaited, under the next tile's
+loads and score products. Queries and dout (keys and values in the dq half) stream through rings of TMA
+buffers, each refilled as soon as the products that read it are known to be done; dk, dv and dq leave through
+TMA stores from the buffers k, v and q came in. The dk/dv half's score product takes k from registers (loaded
+once a program) rather than shared memory: a 64 x 32 tile's products read 32 kB of operands from shared memory
+and take 8 kB of TMA writes against 256 clocks of tensor-core work, so by that arithmetic shared memory is the
+tighter pipe; k in registers saves 8 kB a tile. 168 registers a thread (capped: ptxas takes 176 uncapped, and
+three programs an SM allow 168; no spills with triton 3.6), rings of 3 and 3, 65.6 kB of shared memory, so
+three programs an SM. At B=64, T=1024 on the H200 at its power cap: 0.944-0.973 ms a layer against 0.956-0.987
+with k from shared memory (-1.4 %, run AL), which was itself 0.955-0.991 against 0.980-1.008 for the tl.dot
+kernel (-1.7 to -2.5 %, run W); dqkv bitwise equal in all three.
 
-Tried and left out (bench/RESULTS.md, runs V and W): the score products' loop-invariant operand (k, v;
-q, dout) in registers instead of shared memory (190 registers, two programs an SM: 15 % slower); 64-query
-tiles in the dk/dv half (232 registers, two programs an SM: 1 % slower); each tile's lse and delta loaded
-during the tile before (no gain); issuing each tile's S^T one tile early, under the previous tile's
-exponentials: carried into the next iteration in flight, ptxas serialises every wgmma (C7514/C7515, 29 %
-slower); carried already waited for, it compiles asynchronous at 168 registers and runs no faster
-(0.979 against 0.976 ms). Two warpgroups a program sharing every streamed tile (128-row blocks, half the
-L2 traffic): one program an SM, 16-39 % slower; capped at 128 registers for four programs an SM: 6 %
-slower. ncu: the tensor pipe is busy 49 % of the time, as with the tl.dot kernel (48.8 %), and the
-warps' stalls spread over L1TEX results, wgmma waits, barriers and dispatch with none dominant: twelve
-warps an SM at ~155 registers is the balance these tiles allow. dq summed across key blocks instead of
-recomputed (each 64-key program adding its share of every query tile into an fp32 sum through the TMA
-unit's reduce-add, in an order fixed by per-tile counters; commit 181187c, run X): bitwise repeatable but
-1.46 against 0.98 ms, the shares' 1.7 GB of L2 writes a layer alone costing ~0.5 ms.
+Tried and left out (bench/RESULTS.md, runs V, W and AL): the score products' loop-invariant operands (k, v; q,
+dout) all in registers instead of shared memory (190 registers, two programs an SM: 15 % slower); v instead of
+k, capped at 168 (-1.0 %); k and v, capped at 168 (spills, and ptxas serialises the wgmma); q and dout in the
+dq half (no more registers, but dq wrong after the first key tile under triton 3.6); 64-query tiles in the
+dk/dv half (232 registers, two programs an SM: 1 % slower); each tile's lse and delta loaded during the tile
+before (no gain); issuing each tile's S^T one tile early, under the previous tile's exponentials: carried into
+the next iteration in flight, ptxas serialises every wgmma (C7514/C7515, 29 % slower); carried already waited
+for, it compiles asynchronous at 168 registers and runs no faster (0.979 against 0.976 ms). Two warpgroups a
+program sharing every streamed tile (128-row blocks, half the L2 traffic): one program an SM, 16-39 % slower;
+capped at 128 registers for four programs an SM: 6 % slower. ncu: the tensor pipe is busy 49 % of the time, as
+with the tl.dot kernel (48.8 %), and the warps' stalls spread over L1TEX results, wgmma waits, barriers and
+dispatch with none dominant: twelve warps an SM at 154-168 registers is the balance these tiles allow. dq
+summed across key blocks instead of recomputed (each 64-key program adding its share of every query tile into
+an fp32 sum through the TMA unit's reduce-add, in an order fixed by per-tile counters; commit 181187c, run X):
+bitwise repeatable but 1.46 against 0.98 ms, the shares' 1.7 GB of L2 writes a layer alone costing ~0.5 ms.
 
 GPU only (sm_90): Gluon has no CPU interpreter. flash_attention.py's tl.dot kernel is the portable path,
-tested on the CPU; this one is tested on the GPU against the CPU reference and against that kernel. It
-serves bf16 storage, head size 64 and T a multiple of 64 (every GPT-2 size); flash_attention_backward
-falls back to the tl.dot kernel elsewhere.
+tested on the CPU; this one is tested on the GPU against the CPU reference and against that kernel. It serves
+bf16 storage, head size 64 and T a multiple of 64 (every GPT-2 size); flash_attention_backward falls back to
+the tl.dot kernel elsewhere.
 """
 from __future__ import annotations
 
@@ -103,9 +108,20 @@ if GLUON:
     def _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars, q_desc, do_desc, lse_base, delta_base, n0, row0, col_q,
                    n_tiles, scale_log2, dtype: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
                    a_d: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HS: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   STAGES: gl.constexpr, A_REGS: gl.constexpr):
         """dk, dv (fp32, dk unscaled) of the key block at n0 over its n_tiles query tiles, transposed (keys x
-        queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings."""
+        queries) as in the tl.dot kernel. The first STAGES tiles are already on their way into the rings.
+        A_REGS bit 0 (1): k, the score product's A operand, from registers instead of shared memory (8 kB less
+        read from shared memory a tile); bit 1 (2): v, dP^T's."""
+        a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
+        if A_REGS & 1:
+            k_op = k_smem.load(a_s)
+        else:
+            k_op = k_smem
+        if A_REGS & 2:
+            v_op = v_smem.load(a_s)
+        else:
+            v_op = v_smem
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_s)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
@@ -119,8 +135,8 @@ if GLUON:
             lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
             delta = gl.load(delta_base + offs_m)
             mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
-            sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            sT = warpgroup_mma(k_op, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v_op, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             # S^T done, dP^T may still run; products complete in order, so the last tile's dv, dk are done
             # too and its buffers can take the tile STAGES after it
             sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
@@ -145,7 +161,9 @@ if GLUON:
                  n_tiles, scale_log2, dtype: gl.constexpr, mma_d: gl.constexpr, a_d: gl.constexpr,
                  BLOCK_N: gl.constexpr, HS: gl.constexpr, STAGES: gl.constexpr):
         """dq (fp32, unscaled) of the query block at m0 (rows offs_m) over its n_tiles key tiles, the last one
-        the diagonal. The first STAGES tiles are already on their way into the rings."""
+        the diagonal. The first STAGES tiles are already on their way into the rings. (q and dout stay in shared
+        memory: taken from registers, as k below, dq came out wrong after the first key tile under triton 3.6,
+        bench/RESULTS.md run AL.)"""
         zero_d = gl.zeros([BLOCK_N, BLOCK_N], gl.float32, mma_d)
         dq = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
         for i in range(n_tiles):
@@ -174,11 +192,13 @@ if GLUON:
                                 T, NH, C, sm_scale, scale_log2,
                                 HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 STAGES1: gl.constexpr, STAGES2: gl.constexpr, Q_SUMS: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                A_REGS: gl.constexpr, num_warps: gl.constexpr):
         """q_desc, do_desc: [BLOCK_M, HS] boxes of qkv (B*T, 3C) and dout (B*T, C); kv_desc, do64_desc,
         dqkv_desc: [BLOCK_N, HS] boxes of qkv, dout and dqkv. Program (i, b*NH + h): key block i's dk, dv,
         then query block i's dq. STAGES1, STAGES2: depths of the dk/dv and dq halves' rings. Q_SUMS: also
-        q_sums[b*T/BLOCK_N + i, h*HS:(h+1)*HS] = the column sums of the block's dq (fp32, before rounding)."""
+        q_sums[b*T/BLOCK_N + i, h*HS:(h+1)*HS] = the column sums of the block's dq (fp32, before rounding).
+        A_REGS: which loop-invariant A operands of the dk/dv half's score products come from registers
+        (_dkdv_loop)."""
         gl.static_assert(num_warps == 4 and BLOCK_N == 64, "one warpgroup a program, 64 rows a warpgroup")
         gl.static_assert(BLOCK_N % BLOCK_M == 0, "query tiles inside the diagonal block")
         gl.static_assert(min(STAGES1, STAGES2) >= 2, "a ring buffer is refilled while the next one is read")
@@ -219,7 +239,7 @@ if GLUON:
         tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
         mbarrier.wait(one_bar, 0)
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
-                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1)
+                            col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1, A_REGS)
         for s in gl.static_range(STAGES1):
             mbarrier.invalidate(bars1.index(s))
 
@@ -273,12 +293,15 @@ _TILE_LAYOUTS = tuple(gl.NVMMASharedLayout.get_default_for([rows, HEAD_SIZE], gl
 
 def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor,
                          delta: torch.Tensor, num_heads: int, scale: float, scale_log2: float,
-                         stages=(3, 3), q_sums: torch.Tensor | None = None) -> torch.Tensor:
+                         stages=(3, 3), q_sums: torch.Tensor | None = None, a_regs: int = 0,
+                         maxnreg: int | None = None) -> torch.Tensor:
     """dq, dk, dv into dqkv (B, T, 3C) given delta (B, NH, T) already computed; the caller
     (flash_attention_backward) has checked shapes, dtypes and wgmma_backward_usable. stages: the TMA
     rings' depths in the dk/dv half and in the dq half. q_sums: None, or fp32 (B*T/BLOCK_KEYS, C) that
     receives the column sums of dq over each BLOCK_KEYS-row block (flash_attention_backward's q_sums, checked
-    there)."""
+    there). a_regs: the kernel's A_REGS (0: every A operand of the score products from shared memory, 1: k
+    from registers, 2: v, 3: both); maxnreg: a register cap a thread (None: ptxas's choice)."""
+    assert a_regs in (0, 1, 2, 3), f"a_regs {a_regs}: 0-3 (bit 0 k, bit 1 v)"
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q, lay_k = _TILE_LAYOUTS
@@ -292,7 +315,8 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     last_compiled = _flash_bwd_wgmma_kernel[(T // BLOCK_KEYS, B * num_heads)](
         q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, q_sums if q_sums is not None else delta,
         T, num_heads, C, scale, scale_log2, HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
-        STAGES1=stages[0], STAGES2=stages[1], Q_SUMS=q_sums is not None, num_warps=4)
+        STAGES1=stages[0], STAGES2=stages[1], Q_SUMS=q_sums is not None, A_REGS=a_regs, num_warps=4,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return dqkv
 
 
