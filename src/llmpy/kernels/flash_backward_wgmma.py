@@ -162,8 +162,8 @@ if GLUON:
                  BLOCK_N: gl.constexpr, HS: gl.constexpr, STAGES: gl.constexpr):
         """dq (fp32, unscaled) of the query block at m0 (rows offs_m) over its n_tiles key tiles, the last one
         the diagonal. The first STAGES tiles are already on their way into the rings. (q and dout stay in shared
-        memory: taken from registers, as k below, dq came out wrong after the first key tile under triton 3.6,
-        bench/RESULTS.md run AL.)"""
+        memory: taken from registers, as the dk/dv half takes k, dq came out wrong after the first key tile under
+        triton 3.6, bench/RESULTS.md run AL.)"""
         zero_d = gl.zeros([BLOCK_N, BLOCK_N], gl.float32, mma_d)
         dq = warpgroup_mma_init(gl.zeros([BLOCK_N, HS], gl.float32, mma_d))
         for i in range(n_tiles):
