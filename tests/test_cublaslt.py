@@ -520,7 +520,6 @@ def test_gpu_split_k_algo_config():
     assert rel_err(first, expected) < TOL[bf]
 
 
-
 @pytest.mark.gpu
 def test_gpu_weight_grad_into_fp32():
     """bf16 operands summed into fp32 (weight_grad_bias_column's product, fc's shape with its bias columns

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from llmpy.kernels import flash_attention as fa
 from llmpy.kernels import flash_backward_wgmma as fw
 from llmpy.kernels import fused_classifier_tma as fct
 
@@ -124,8 +125,10 @@ def _compile_all() -> dict:
     out = {f"classifier{b}": attempt(lambda: classifier(b)) for b in (1, 2)}
     for q_sums in (False, True):
         out[f"flash_backward{'_q_sums' * q_sums}"] = attempt(lambda: _summary(_compile_flash_backward(q_sums)))
-    # the model's configuration at hs 64: k from registers, capped at 168 registers (flash_attention's table)
-    out["flash_backward_k_in_registers"] = attempt(lambda: _summary(_compile_flash_backward(True, 1, 168)))
+    # the model's configuration at hs 64 (flash_attention's table: k from registers, a register cap)
+    model = fa._CONFIGS_16[64]
+    out["flash_backward_k_in_registers"] = attempt(lambda: _summary(_compile_flash_backward(
+        True, model["wgmma_a_regs"], model["wgmma_maxnreg"])))
     return out
 
 

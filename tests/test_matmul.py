@@ -473,7 +473,6 @@ def test_weight_grad_bias_column(device, dtype, M, C, OC, pad):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-
 def test_weight_grad_bias_column_tuned_product_through_cublaslt(monkeypatch):
     """With use_cublaslt and a "dweight_wide" entry in TUNED_ALGOS the wide product goes to cuBLASLt
     (overwriting its fp32 scratch, with the entry's algorithm); without either, torch's product serves."""

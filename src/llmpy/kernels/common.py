@@ -112,6 +112,12 @@ def tma_usable(*tensors) -> bool:
 PIPELINE_FALLBACKS: dict = {}
 
 
+def register_cap(maxnreg: int | None) -> dict:
+    """A launch's register cap a thread as launch keywords: none where maxnreg is None (the compiler's choice;
+    the interpreter drops unknown keywords anyway)."""
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
 def launch_pipelined(kernel, grid, args, stages: int, **meta):
     """kernel[grid](*args, STAGES=stages, **meta); if a pipelined build (stages > 1) fails to compile or to
     fit, STAGES=1 instead (same results: pipelining only reorders loads). Failures other than the

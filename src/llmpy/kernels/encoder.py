@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, interpreting, store_rounded, launch_pipelined
+from .common import cdiv, interpreting, register_cap, store_rounded, launch_pipelined
 
 # ---- dwte: tuning knobs, launcher defaults (bench/kernels/bench_encoder.py sweeps WTE_SWEEP below;
 # these are guesses for C=768 on an H200 from ptxas register counts, not yet measured)
@@ -323,12 +323,6 @@ def _pow2(x: int, name: str) -> int:
     return x
 
 
-def _extra(maxnreg):
-    """Launch options the interpreter has no use for (it drops unknown keywords anyway)."""
-    return {} if maxnreg is None else {"maxnreg": maxnreg}
-
-
-
 
 def encoder_forward(out: torch.Tensor, inp: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor):
     """out (B, T, C) = wte[inp] + wpe[:T]; inp (B, T) int32/int64 ids, wte (Vp, C), wpe (maxT, C). Returns out."""
@@ -437,7 +431,7 @@ def wte_backward(dwte: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor, seed
     launch_pipelined(_wte_backward_chunks_kernel, (n_chunks, cdiv(C, block_c)),
             (dwte, scratch.partial, dout, scratch.sorted_ids, scratch.perm, seed_arg, N, C), stages,
             CHUNK=piece, TILE=tile, BLOCK_C=block_c, SCAN=scan, STOCHASTIC=sr, SR_HASH=sr_hash,
-            SEED_IS_PTR=seed_is_ptr, num_warps=num_warps, **_extra(maxnreg))
+            SEED_IS_PTR=seed_is_ptr, num_warps=num_warps, **register_cap(maxnreg))
     _wte_backward_fixup_kernel[(n_chunks, cdiv(C, fix_c))](
         dwte, scratch.partial, scratch.sorted_ids, seed_arg, N, C,
         CHUNK=piece, TILE=ENC_COMBINE_TILE, BLOCK_C=fix_c, STOCHASTIC=sr, SR_HASH=sr_hash,

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import tma_usable
+from .common import register_cap, tma_usable
 
 try:  # Gluon ships with triton >= 3.5; anything missing here just means the tl.dot kernel serves
     from triton.experimental import gluon
@@ -300,8 +300,8 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
     rings' depths in the dk/dv half and in the dq half. q_sums: None, or fp32 (B*T/BLOCK_KEYS, C) that
     receives the column sums of dq over each BLOCK_KEYS-row block (flash_attention_backward's q_sums, checked
     there). a_regs: the kernel's A_REGS (0: every A operand of the score products from shared memory, 1: k
-    from registers, 2: v, 3: both); maxnreg: a register cap a thread (None: ptxas's choice)."""
-    assert a_regs in (0, 1, 2, 3), f"a_regs {a_regs}: 0-3 (bit 0 k, bit 1 v)"
+    from registers, 2: v, 3: both; flash_config checks it); maxnreg: a register cap a thread (None: ptxas's
+    choice)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     lay_q, lay_k = _TILE_LAYOUTS
@@ -316,7 +316,7 @@ def flash_backward_wgmma(dqkv: torch.Tensor, dout: torch.Tensor, qkv: torch.Tens
         q_desc, do_desc, kv_desc, do64_desc, dqkv_desc, lse, delta, q_sums if q_sums is not None else delta,
         T, num_heads, C, scale, scale_log2, HS=HEAD_SIZE, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
         STAGES1=stages[0], STAGES2=stages[1], Q_SUMS=q_sums is not None, A_REGS=a_regs, num_warps=4,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        **register_cap(maxnreg))
     return dqkv
 
 
