@@ -106,7 +106,8 @@ def _compile_flash_backward(q_sums: bool, a_regs: int = 0, maxnreg: int | None =
 def _summary(compiled) -> dict:
     return {"shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"]),
             "sm90a": ".target sm_90a" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
-            "tma_loads": compiled.asm["ptx"].count("cp.async.bulk.tensor"), "exp2": compiled.asm["ptx"].count("ex2.approx"),
+            "tma_loads": compiled.asm["ptx"].count("cp.async.bulk.tensor"),
+            "exp2": compiled.asm["ptx"].count("ex2.approx"),
             "stores": {width: compiled.asm["ptx"].count(f"st.global.{width}") for width in ("b16", "v4.b32")}}
 
 

@@ -217,4 +217,5 @@ def fused_classifier_tma(logits: torch.Tensor, losses: torch.Tensor, targets: to
     _fc_tma_kernel[(grid,)](
         x_desc, logits, losses, targets, float(dloss), V, Vp, rows, NBOX=boxes_per_row(Vp), BOX_R=BOX_ROWS,
         BOX_C=BOX_COLS, NUM_WARPS=num_warps, BUFFERS=buffers, WRITE_DLOGITS=bool(write_dlogits), EXPS=exps,
-        EXP_SHIFT=EXP_SHIFT, num_warps=num_warps, **({"maxnreg": 64} if buffers == 1 else {}))  # two programs of 512 threads an SM
+        EXP_SHIFT=EXP_SHIFT, num_warps=num_warps,
+        **({"maxnreg": 64} if buffers == 1 else {}))  # two programs of 512 threads an SM
