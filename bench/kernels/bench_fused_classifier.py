@@ -55,8 +55,6 @@ TRAIN_SWEEP = [
     ("split B4096 w8", dict(variant="split", block_size=4096, num_warps=8)),
     ("tma w16 b2", dict(variant="tma", num_warps=16, buffers=2)),
     ("tma w16 b1", dict(variant="tma", num_warps=16, buffers=1)),
-    ("tma w16 b2 e1", dict(variant="tma", num_warps=16, buffers=2, exps=1)),
-    ("tma w16 b1 e1", dict(variant="tma", num_warps=16, buffers=1, exps=1)),
 ]
 VAL_SWEEP = [
     ("legacy B1024 w4 (previous best)", dict(variant="legacy", block_size=1024, num_warps=4, stages=1)),

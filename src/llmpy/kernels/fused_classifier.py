@@ -69,7 +69,7 @@ KNOB_DEFAULTS = {
     "twopass": {"block_size": 4096, "num_warps": 16, "stages": 1, "tile": 8, "progs_per_sm": 0},
     "onepass": {"num_warps": 16, "keep": "p", "exact": True, "progs_per_sm": 0, "prefetch": True},
     "split": {"block_size": 4096, "num_warps": 8},
-    "tma": {"num_warps": 16, "buffers": 2, "exps": 2},
+    "tma": {"num_warps": 16, "buffers": 2},
 }
 KEEP_MODES = {"p": 0, "x": 1, "pl": 2, "pw": 0, "xw": 1}  # pw / xw: the packed-words kernel
 _MAX_CHUNKS = 4  # onepass: chunks a row is cut into (the kernel has that many slots)
@@ -593,8 +593,7 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
                      write_dlogits: bool = True, block_size: int | None = None, num_warps: int | None = None,
                      stages: int | None = None, *, variant: str | None = None, tile: int | None = None,
                      progs_per_sm: int | None = None, keep: str | None = None, exact: bool | None = None,
-                     prefetch: bool | None = None, buffers: int | None = None, exps: int | None = None,
-                     scratch: torch.Tensor | None = None):
+                     prefetch: bool | None = None, buffers: int | None = None, scratch: torch.Tensor | None = None):
     """losses (B, T) fp32 = logsumexp(logits[..., :V]) - logits[target]; when write_dlogits, the logits
     (B, T, Vp) are overwritten by (softmax - onehot(target)) * dloss, with 0 in [V, Vp).
 
@@ -607,8 +606,7 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
     stages (software pipelining of the row loops); tile (twopass: values a thread reduces before rescaling);
     progs_per_sm (twopass, onepass with keep p / pl / x: 0 = one program a row, k = a persistent grid of
     k programs an SM); keep, exact, prefetch (onepass, see the module docstring; prefetch only acts on a
-    persistent grid, on the GPU); buffers (tma: rows a program holds in shared memory, 2 or 1); exps (tma:
-    exponentials an element, 2 or 1: the sum's kept in shared memory as scaled fp16 for the gradient); scratch
+    persistent grid, on the GPU); buffers (tma: rows a program holds in shared memory, 2 or 1); scratch
     (split: fp32, split_scratch_numel elements; pass one to keep the launcher allocation-free).
     """
     Vp = logits.shape[-1]
@@ -619,7 +617,7 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
     assert targets.dtype in (torch.int32, torch.int64) and targets.is_contiguous() and targets.numel() == rows
     assert logits.device == losses.device == targets.device
     given = dict(variant=variant, block_size=block_size, num_warps=num_warps, stages=stages, tile=tile,
-                 progs_per_sm=progs_per_sm, keep=keep, exact=exact, prefetch=prefetch, buffers=buffers, exps=exps)
+                 progs_per_sm=progs_per_sm, keep=keep, exact=exact, prefetch=prefetch, buffers=buffers)
     k = _knobs(write_dlogits, given)
     if "block_size" in k:
         assert k["block_size"] & (k["block_size"] - 1) == 0, "block_size must be a power of two"
@@ -629,10 +627,10 @@ def fused_classifier(logits: torch.Tensor, losses: torch.Tensor, dloss: float, t
     if k["variant"] == "tma":
         if tma_classifier_usable(logits):
             fused_classifier_tma(logits, losses, targets, dloss, V, write, _sm_count(logits),
-                                 num_warps=k["num_warps"], buffers=k["buffers"], exps=k["exps"])
+                                 num_warps=k["num_warps"], buffers=k["buffers"])
             return losses, logits
         # tma's own knobs (num_warps included) do not carry over to the two-pass kernel
-        k = _knobs(write, dict(given, variant=None, num_warps=None, buffers=None, exps=None), mode=FALLBACK_CONFIG)
+        k = _knobs(write, dict(given, variant=None, num_warps=None, buffers=None), mode=FALLBACK_CONFIG)
 
     if k["variant"] == "twopass":
         # at most the largest power of two <= V, so that the unmasked full-block loop runs at least once:

@@ -9,13 +9,8 @@ an SM's register file with one row, so nothing of the next row is in flight whil
 needs no registers: an SM's shared memory holds two row buffers (2 x 104 KB), either one program's two
 (the next row on its way into the other buffer while this one is reduced) or one each of two programs
 (the default: while one reduces and writes its row, the other's row arrives). The row is read three
-times from shared memory (max, sum of exp, gradient) and written once to HBM from registers. With EXPS = 2
-the sum's pass and the gradient's each take an exponential an element, as the two-pass kernel; with
-EXPS = 1 the sum's pass writes its exponentials back over the row in shared memory (fp16, scaled by
-2^EXP_SHIFT so that small probabilities stay normal numbers) and the gradient's pass scales them, half the
-MUFU work (at the power cap's ~1.55 GHz two exps an element are ~half the kernel's time). The losses are
-the same bits either way; the gradient is rounded twice (fp16, then bf16) instead of once, within one bf16
-ulp of the EXPS = 2 gradient.
+times from shared memory (max, sum of exp, gradient: two exps an element, as the two-pass kernel) and
+written once to HBM from registers.
 
 The logits (rows, Vp) are seen as (rows, Vp / 128, 128), so one TMA box is [1, BOX_ROWS, 128] (8 KB at
 BOX_ROWS = 32) and a row is NBOX boxes; the boxes' part past Vp / 128 lies outside that view, which TMA
@@ -51,9 +46,6 @@ BOX_COLS = 128      # logits a box row: 256 bytes of bf16
 BOX_ROWS = 32       # box rows a TMA box: 8 KB
 ROW_BUFFERS = 2     # rows an SM's shared memory holds at once (two programs of one, or one of two)
 SMEM_BUDGET = 220 * 1024  # of the H100/H200's 227 KB a block may have (the rest: barriers, reductions)
-# EXPS = 1: exp2(x - max) in (0, 1] is kept as fp16 times 2^15 (at most 32768 < fp16's 65504); normal down to
-# 2^-29 (1.9e-9), where a logit's gradient is below 3e-14 at GPT-2's dloss
-EXP_SHIFT = 15.0
 
 
 def boxes_per_row(Vp: int) -> int:
@@ -93,13 +85,11 @@ if GLUON:
     @gluon.jit
     def _fc_tma_kernel(x_desc, logits_ptr, losses_ptr, targets_ptr, dloss, V, Vp, n_rows,
                        NBOX: gl.constexpr, BOX_R: gl.constexpr, BOX_C: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       BUFFERS: gl.constexpr, WRITE_DLOGITS: gl.constexpr, EXPS: gl.constexpr,
-                       EXP_SHIFT: gl.constexpr):
+                       BUFFERS: gl.constexpr, WRITE_DLOGITS: gl.constexpr):
         """Persistent: program p takes rows p, p + grid, ...; with BUFFERS = 2 the next row loads into the
         other buffer while this one is reduced, with BUFFERS = 1 the SM's other program's row does."""
         LOG2E: gl.constexpr = 1.4426950408889634
         LN2: gl.constexpr = 0.6931471805599453
-        EXP_SCALE: gl.constexpr = 2.0 ** EXP_SHIFT
         BOX: gl.constexpr = BOX_R * BOX_C
         # a box [1, BOX_R, BOX_C]: 8 contiguous logits (16 bytes) a thread, 16 threads along a box row
         lay: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, NUM_WARPS, 1], [2, 1, 0])
@@ -111,8 +101,6 @@ if GLUON:
         grid = gl.num_programs(0)
         n_mine = (n_rows - pid + grid - 1) // grid
         bufs = gl.allocate_shared_memory(x_desc.dtype, [BUFFERS * NBOX] + x_desc.block_type.shape, x_desc.layout)
-        # EXPS = 1: the same bytes seen as fp16, where the sum's pass leaves its exponentials
-        ebufs = bufs._reinterpret(gl.float16, [BUFFERS * NBOX] + x_desc.block_type.shape, x_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(BUFFERS):
             mbarrier.init(bars.index(b), count=1)
@@ -150,29 +138,20 @@ if GLUON:
             for k in gl.static_range(NBOX):
                 x = bufs.index(slot * NBOX + k).load(lay).to(gl.float32)
                 if (k + 1) * BOX <= V:
-                    e = gl.exp2(x * LOG2E - mL)
+                    total += gl.exp2(x * LOG2E - mL)
                 else:
-                    e = gl.where(k * BOX + in_box < V, gl.exp2(x * LOG2E - mL), 0.0)
-                total += e
-                if WRITE_DLOGITS and EXPS == 1:
-                    # over the 16 bytes this thread just read (no other thread's); scaled by an exact power
-                    # of two after the sum's exp, so that the losses keep EXPS = 2's bits
-                    ebufs.index(slot * NBOX + k).store((e * EXP_SCALE).to(gl.float16))
+                    total += gl.where(k * BOX + in_box < V, gl.exp2(x * LOG2E - mL), 0.0)
             lse2 = mL + gl.log2(gl.sum(gl.sum(gl.sum(total, axis=2), axis=1), axis=0))
             gl.store(losses_ptr + row, lse2 * LN2 - xt)
             _cta_barrier()
 
             if WRITE_DLOGITS:
                 # pass 3: p * dloss, minus dloss at the target (only in its box), 0 in [V, Vp), written
-                # once to HBM; EXPS = 1: p = the kept exp2(x - max) * 2^(max - lse) (one scale a row)
-                p_scale = dloss * gl.exp2(mL - lse2 - EXP_SHIFT)
+                # once to HBM
                 for k in gl.static_range(NBOX):
+                    x = bufs.index(slot * NBOX + k).load(lay).to(gl.float32)
                     cols = k * BOX + in_box
-                    if EXPS == 1:
-                        g = ebufs.index(slot * NBOX + k).load(lay).to(gl.float32) * p_scale
-                    else:
-                        x = bufs.index(slot * NBOX + k).load(lay).to(gl.float32)
-                        g = gl.exp2(x * LOG2E - lse2) * dloss
+                    g = gl.exp2(x * LOG2E - lse2) * dloss
                     if (target >= k * BOX) & (target < (k + 1) * BOX):
                         g = gl.where(cols == target, g - dloss, g)
                     if (k + 1) * BOX <= V:
@@ -197,18 +176,15 @@ def _box_layout():
 
 
 def fused_classifier_tma(logits: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor, dloss: float, V: int,
-                         write_dlogits: bool, sm_count: int, num_warps: int = 16, buffers: int = 2,
-                         exps: int = 2) -> None:
+                         write_dlogits: bool, sm_count: int, num_warps: int = 16, buffers: int = 2) -> None:
     """fused_classifier's "tma" variant; the caller has checked shapes, dtypes and tma_classifier_usable.
     sm_count: the GPU's SMs (the grid is persistent). num_warps: 16 (a warp covers two box rows, 16 the 32
     of a box; with fewer, ptxas holds several box rows' loads at once and needs 255 registers a thread).
     buffers: rows a program holds, 2 (one program
     an SM, the next row loading into the other buffer) or 1 (two programs an SM at 64 registers, each
-    loading its next row after it has written this one). exps: exponentials an element, 2 (each of the
-    sum's and the gradient's passes its own) or 1 (the sum's kept in the row's buffer as scaled fp16)."""
+    loading its next row after it has written this one)."""
     assert num_warps == 16, f"tma classifier: num_warps {num_warps}, only 16 is served"
     assert buffers in (1, 2), f"tma classifier: buffers {buffers} not in (1, 2)"
-    assert exps in (1, 2), f"tma classifier: exps {exps} not in (1, 2)"
     Vp = logits.shape[-1]
     rows = logits.numel() // Vp
     view = logits.view(rows, Vp // BOX_COLS, BOX_COLS)
@@ -216,6 +192,5 @@ def fused_classifier_tma(logits: torch.Tensor, losses: torch.Tensor, targets: to
     grid = min(rows, ROW_BUFFERS // buffers * sm_count)  # the SM's shared memory holds 2 rows
     _fc_tma_kernel[(grid,)](
         x_desc, logits, losses, targets, float(dloss), V, Vp, rows, NBOX=boxes_per_row(Vp), BOX_R=BOX_ROWS,
-        BOX_C=BOX_COLS, NUM_WARPS=num_warps, BUFFERS=buffers, WRITE_DLOGITS=bool(write_dlogits), EXPS=exps,
-        EXP_SHIFT=EXP_SHIFT, num_warps=num_warps,
-        **({"maxnreg": 64} if buffers == 1 else {}))  # two programs of 512 threads an SM
+        BOX_C=BOX_COLS, NUM_WARPS=num_warps, BUFFERS=buffers, WRITE_DLOGITS=bool(write_dlogits),
+        num_warps=num_warps, **({"maxnreg": 64} if buffers == 1 else {}))  # two programs of 512 threads an SM
