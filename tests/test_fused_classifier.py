@@ -325,8 +325,10 @@ def test_tma_variant_falls_back_off_hopper(device):
 
 
 # the TMA kernel's odd cases: rows fewer than SMs and not a multiple of them, one box a row and a row's
-# last box mostly past Vp, V far from Vp, targets at the first and last real column (make_case)
-TMA_SHAPES = [(1, 5, 77, 128), (3, 100, 1000, 1024), (2, 150, 4000, 4096), (1, 300, 50257, 50304)]
+# last box mostly past Vp, V far from Vp, targets at the first and last real column (make_case); V a
+# multiple of the 4096-logit box (no masked box) and one past it (a last box with one real column)
+TMA_SHAPES = [(1, 5, 77, 128), (3, 100, 1000, 1024), (2, 150, 4000, 4096), (1, 300, 50257, 50304),
+              (1, 40, 8192, 8192), (1, 50, 8193, 8320)]
 
 
 @pytest.mark.gpu
