@@ -31,6 +31,8 @@ import functools
 import torch
 import triton
 
+from .common import register_cap
+
 try:  # Gluon ships with triton >= 3.5; anything missing here just means the two-pass kernel serves
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -197,5 +199,5 @@ def fused_classifier_tma(logits: torch.Tensor, losses: torch.Tensor, targets: to
     _fc_tma_kernel[(grid,)](
         x_desc, logits, losses, targets, float(dloss), V, Vp, rows, NBOX=boxes_per_row(Vp),
         NFULL=V // (BOX_ROWS * BOX_COLS), BOX_R=BOX_ROWS, BOX_C=BOX_COLS, NUM_WARPS=num_warps, BUFFERS=buffers,
-        WRITE_DLOGITS=bool(write_dlogits),
-        num_warps=num_warps, **({"maxnreg": 64} if buffers == 1 else {}))  # two programs of 512 threads an SM
+        WRITE_DLOGITS=bool(write_dlogits), num_warps=num_warps,
+        **register_cap(64 if buffers == 1 else None))  # two programs of 512 threads an SM
