@@ -10,6 +10,9 @@ constant learning rate, AdamW, clipping at --grad-clip. Systems:
   torch-compile  bench/torch_gpt2.py (nn.Module, SDPA flash, bf16 autocast, fused AdamW) + torch.compile
   torch-eager    the same without torch.compile
   llmpy          llmpy.model.GPT2Model (Triton kernels, cuBLASLt, CUDA graph)
+  llmc           llm.c's train_gpt2cu (cuDNN attention, bf16, fp32 master weights, -r from --recompute, else
+                 llm.c's default 1), built from a checkout of llm.c by bench/llmc.py (not part of this tree;
+                 see there); --model d12 --seed 42 only
 
 Each system runs in its own subprocess, so the peak memory is its own and no compile cache is shared;
 by default each gets fresh, empty TorchInductor/Triton cache directories (a cold start); --cache-dir DIR
@@ -42,7 +45,7 @@ from llmpy.config import parse_descriptor
 
 _IMPORT_TIME = time.time()  # the in-process stand-in for the spawn time (tests, --child without parent)
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("torch-compile", "torch-eager", "llmpy")
+SYSTEMS = ("torch-compile", "torch-eager", "llmpy", "llmc")
 DEFAULT_SYSTEMS = "torch-compile,llmpy"
 GB = 1e9
 
@@ -93,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--classifier-config", default=None,
                     help="llmpy: JSON of fused_classifier keywords replacing its TRAIN_CONFIG and VAL_CONFIG "
                          "(validation keeps training's reduction order), e.g. '{\"variant\": \"onepass\"}'")
+    ap.add_argument("--llmc-binary", default=str(REPO / ".llmc" / "train_gpt2cu"),
+                    help="llmc: llm.c's train_gpt2cu (python -m bench.llmc build)")
+    ap.add_argument("--llmc-gelu-fusion", type=int, default=None, choices=(0, 1, 2),
+                    help="llmc: llm.c's -ge (default: llm.c's own, 0 in the checkout we build)")
     ap.add_argument("--flash-config", default=None,
                     help='llmpy: JSON of flash attention tile fields to override, e.g. \'{"bwd_schedule": "fused"}\'')
     # internal: one system in this process, its result to a file
@@ -112,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     config = parse_descriptor(args.model)
     if args.T > config.max_seq_len:
         ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
+    if "llmc" in args.system_list + [args.child] and (args.model != "d12" or args.seed != 42):
+        ap.error("--systems llmc: llm.c's random init is -e d12 with its seed 42: --model d12 --seed 42 only")
     return args
 
 
@@ -327,6 +336,9 @@ def run_system(args, system: str) -> dict:
     cuda = args.device.startswith("cuda")
     res = {"system": system, "ok": False, "error": None, "device": args.device, "torch": torch.__version__,
            "step_ms": [], "losses": [], "norms": [], "import_s": time.time() - t_spawn}
+    if system == "llmc":
+        res["options"] = {"binary": args.llmc_binary, "recompute": args.recompute, "gelu_fusion": args.llmc_gelu_fusion}
+        return _run_llmc(args, res)
     if system == "llmpy":
         res["options"] = llmpy_options(args)
     else:
@@ -413,6 +425,72 @@ def run_system(args, system: str) -> dict:
     return res
 
 
+def _run_llmc(args, res: dict) -> dict:
+    """run_system for llm.c: its binary trains on the same batches in a subprocess of this one; the step
+    lines it prints give the times, losses and norms, NVML the energy, clock and used memory."""
+    from bench import llmc
+    t_spawn = args.spawn_time if args.spawn_time is not None else _IMPORT_TIME
+    lo = args.warmup_median_from - 1
+    counter = None
+    try:
+        binary = Path(args.llmc_binary)
+        llmc.check_binary(binary)
+        res["options"]["libraries"] = llmc.resolved_libraries(binary)  # which cuBLAS and cuDNN it ran on
+        counter = _energy_counter()
+        config = parse_descriptor(args.model)
+        batches = make_batches(config.vocab_size, args.B, args.T, args.steps, args.data_seed)
+        if counter is not None:
+            res["used_at_start_bytes"] = counter.memory_used_bytes()  # this process, before llm.c starts
+        used, window = [], {}
+
+        def on_step(step: dict):
+            i = step["step"] - 1
+            if i == 0:
+                res["time_to_first_step_s"] = time.time() - t_spawn
+            res["step_ms"].append(step["ms"])
+            res["losses"].append(step["loss"])
+            res["norms"].append(step["norm"])
+            if not math.isfinite(step["loss"]):
+                res["nonfinite_loss_step"] = res.get("nonfinite_loss_step", i + 1)
+            if counter is not None:
+                res.setdefault("step_sm_mhz", []).append(counter.sm_clock_mhz())
+                res.setdefault("step_clock_reasons", []).append(counter.clock_event_reasons())
+                if i in (0, lo - 1, args.steps - 1):
+                    used.append(counter.memory_used_bytes() - res["used_at_start_bytes"])
+                    res["device_used_bytes"] = max(used)
+                if i == lo - 1:  # the step before the window has ended: it starts here (no figures if lo is 0)
+                    window.update(mj=counter.millijoules(), t=time.perf_counter(), throttled=counter.throttled_ms())
+                    res["celsius_at_window"] = [counter.temperature_c()]
+                if i == args.steps - 1 and window:
+                    joules, secs = (counter.millijoules() - window["mj"]) * 1e-3, time.perf_counter() - window["t"]
+                    res["joules_per_step"] = joules / (args.steps - lo)
+                    res["watts"] = joules / secs
+                    res["celsius_at_window"].append(counter.temperature_c())
+                    res["sm_mhz_at_end"] = counter.sm_clock_mhz()
+                    throttled = counter.throttled_ms()
+                    if window["throttled"] is not None and throttled is not None:
+                        res["throttled_share"] = {k: (throttled[k] - window["throttled"][k]) / (secs * 1e3)
+                                                  for k in throttled}
+            if i < args.print_steps or (i + 1) % 10 == 0 or i + 1 == args.steps:
+                print(f"[llmc] step {i + 1:3d}/{args.steps} | loss {step['loss']:.6f} | norm {step['norm']:.4f} | "
+                      f"{step['ms']:9.1f} ms", flush=True)
+            _write(args.result_file, res)
+
+        with tempfile.TemporaryDirectory(prefix="bench_step_llmc_") as work:
+            def echo(line: str):  # llm.c's own lines (settings, allocations, validation) to the log, marked
+                if llmc.parse_step_line(line) is None:
+                    print(f"[llmc-out] {line.rstrip()}", flush=True)
+
+            llmc.train(binary, batches, args.B, args.T, args.lr, args.weight_decay, args.recompute,
+                       args.llmc_gelu_fusion, Path(work), on_step, echo=echo)
+        res["ok"] = True
+    except Exception as e:  # noqa: BLE001 -- the parent reports it in one line
+        res["error"] = f"{type(e).__name__}: {e}"
+        print(res["error"], file=sys.stderr, flush=True)
+    _write(args.result_file, res)
+    return res
+
+
 # ----------------------------------------------------------------------------------------------------
 # the figures and the tables
 
@@ -489,6 +567,12 @@ def format_table(results: dict, args) -> str:
             f"{_fmt(r.get('peak_allocated_bytes'), '9.1f', 1 / GB)} {_fmt(r.get('device_used_bytes'), '8.1f', 1 / GB)} "
             f"{_fmt(r.get('first_step_s'), '8.1f')} {_fmt(r.get('compile_s'), '9.1f')} "
             f"{_fmt(r.get('time_to_first_step_s'), '10.1f')}  {status}")
+    llmc_ms = results.get("llmc", {}).get("median_ms")
+    if llmc_ms:
+        # the issue-5 goal is 1.12x llm.c on the same card: the ratio measured in this run
+        lines.append("vs llm.c (llm.c's ms / this system's ms, this run): " + ", ".join(
+            f"{name} {llmc_ms / r['median_ms']:.2f}x" for name, r in results.items()
+            if name != "llmc" and r.get("median_ms")))
     energy = [f"{name} {r['joules_per_step']:.1f} J/step at {r['watts']:.0f} W{card_state(r)}"
               for name, r in results.items() if r.get("joules_per_step") is not None]
     if energy:

@@ -22,6 +22,10 @@ class _ViolationTime(ctypes.Structure):
     _fields_ = [("reference_time", ctypes.c_ulonglong), ("violation_time", ctypes.c_ulonglong)]
 
 
+class _Memory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
 class EnergyCounter:
     """The energy counter, SM clock, temperature and power limit of the NVML device behind a CUDA device."""
 
@@ -84,6 +88,12 @@ class EnergyCounter:
         query = (getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
                  or getattr(self._nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
         return int(value.value) if query is not None and query(self._handle, ctypes.byref(value)) == 0 else None
+
+    def memory_used_bytes(self) -> int:
+        """Device memory in use by every process (bench_step reads another program's, llm.c's, this way)."""
+        value = _Memory()
+        self._check(self._nvml.nvmlDeviceGetMemoryInfo(self._handle, ctypes.byref(value)), "memory info")
+        return int(value.used)
 
     def power_limit_w(self) -> float:
         value = ctypes.c_uint()
