@@ -22,7 +22,9 @@ and on the wheels' only for what the system lacks; bench_step records which file
 Which llm.c: whatever checkout `.llmc/src` holds. The one of bench/RESULTS.md run AN (train_gpt2.cu as
 of karpathy/llm.c commit 5afc570, with the llmc/ headers of its time) trains the same model (its losses
 agree with llmpy's and torch.compile's to 1e-4) but runs ~15 % slower, relative to torch.compile on the
-same card, than the llm.c of ANCHORS.md did: a figure against it is a figure against that checkout.
+same card, than the llm.c of ANCHORS.md did; on the device's host it keeps the GPU busy only ~79 % of each
+step (it synchronises with its host several times a step). A figure against it is a figure against that
+checkout on that host.
 
 What bench_step gives llm.c: its own random init (`-e d12`, the init llmpy's init.py reproduces, so
 --seed must be llm.c's 42), the same random token batches as the other systems in the same order (one
