@@ -208,11 +208,12 @@ def build(src: Path = DEFAULT_SRC, out: Path = DEFAULT_BINARY, frontend: Path = 
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(target)
-    for cmd in build_commands(src, out, frontend, lib_dirs, link_dir, arch, nvcc):
+    for what, cmd in zip(("llmc/cudnn_att.cpp", "train_gpt2.cu"),
+                         build_commands(src, out, frontend, lib_dirs, link_dir, arch, nvcc)):
         print(" ".join(cmd), flush=True)
         done = subprocess.run(cmd, cwd=src)
         if done.returncode != 0:
-            raise LlmcError(f"llm.c build: nvcc failed (exit status {done.returncode}) on {Path(cmd[-3]).name}")
+            raise LlmcError(f"llm.c build: nvcc failed (exit status {done.returncode}) on {what}")
     return out
 
 

@@ -186,3 +186,21 @@ def test_the_build_is_llm_c_s_makefile_recipe(tmp_path):
 def test_a_build_without_llm_c_s_source_says_where_it_looked(tmp_path):
     with pytest.raises(llmc.LlmcError, match="train_gpt2.cu not found at"):
         llmc.build(tmp_path / "src", tmp_path / "bin", tmp_path)
+
+
+def test_a_failing_compile_names_the_file(tmp_path, monkeypatch):
+    src, frontend = tmp_path / "src", tmp_path / "fe"
+    (src / "llmc").mkdir(parents=True)
+    frontend.mkdir()
+    for path in (src / "train_gpt2.cu", src / "llmc" / "cudnn_att.cpp", frontend / "cudnn_frontend.h"):
+        path.write_text("")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for _, soname in llmc._LIBRARIES:
+        (lib / soname).write_bytes(b"")
+    monkeypatch.setattr(llmc, "wheel_library_dirs", lambda: [lib])
+    nvcc = tmp_path / "nvcc"  # a compiler that fails on the second file it is given
+    nvcc.write_text("#!/bin/sh\ncase \"$*\" in *train_gpt2.cu*) echo 'error: no' >&2; exit 2;; esac\nexit 0\n")
+    nvcc.chmod(0o755)
+    with pytest.raises(llmc.LlmcError, match=r"nvcc failed \(exit status 2\) on train_gpt2.cu"):
+        llmc.build(src, tmp_path / "out" / "train_gpt2cu", frontend, nvcc=str(nvcc))
