@@ -320,6 +320,26 @@ def _energy_counter():
         return None
 
 
+def _window_start(counter, res: dict) -> dict:
+    """Open the median window's NVML reading (the energy counter, time, throttle counters; the die's
+    temperature into res): what _window_end needs."""
+    res["celsius_at_window"] = [counter.temperature_c()]
+    return {"mj": counter.millijoules(), "t": time.perf_counter(), "throttled": counter.throttled_ms()}
+
+
+def _window_end(counter, start: dict, steps: int, res: dict) -> None:
+    """Close it over `steps` steps: joules a step and mean power (the step runs at the 700 W cap: run I), the
+    temperature and SM clock after it, and the share of it the clock was held down by each limit."""
+    joules, secs = (counter.millijoules() - start["mj"]) * 1e-3, time.perf_counter() - start["t"]
+    res["joules_per_step"] = joules / steps
+    res["watts"] = joules / secs
+    res["celsius_at_window"].append(counter.temperature_c())
+    res["sm_mhz_at_end"] = counter.sm_clock_mhz()
+    throttled = counter.throttled_ms()
+    if start["throttled"] is not None and throttled is not None:
+        res["throttled_share"] = {k: (throttled[k] - start["throttled"][k]) / (secs * 1e3) for k in throttled}
+
+
 def _write(path, obj) -> None:
     if path:
         tmp = f"{path}.tmp"
@@ -376,9 +396,7 @@ def run_system(args, system: str) -> dict:
         lo = args.warmup_median_from - 1
         for i in range(args.steps):
             if counter is not None and i == lo:
-                e0, w0 = counter.millijoules(), time.perf_counter()
-                res["celsius_at_window"] = [counter.temperature_c()]
-                throttled0 = counter.throttled_ms()
+                window = _window_start(counter, res)
             t0 = time.perf_counter()
             loss, norm = step_fn(i + 1, batches[i])
             loss, norm = float(loss), float(norm)  # reading the loss waits for the step, as llm.c's log does
@@ -406,16 +424,7 @@ def run_system(args, system: str) -> dict:
                 res["device_used_bytes"] = max(used) if used else None
             _write(args.result_file, res)
         if counter is not None and args.steps > lo:
-            # the median window's energy a step and mean power (the step runs at the 700 W cap: run I)
-            joules, secs = (counter.millijoules() - e0) * 1e-3, time.perf_counter() - w0
-            res["joules_per_step"] = joules / (args.steps - lo)
-            res["watts"] = joules / secs
-            res["celsius_at_window"].append(counter.temperature_c())
-            res["sm_mhz_at_end"] = counter.sm_clock_mhz()
-            throttled1 = counter.throttled_ms()
-            if throttled0 is not None and throttled1 is not None:
-                # the share of the window the clock was held down by the power cap, by temperature
-                res["throttled_share"] = {k: (throttled1[k] - throttled0[k]) / (secs * 1e3) for k in throttled1}
+            _window_end(counter, window, args.steps - lo, res)
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 -- the parent reports it; KeyboardInterrupt too
         res["error"] = f"{type(e).__name__}: {e}"
@@ -441,9 +450,10 @@ def _run_llmc(args, res: dict) -> dict:
         batches = make_batches(config.vocab_size, args.B, args.T, args.steps, args.data_seed)
         if counter is not None:
             res["used_at_start_bytes"] = counter.memory_used_bytes()  # this process, before llm.c starts
-        used, window = [], {}
+        used, window = [], None
 
         def on_step(step: dict):
+            nonlocal window
             i = step["step"] - 1
             if i == 0:
                 res["time_to_first_step_s"] = time.time() - t_spawn
@@ -459,18 +469,9 @@ def _run_llmc(args, res: dict) -> dict:
                     used.append(counter.memory_used_bytes() - res["used_at_start_bytes"])
                     res["device_used_bytes"] = max(used)
                 if i == lo - 1:  # the step before the window has ended: it starts here (no figures if lo is 0)
-                    window.update(mj=counter.millijoules(), t=time.perf_counter(), throttled=counter.throttled_ms())
-                    res["celsius_at_window"] = [counter.temperature_c()]
-                if i == args.steps - 1 and window:
-                    joules, secs = (counter.millijoules() - window["mj"]) * 1e-3, time.perf_counter() - window["t"]
-                    res["joules_per_step"] = joules / (args.steps - lo)
-                    res["watts"] = joules / secs
-                    res["celsius_at_window"].append(counter.temperature_c())
-                    res["sm_mhz_at_end"] = counter.sm_clock_mhz()
-                    throttled = counter.throttled_ms()
-                    if window["throttled"] is not None and throttled is not None:
-                        res["throttled_share"] = {k: (throttled[k] - window["throttled"][k]) / (secs * 1e3)
-                                                  for k in throttled}
+                    window = _window_start(counter, res)
+                if i == args.steps - 1 and window is not None:
+                    _window_end(counter, window, args.steps - lo, res)
             if i < args.print_steps or (i + 1) % 10 == 0 or i + 1 == args.steps:
                 print(f"[llmc] step {i + 1:3d}/{args.steps} | loss {step['loss']:.6f} | norm {step['norm']:.4f} | "
                       f"{step['ms']:9.1f} ms", flush=True)

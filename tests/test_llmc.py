@@ -204,3 +204,40 @@ def test_a_failing_compile_names_the_file(tmp_path, monkeypatch):
     nvcc.chmod(0o755)
     with pytest.raises(llmc.LlmcError, match=r"nvcc failed \(exit status 2\) on train_gpt2.cu"):
         llmc.build(src, tmp_path / "out" / "train_gpt2cu", frontend, nvcc=str(nvcc))
+
+
+class _FakeCounter:
+    """NVML's readings made up: 700 mJ a read apart, so a window's joules count its reads."""
+
+    def __init__(self):
+        self.mj = 0
+
+    def millijoules(self):
+        self.mj += 700
+        return self.mj
+
+    def temperature_c(self):
+        return 50
+
+    def sm_clock_mhz(self):
+        return 1500
+
+    def clock_event_reasons(self):
+        return 4
+
+    def throttled_ms(self):
+        return {"power": 0.0, "thermal": 0.0}
+
+    def memory_used_bytes(self):
+        return 1 << 30
+
+
+def test_llmc_reads_the_energy_window_around_the_median_steps(tmp_path, monkeypatch):
+    counter = _FakeCounter()
+    monkeypatch.setattr(bench_step, "_energy_counter", lambda: counter)
+    args, res = _run(tmp_path, monkeypatch, steps=12)
+    assert res["ok"] and len(res["step_sm_mhz"]) == 12
+    # one counter read opens the window (after step 10), one closes it (after step 12): 700 mJ over 2 steps
+    assert res["joules_per_step"] == pytest.approx(0.35)
+    assert res["celsius_at_window"] == [50, 50] and res["sm_mhz_at_end"] == 1500
+    assert res["throttled_share"] == {"power": 0.0, "thermal": 0.0} and res["device_used_bytes"] == 0
