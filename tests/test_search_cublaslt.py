@@ -36,6 +36,19 @@ def test_every_product_keyed_as_the_model_looks_it_up():
     assert {search.PRODUCTS[p][2] for p in ("qkv_fwd", "qkv_dinp", "lm_head_fwd")} <= held
 
 
+def test_products_at_other_batch_sizes():
+    # B=16: the layers' products over 16384 rows; lm_head's over one classifier chunk, 8192 rows as at B=64
+    for B, rows, chunk in ((64, 65536, 8192), (32, 32768, 8192), (16, 16384, 8192), (4, 4096, 4096)):
+        table = search.products(B, 1024)
+        assert set(table) == set(search.PRODUCTS)
+        for name, (fn_name, shapes, key) in table.items():
+            want = chunk if name.startswith("lm_head") else rows
+            assert key[1] == want, (B, name)
+            rows_of = shapes["dout"] if fn_name == "linear_weight_grad" else next(iter(shapes.values()))
+            assert rows_of[0] == want, (B, name)
+    assert search.products(64, 1024) == search.PRODUCTS
+
+
 def test_suggested_table_round_trip(tmp_path):
     capability = (9, 0)
     tuned = {("fwd", 8192, 768, 50304, capability): 5,

@@ -2,25 +2,25 @@
 heuristic ranks (bench_cublaslt.py times those). For each algorithm id cuBLASLt lists for bf16 with fp32
 accumulation (cublasLtMatmulAlgoGetIds) that supports the product's epilogue, every tile, stage count, CTA
 swizzle, custom option and cluster shape its capabilities allow is checked (cublasLtMatmulAlgoCheck, on
-the host) and, if accepted, timed. With --split-k, the search is over split-K configurations instead (the
-inner dimension in parts, summed in fp32 in the workspace by default: --reductions), for the weight gradients,
-whose outputs are too small to fill the GPU with tiles: each tile with each split that fills whole waves of the
+the host) and, if accepted, timed. With --split-k, the weight gradients' search is over split-K configurations
+instead (the inner dimension in parts, summed in fp32 in the workspace by default: --reductions): their outputs
+are too small to fill the GPU with tiles; the search takes each tile with each split that fills whole waves of the
 SMs (the tiles' shapes read from the cublasLt.h beside the library), with the swizzles, custom options and
 cluster shapes narrowed to those earlier searches chose.
 
-Each product is one the GPT-2 124M step (B=64, T=1024) runs, through kernels/cublaslt.py, on fresh random
-operands. The quick screen (--budget-s seconds) times each candidate over a few calls against the
-heuristic's first choice, timed again every 10 candidates (the card warms over a search and its clock
-moves more than candidates differ); it takes the heuristic's algorithm ids first, then the others in
-turn. The --top fastest, the heuristic's first and what the model runs now (its TUNED_ALGOS entry, or
-torch's call) are then timed in --rounds alternated rounds, as bench_cublaslt times (best of 5 rounds of
-20 calls) and at the card's power cap (--sustain-ms of calls, then as many timed), and their results
-compared with the heuristic's first choice (max |difference| over max |value|: the order of the sums may
-differ, nothing else should). --json writes the results and a suggested table: TUNED_ALGOS with each
-product whose fastest finalist beats the model's call by --margin in every round, which bench_step
---tuned-from (and so ab_step) runs. Whether a product's gain reaches the step only the step can say.
+Each product is one the GPT-2 124M step (B=64, T=1024; another shape with --B, --T) runs, through
+kernels/cublaslt.py, on fresh random operands. The quick screen (--budget-s seconds) times each candidate over a
+few calls against the heuristic's first choice, timed again every 10 candidates (the card warms over a search
+and its clock moves more than candidates differ); it takes the heuristic's algorithm ids first, then the others
+in turn. The --top fastest, the heuristic's first and what the model runs now (its TUNED_ALGOS entry, or torch's
+call) are then timed in --rounds alternated rounds, as bench_cublaslt times (best of 5 rounds of 20 calls) and
+at the card's power cap (--sustain-ms of calls, then as many timed), and their results compared with the
+heuristic's first choice (max |difference| over max |value|: the order of the sums may differ, nothing else
+should). --json writes the results and a suggested table: TUNED_ALGOS with each product whose fastest finalist
+beats the model's call by --margin in every round, which bench_step --tuned-from (and so ab_step) runs. Whether
+a product's gain reaches the step only the step can say.
 
-    PYTHONPATH=src:. python -m bench.kernels.search_cublaslt [--products dgelu ...] [--algo-ids 66] [--json F]
+    PYTHONPATH=src:. python -m bench.kernels.search_cublaslt [--products dgelu ...] [--B 16] [--json F]
 """
 from __future__ import annotations
 
@@ -34,49 +34,66 @@ import statistics
 import sys
 import time
 
-BT, C, VP = 64 * 1024, 768, 50304
+C, VP = 768, 50304
 CW = C + 8  # ln2's row with fc's bias column (model.FC_BIAS_COLUMNS)
-ROWS = BT // 8  # the classifier's chunk of rows
-# name -> (kernels.cublaslt function, its operands' shapes (the output first), the product's key in
-# kernels.matmul.TUNED_ALGOS without the GPU capability); bias and pre_gelu as the model passes them
-PRODUCTS = {
-    "dgelu": ("linear_input_grad", dict(dinp=(BT, 4 * C), dout=(BT, C), weight=(C, 4 * C), pre_gelu=(BT, 4 * C)),
-              ("dinp_dgelu", BT, C, 4 * C)),
-    "fc_gelu": ("linear_forward", dict(out=(BT, 4 * C), inp=(BT, C), weight=(4 * C, C), bias=(4 * C,),
-                                       pre_gelu=(BT, 4 * C)), ("gelu_aux_bias", BT, C, 4 * C)),
-    "qkv_fwd": ("linear_forward", dict(out=(BT, 3 * C), inp=(BT, C), weight=(3 * C, C), bias=(3 * C,)),
-                ("fwd_bias", BT, C, 3 * C)),
-    # the projections as the default step runs them (bias only; the residual add is in the LayerNorm pass)
-    "attproj_fwd": ("linear_forward", dict(out=(BT, C), inp=(BT, C), weight=(C, C), bias=(C,)),
-                    ("fwd_bias", BT, C, C)),
-    "fcproj_fwd": ("linear_forward", dict(out=(BT, C), inp=(BT, 4 * C), weight=(C, 4 * C), bias=(C,)),
-                   ("fwd_bias", BT, 4 * C, C)),
-    # and with residual_in_product (bench_step --residual-in-product)
-    "attproj_fwd_residual": ("linear_forward", dict(out=(BT, C), inp=(BT, C), weight=(C, C), bias=(C,),
-                                                    residual=(BT, C)), ("fwd_bias_residual", BT, C, C)),
-    "fcproj_fwd_residual": ("linear_forward", dict(out=(BT, C), inp=(BT, 4 * C), weight=(C, 4 * C), bias=(C,),
-                                                   residual=(BT, C)), ("fwd_bias_residual", BT, 4 * C, C)),
-    "lm_head_fwd": ("linear_forward", dict(out=(ROWS, VP), inp=(ROWS, C), weight=(VP, C)), ("fwd", ROWS, C, VP)),
-    "qkv_dinp": ("linear_input_grad", dict(dinp=(BT, C), dout=(BT, 3 * C), weight=(3 * C, C)),
-                 ("dinp", BT, 3 * C, C)),
-    "attproj_dinp": ("linear_input_grad", dict(dinp=(BT, C), dout=(BT, C), weight=(C, C)), ("dinp", BT, C, C)),
-    "fc_dinp": ("linear_input_grad", dict(dinp=(BT, C), dout=(BT, 4 * C), weight=(4 * C, C)),
-                ("dinp", BT, 4 * C, C)),
-    "lm_head_dinp": ("linear_input_grad", dict(dinp=(ROWS, C), dout=(ROWS, VP), weight=(VP, C)),
-                     ("dinp", ROWS, VP, C)),
-    "qkv_dweight": ("linear_weight_grad", dict(dweight=(3 * C, C), dout=(BT, 3 * C), inp=(BT, C)),
-                    ("dweight", BT, 3 * C, C)),
-    "attproj_dweight": ("linear_weight_grad", dict(dweight=(C, C), dout=(BT, C), inp=(BT, C)),
-                        ("dweight", BT, C, C)),
-    "fcproj_dweight": ("linear_weight_grad", dict(dweight=(C, 4 * C), dout=(BT, C), inp=(BT, 4 * C)),
-                       ("dweight", BT, C, 4 * C)),
-    "lm_head_dweight": ("linear_weight_grad", dict(dweight=(VP, C), dout=(ROWS, VP), inp=(ROWS, C)),
-                        ("dweight", ROWS, VP, C)),
-    # fc's weight and bias gradients in one product into fp32 (matmul.weight_grad_bias_column): ln2's rows with
-    # their bias column, the sums overwritten, not accumulated
-    "fc_dweight_wide": ("linear_weight_grad", dict(dweight=(4 * C, CW), dout=(BT, 4 * C), inp=(BT, CW)),
-                        ("dweight_wide", BT, 4 * C, CW)),
-}
+
+
+def chunk_rows(B: int, T: int) -> int:
+    """The rows of one of the classifier's chunks in GPT-2 124M's bf16 step (model.default_classifier_chunks):
+    8192 at B * T = 65536, 32768 and 16384."""
+    import torch
+
+    from llmpy.config import GPT2Config
+    from llmpy.model import default_classifier_chunks
+    return B * T // default_classifier_chunks(GPT2Config(), B, T, torch.bfloat16)
+
+
+def products(B: int = 64, T: int = 1024) -> dict:
+    """name -> (kernels.cublaslt function, its operands' shapes (the output first), the product's key in
+    kernels.matmul.TUNED_ALGOS without the GPU capability), for the step at B x T; bias and pre_gelu as the
+    model passes them. lm_head's products run on one chunk of the classifier's rows."""
+    bt, rows = B * T, chunk_rows(B, T)
+    return {
+        "dgelu": ("linear_input_grad", dict(dinp=(bt, 4 * C), dout=(bt, C), weight=(C, 4 * C), pre_gelu=(bt, 4 * C)),
+                  ("dinp_dgelu", bt, C, 4 * C)),
+        "fc_gelu": ("linear_forward", dict(out=(bt, 4 * C), inp=(bt, C), weight=(4 * C, C), bias=(4 * C,),
+                                           pre_gelu=(bt, 4 * C)), ("gelu_aux_bias", bt, C, 4 * C)),
+        "qkv_fwd": ("linear_forward", dict(out=(bt, 3 * C), inp=(bt, C), weight=(3 * C, C), bias=(3 * C,)),
+                    ("fwd_bias", bt, C, 3 * C)),
+        # the projections as the default step runs them (bias only; the residual add is in the LayerNorm pass)
+        "attproj_fwd": ("linear_forward", dict(out=(bt, C), inp=(bt, C), weight=(C, C), bias=(C,)),
+                        ("fwd_bias", bt, C, C)),
+        "fcproj_fwd": ("linear_forward", dict(out=(bt, C), inp=(bt, 4 * C), weight=(C, 4 * C), bias=(C,)),
+                       ("fwd_bias", bt, 4 * C, C)),
+        # and with residual_in_product (bench_step --residual-in-product)
+        "attproj_fwd_residual": ("linear_forward", dict(out=(bt, C), inp=(bt, C), weight=(C, C), bias=(C,),
+                                                        residual=(bt, C)), ("fwd_bias_residual", bt, C, C)),
+        "fcproj_fwd_residual": ("linear_forward", dict(out=(bt, C), inp=(bt, 4 * C), weight=(C, 4 * C), bias=(C,),
+                                                       residual=(bt, C)), ("fwd_bias_residual", bt, 4 * C, C)),
+        "lm_head_fwd": ("linear_forward", dict(out=(rows, VP), inp=(rows, C), weight=(VP, C)), ("fwd", rows, C, VP)),
+        "qkv_dinp": ("linear_input_grad", dict(dinp=(bt, C), dout=(bt, 3 * C), weight=(3 * C, C)),
+                     ("dinp", bt, 3 * C, C)),
+        "attproj_dinp": ("linear_input_grad", dict(dinp=(bt, C), dout=(bt, C), weight=(C, C)), ("dinp", bt, C, C)),
+        "fc_dinp": ("linear_input_grad", dict(dinp=(bt, C), dout=(bt, 4 * C), weight=(4 * C, C)),
+                    ("dinp", bt, 4 * C, C)),
+        "lm_head_dinp": ("linear_input_grad", dict(dinp=(rows, C), dout=(rows, VP), weight=(VP, C)),
+                         ("dinp", rows, VP, C)),
+        "qkv_dweight": ("linear_weight_grad", dict(dweight=(3 * C, C), dout=(bt, 3 * C), inp=(bt, C)),
+                        ("dweight", bt, 3 * C, C)),
+        "attproj_dweight": ("linear_weight_grad", dict(dweight=(C, C), dout=(bt, C), inp=(bt, C)),
+                            ("dweight", bt, C, C)),
+        "fcproj_dweight": ("linear_weight_grad", dict(dweight=(C, 4 * C), dout=(bt, C), inp=(bt, 4 * C)),
+                           ("dweight", bt, C, 4 * C)),
+        "lm_head_dweight": ("linear_weight_grad", dict(dweight=(VP, C), dout=(rows, VP), inp=(rows, C)),
+                            ("dweight", rows, VP, C)),
+        # fc's weight and bias gradients in one product into fp32 (matmul.weight_grad_bias_column): ln2's rows with
+        # their bias column, the sums overwritten, not accumulated
+        "fc_dweight_wide": ("linear_weight_grad", dict(dweight=(4 * C, CW), dout=(bt, 4 * C), inp=(bt, CW)),
+                            ("dweight_wide", bt, 4 * C, CW)),
+    }
+
+
+PRODUCTS = products()
 FP32_OUTPUTS = {"fc_dweight_wide"}  # products whose output is fp32 (their inputs bf16)
 # cublasLtClusterShape_t ids tried (the names for reading results: 3 is 2 x 1 CTAs)
 CLUSTERS = {0: "auto", 2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}
@@ -257,7 +274,9 @@ def _epilogue(fn_name: str, ops: dict) -> int:
 
 
 def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, rounds: int = 3,
-           algo_ids=None, margin: float = 0.02, splits=(), reductions=(2,)) -> dict:
+           algo_ids=None, margin: float = 0.02, splits=(), reductions=(2,), table=None) -> dict:
+    """One product's search (of table, products() by default). splits: search split-K configurations with
+    these splits instead, for a weight gradient (the other products are searched whole)."""
     import dataclasses
 
     import torch
@@ -266,7 +285,8 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     from bench.timing import sustained_ms
     from llmpy.kernels import cublaslt
     from llmpy.kernels import matmul
-    fn_name, shapes, tuned_key = PRODUCTS[name]
+    fn_name, shapes, tuned_key = (table or PRODUCTS)[name]
+    splits = splits if fn_name == "linear_weight_grad" else ()
     fn = getattr(cublaslt, fn_name)
     if name in FP32_OUTPUTS:  # overwritten, as weight_grad_bias_column runs it
         fn = functools.partial(fn, accumulate=False)
@@ -387,6 +407,8 @@ def main(argv=None) -> int:
     from bench.bench_step import _at_least_one
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--products", nargs="+", default=["dgelu"], choices=sorted(PRODUCTS))
+    ap.add_argument("--B", type=_at_least_one, default=64, help="the step's batch size whose products are searched")
+    ap.add_argument("--T", type=_at_least_one, default=1024, help="the step's sequence length")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--sustain-ms", type=float, default=200.0)
     ap.add_argument("--budget-s", type=float, default=60.0, help="seconds of quick timing a product at most")
@@ -397,7 +419,8 @@ def main(argv=None) -> int:
                     help="a configuration is suggested when it beats the current choice by this in every round")
     ap.add_argument("--json", default=None, help="results and the suggested table (bench_step --tuned-from)")
     ap.add_argument("--split-k", type=int, nargs="*", default=[],
-                    help="search split-K configurations with these splits (each > 1) instead")
+                    help="search the weight gradients' split-K configurations with these splits (each > 1) "
+                         "instead (the other products are searched whole)")
     ap.add_argument("--reductions", type=int, nargs="+", default=[2], choices=[1, 2, 4],
                     help="split-K reduction schemes: 1 in place (the output's type), 2 fp32 in the workspace, "
                          "4 the output's type in the workspace")
@@ -410,10 +433,10 @@ def main(argv=None) -> int:
     if args.workspace_mib is not None:
         from llmpy.kernels import cublaslt
         cublaslt.set_workspace_bytes(args.workspace_mib << 20)
-    results = []
+    results, table = [], products(args.B, args.T)
     for product in args.products:
         results.append(search(product, args.top, args.sustain_ms, args.budget_s, args.seed, args.rounds,
-                              args.algo_ids, args.margin, tuple(args.split_k), tuple(args.reductions)))
+                              args.algo_ids, args.margin, tuple(args.split_k), tuple(args.reductions), table))
         if args.json:  # after every product: a timeout keeps what is done
             import torch
 
