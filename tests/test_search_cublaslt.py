@@ -88,3 +88,21 @@ def test_split_fills_waves():
     assert not fills(768, 2304, 65536, (64, 128), 6, 132), "tiles under 128 x 128"
     assert not fills(768, 50304, 65536, (128, 128), 2, 132), "2358 tiles: eight waves without a split"
     assert fills(2304, 768, 65536, (256, 128), 6, 132) == fills(2304, 768, 65536, (128, 256), 6, 132)
+
+
+def test_main_searches_every_product_at_the_asked_shape(tmp_path, monkeypatch):
+    import torch
+    calls = []
+
+    def fake_search(name, *args):
+        calls.append((name, args[-1][name][2]))
+        return {"product": name, "suggested": {"key": list(args[-1][name][2]), "rank": 1}}
+
+    monkeypatch.setattr(search, "search", fake_search)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    out = tmp_path / "s.json"
+    assert search.main(["--products", "qkv_fwd", "fc_dinp", "lm_head_fwd", "--B", "16", "--json", str(out)]) == 0
+    assert calls == [("qkv_fwd", ("fwd_bias", 16384, 768, 2304)), ("fc_dinp", ("dinp", 16384, 3072, 768)),
+                     ("lm_head_fwd", ("fwd", 8192, 768, 50304))]
+    keys = [tuple(e["key"]) for e in json.loads(out.read_text())["tuned"]]
+    assert ("dinp", 16384, 3072, 768) in keys and ("fwd_bias", 65536, 768, 2304) in keys

@@ -274,8 +274,8 @@ def _epilogue(fn_name: str, ops: dict) -> int:
 
 
 def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, rounds: int = 3,
-           algo_ids=None, margin: float = 0.02, splits=(), reductions=(2,), table=None) -> dict:
-    """One product's search (of table, products() by default). splits: search split-K configurations with
+           algo_ids=None, margin: float = 0.02, splits=(), reductions=(2,), shape_products=None) -> dict:
+    """One product's search (of shape_products, PRODUCTS by default). splits: search split-K configurations with
     these splits instead, for a weight gradient (the other products are searched whole)."""
     import dataclasses
 
@@ -285,7 +285,7 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     from bench.timing import sustained_ms
     from llmpy.kernels import cublaslt
     from llmpy.kernels import matmul
-    fn_name, shapes, tuned_key = (table or PRODUCTS)[name]
+    fn_name, shapes, tuned_key = (shape_products or PRODUCTS)[name]
     splits = splits if fn_name == "linear_weight_grad" else ()
     fn = getattr(cublaslt, fn_name)
     if name in FP32_OUTPUTS:  # overwritten, as weight_grad_bias_column runs it
@@ -433,10 +433,11 @@ def main(argv=None) -> int:
     if args.workspace_mib is not None:
         from llmpy.kernels import cublaslt
         cublaslt.set_workspace_bytes(args.workspace_mib << 20)
-    results, table = [], products(args.B, args.T)
+    results, shape_products = [], products(args.B, args.T)
     for product in args.products:
         results.append(search(product, args.top, args.sustain_ms, args.budget_s, args.seed, args.rounds,
-                              args.algo_ids, args.margin, tuple(args.split_k), tuple(args.reductions), table))
+                              args.algo_ids, args.margin, tuple(args.split_k), tuple(args.reductions),
+                              shape_products))
         if args.json:  # after every product: a timeout keeps what is done
             import torch
 
