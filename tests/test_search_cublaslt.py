@@ -34,6 +34,8 @@ def test_every_product_keyed_as_the_model_looks_it_up():
         assert key[1] == rows, name
     held = {key[:4] for key in matmul.TUNED_ALGOS}
     assert {search.PRODUCTS[p][2] for p in ("qkv_fwd", "qkv_dinp", "lm_head_fwd")} <= held
+    at_32 = search.products(32, 1024)
+    assert {at_32[p][2] for p in ("qkv_fwd", "attproj_fwd", "fc_gelu", "attproj_dinp")} <= held
 
 
 def test_products_at_other_batch_sizes():
