@@ -108,3 +108,13 @@ def test_main_searches_every_product_at_the_asked_shape(tmp_path, monkeypatch):
                      ("lm_head_fwd", ("fwd", 8192, 768, 50304))]
     keys = [tuple(e["key"]) for e in json.loads(out.read_text())["tuned"]]
     assert ("dinp", 16384, 3072, 768) in keys and ("fwd_bias", 65536, 768, 2304) in keys
+
+
+def test_only_deep_products_are_split():
+    splits = (2, 3, 4)
+    assert search.splits_for(65536, splits) == splits, "a weight gradient at B=64"
+    assert search.splits_for(16384, splits) == splits, "a weight gradient at B=16"
+    assert search.splits_for(50304, splits) == splits, "lm_head's input gradient"
+    assert search.splits_for(3072, splits) == (), "fc's input gradient: parts of 1536"
+    assert search.splits_for(768, splits) == (), "a forward product"
+    assert search.splits_for(65536, ()) == ()

@@ -2,9 +2,10 @@
 heuristic ranks (bench_cublaslt.py times those). For each algorithm id cuBLASLt lists for bf16 with fp32
 accumulation (cublasLtMatmulAlgoGetIds) that supports the product's epilogue, every tile, stage count, CTA
 swizzle, custom option and cluster shape its capabilities allow is checked (cublasLtMatmulAlgoCheck, on
-the host) and, if accepted, timed. With --split-k, the weight gradients' search is over split-K configurations
-instead (the inner dimension in parts, summed in fp32 in the workspace by default: --reductions): their outputs
-are too small to fill the GPU with tiles; the search takes each tile with each split that fills whole waves of the
+the host) and, if accepted, timed. With --split-k, the search of a product with a deep inner dimension (the
+weight gradients, lm_head's input gradient; the others are searched whole) is over split-K configurations
+instead (the inner dimension in parts, summed in fp32 in the workspace by default: --reductions), for outputs
+too small to fill the GPU with tiles; the search takes each tile with each split that fills whole waves of the
 SMs (the tiles' shapes read from the cublasLt.h beside the library), with the swizzles, custom options and
 cluster shapes narrowed to those earlier searches chose.
 
@@ -102,6 +103,7 @@ _CAP_SPLITK, _CAP_REDUCTION_MASK = 0, 1
 _CAP_TILE_IDS, _CAP_STAGES_IDS, _CAP_SWIZZLE, _CAP_CUSTOM_MAX, _CAP_EPILOGUE_MASK = 6, 13, 2, 7, 12
 # split-K candidates: the cluster shapes and nvjet custom options the plain searches chose (runs AC, AD), no swizzle
 SPLIT_CLUSTERS, SPLIT_CUSTOMS = (0, 2, 3, 5), (0, 1, 3, 7)
+SPLIT_MIN_PART = 2048  # the shallowest part of the inner dimension a split-K candidate may have
 
 
 def tile_shapes(header: str | None = None) -> dict:
@@ -124,7 +126,14 @@ def tile_shapes(header: str | None = None) -> dict:
     return {int(i): (int(r), int(c)) for r, c, i in re.findall(r"CUBLASLT_MATMUL_TILE_(\d+)x(\d+)\s*=\s*(\d+)", text)}
 
 
-def split_fills_waves(m: int, n: int, k: int, tile: tuple, splitk: int, sms: int, min_part: int = 2048) -> bool:
+def splits_for(k: int, splits: tuple) -> tuple:
+    """The splits a product of inner dimension k is searched with: none (searched whole) when even the smallest
+    would leave parts under SPLIT_MIN_PART deep."""
+    return splits if splits and k // min(splits) >= SPLIT_MIN_PART else ()
+
+
+def split_fills_waves(m: int, n: int, k: int, tile: tuple, splitk: int, sms: int,
+                      min_part: int = SPLIT_MIN_PART) -> bool:
     """Whether splitting k in splitk parts (each at least min_part deep) makes the tiles of the m x n output
     (tile rows x columns, either way round; 128 x 128 or larger: smaller ones read more bytes a FLOP than the
     products at their best) fill whole waves of sms CTAs to 85 %, where there are fewer than eight waves of
@@ -276,7 +285,8 @@ def _epilogue(fn_name: str, ops: dict) -> int:
 def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, rounds: int = 3,
            algo_ids=None, margin: float = 0.02, splits=(), reductions=(2,), shape_products=None) -> dict:
     """One product's search (of shape_products, PRODUCTS by default). splits: search split-K configurations with
-    these splits instead, for a weight gradient (the other products are searched whole)."""
+    these splits instead, where the product's inner dimension is deep enough (SPLIT_MIN_PART a part: the weight
+    gradients, lm_head's input gradient); a shallower product is searched whole."""
     import dataclasses
 
     import torch
@@ -286,7 +296,6 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     from llmpy.kernels import cublaslt
     from llmpy.kernels import matmul
     fn_name, shapes, tuned_key = (shape_products or PRODUCTS)[name]
-    splits = splits if fn_name == "linear_weight_grad" else ()
     fn = getattr(cublaslt, fn_name)
     if name in FP32_OUTPUTS:  # overwritten, as weight_grad_bias_column runs it
         fn = functools.partial(fn, accumulate=False)
@@ -297,6 +306,7 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     fn(**ops)
     key = next(k for k in cublaslt._plans if k not in before)  # the plan this first call made
     plan = cublaslt._plans[key]
+    splits = splits_for(key[3], splits)  # key: (device, m, n, k, ...) of cuBLAS's column-major call
 
     def runner(algo):
         return lambda: fn(**ops, algo_index=algo)
@@ -419,8 +429,8 @@ def main(argv=None) -> int:
                     help="a configuration is suggested when it beats the current choice by this in every round")
     ap.add_argument("--json", default=None, help="results and the suggested table (bench_step --tuned-from)")
     ap.add_argument("--split-k", type=int, nargs="*", default=[],
-                    help="search the weight gradients' split-K configurations with these splits (each > 1) "
-                         "instead (the other products are searched whole)")
+                    help="search split-K configurations with these splits (each > 1) instead, for the products "
+                         "deep enough to split (the weight gradients, lm_head's input gradient; the others whole)")
     ap.add_argument("--reductions", type=int, nargs="+", default=[2], choices=[1, 2, 4],
                     help="split-K reduction schemes: 1 in place (the output's type), 2 fp32 in the workspace, "
                          "4 the output's type in the workspace")
