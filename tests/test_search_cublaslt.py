@@ -118,3 +118,9 @@ def test_only_deep_products_are_split():
     assert search.splits_for(3072, splits) == (), "fc's input gradient: parts of 1536"
     assert search.splits_for(768, splits) == (), "a forward product"
     assert search.splits_for(65536, ()) == ()
+
+
+def test_quick_screen_times_a_millisecond_of_calls():
+    assert search.quick_calls(0.35) == 5, "B=64's products: five calls, as before"
+    assert search.quick_calls(0.04) == 25, "B=16's projections: 25 calls, 1 ms"
+    assert search.quick_calls(0.0) == 100 and search.quick_calls(5.0) == 5

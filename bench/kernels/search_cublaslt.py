@@ -11,15 +11,15 @@ cluster shapes narrowed to those earlier searches chose.
 
 Each product is one the GPT-2 124M step (B=64, T=1024; another shape with --B, --T) runs, through
 kernels/cublaslt.py, on fresh random operands. The quick screen (--budget-s seconds) times each candidate over a
-few calls against the heuristic's first choice, timed again every 10 candidates (the card warms over a search
-and its clock moves more than candidates differ); it takes the heuristic's algorithm ids first, then the others
-in turn. The --top fastest, the heuristic's first and what the model runs now (its TUNED_ALGOS entry, or torch's
-call) are then timed in --rounds alternated rounds, as bench_cublaslt times (best of 5 rounds of 20 calls) and
-at the card's power cap (--sustain-ms of calls, then as many timed), and their results compared with the
+millisecond of calls against the heuristic's first choice, timed again every 10 candidates (the card warms over a
+search and its clock moves more than candidates differ); it takes the heuristic's algorithm ids first, then the
+others in turn. The --top fastest, the heuristic's first and what the model runs now (its TUNED_ALGOS entry, or
+torch's call) are then timed in --rounds alternated rounds, as bench_cublaslt times (best of 5 rounds of 20 calls)
+and at the card's power cap (--sustain-ms of calls, then as many timed), and their results compared with the
 heuristic's first choice (max |difference| over max |value|: the order of the sums may differ, nothing else
 should). --json writes the results and a suggested table: TUNED_ALGOS with each product whose fastest finalist
-beats the model's call by --margin in every round, which bench_step --tuned-from (and so ab_step) runs. Whether
-a product's gain reaches the step only the step can say.
+beats the model's call by --margin in every round, which bench_step --tuned-from (and so ab_step) runs. Whether a
+product's gain reaches the step only the step can say.
 
     PYTHONPATH=src:. python -m bench.kernels.search_cublaslt [--products dgelu ...] [--B 16] [--json F]
 """
@@ -255,6 +255,16 @@ def screening_order(found: list, preferred_ids: list) -> list:
     return ordered
 
 
+QUICK_WINDOW_MS = 1.0  # the quick screen times each candidate over calls lasting about this long
+
+
+def quick_calls(base_ms: float) -> int:
+    """Calls a quick-screen timing takes for a product of about base_ms a call: at least 5, and enough to last
+    QUICK_WINDOW_MS (a 0.04 ms product timed over 5 calls is noise), at most 100."""
+    import math
+    return max(5, min(100, math.ceil(QUICK_WINDOW_MS / max(base_ms, 1e-3))))
+
+
 def _quick_ms(run, calls=5):
     from bench.timing import mean_ms
     run()
@@ -350,9 +360,10 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
             print(f"[{name}] budget spent after {len(timed)} timed", flush=True)
             break
         if i % 10 == 0:
-            base_ms = _quick_ms(base)
+            calls = quick_calls(_quick_ms(base))
+            base_ms = _quick_ms(base, calls)
         try:
-            timed.append((_quick_ms(runner(config)) / base_ms, config, workspace))
+            timed.append((_quick_ms(runner(config), calls) / base_ms, config, workspace))
         except cublaslt.CublasLtError:
             continue
     timed.sort(key=lambda r: r[0])
