@@ -440,7 +440,7 @@ TUNED_ALGOS = {
     # (or, for fc, the heuristic's first): qkv forward 0.179 against 0.200 (nvjet 128x160, 2 x 1 clusters), attproj
     # forward 0.066 against 0.069, fc forward 0.328 against 0.341 (96x128, 2 x 1), attproj input gradient 0.065
     # against 0.068 (128x128, 1 x 2); the step at B = 32 -0.8 ms (medians), -0.5 (lower quartiles). B = 16's search
-    # found nothing 2 % faster than torch's calls.
+    # found nothing 2 % faster than torch's calls (its ~0.04 ms attproj products were host-bound in that timing).
     ("fwd_bias", 32768, 768, 2304, (9, 0)): cublaslt.AlgoConfig(algo_id=66, tile=29, stages=35, custom=1, cluster=3),
     ("fwd_bias", 32768, 768, 768, (9, 0)): cublaslt.AlgoConfig(algo_id=66, tile=29, stages=35, custom=3, cluster=3),
     ("gelu_aux_bias", 32768, 768, 3072, (9, 0)): cublaslt.AlgoConfig(algo_id=66, tile=28, stages=35, custom=0,
