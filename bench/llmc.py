@@ -49,13 +49,14 @@ from pathlib import Path
 
 import numpy as np
 
+from llmpy import data
+from llmpy.data import MAX_TOKEN_ID
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SRC = REPO / ".llmc" / "src"
 DEFAULT_BINARY = REPO / ".llmc" / "train_gpt2cu"
 FRONTEND_INCLUDE = REPO / ".vendor" / "include"
 
-# llm.c's token shard: a 256-int32 header (magic, version, number of tokens), then the tokens as uint16
-SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 # the libraries train_gpt2cu links: (link name, soname in the CUDA 13 wheels PyTorch installs)
 _LIBRARIES = (("cublas", "libcublas.so.13"), ("cublasLt", "libcublasLt.so.13"), ("cudnn", "libcudnn.so.9"))
 
@@ -77,15 +78,11 @@ def parse_step_line(line: str) -> dict | None:
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
-    """One llm.c token shard holding `tokens` (ids below 2**16)."""
+    """One llm.c token shard holding `tokens` (llmpy.data's writer); an id outside uint16 is a ValueError."""
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
+    if tokens.size and (tokens.min() < 0 or tokens.max() > MAX_TOKEN_ID):
         raise ValueError("llm.c shards hold uint16 token ids")
-    header = np.zeros(SHARD_HEADER_INTS, dtype=np.int32)
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(np.uint16).tobytes())
+    data.write_shard(path, tokens)
 
 
 def train_order(num_samples: int, seed: int = 42) -> list[int]:
@@ -93,12 +90,7 @@ def train_order(num_samples: int, seed: int = 42) -> list[int]:
     batches gets its intra-shard permutation from an MT19937 seeded 42 + rank (rank 0 here), a
     Fisher-Yates shuffle of the identity drawn from the top (llm.c's random_permutation)."""
     from llmpy.rand import MT19937  # llm.c's generator, ported for the random init
-    rng = MT19937(seed)
-    order = list(range(num_samples))
-    for i in range(num_samples - 1, 0, -1):
-        j = rng.randint32() % (i + 1)
-        order[i], order[j] = order[j], order[i]
-    return order
+    return MT19937(seed).random_permutation(num_samples).tolist()
 
 
 def shard_tokens(batches) -> np.ndarray:
