@@ -340,6 +340,25 @@ def _window_end(counter, start: dict, steps: int, res: dict) -> None:
         res["throttled_share"] = {k: (throttled[k] - start["throttled"][k]) / (secs * 1e3) for k in throttled}
 
 
+def _record_step(res: dict, args, system: str, counter, i: int, ms: float, loss: float, norm: float,
+                 t_spawn: float) -> None:
+    """Step i's figures into res (its time, loss, norm; the SM clock after it: the power cap's swings move
+    slow steps) and its log line, for every system alike."""
+    if i == 0:
+        res["time_to_first_step_s"] = time.time() - t_spawn
+    res["step_ms"].append(ms)
+    res["losses"].append(loss)
+    res["norms"].append(norm)
+    if counter is not None:
+        res.setdefault("step_sm_mhz", []).append(counter.sm_clock_mhz())
+        res.setdefault("step_clock_reasons", []).append(counter.clock_event_reasons())
+    if not math.isfinite(loss):
+        res["nonfinite_loss_step"] = res.get("nonfinite_loss_step", i + 1)
+    if i < args.print_steps or (i + 1) % 10 == 0 or i + 1 == args.steps:
+        print(f"[{system}] step {i + 1:3d}/{args.steps} | loss {loss:.6f} | norm {norm:.4f} | {ms:9.1f} ms",
+              flush=True)
+
+
 def _write(path, obj) -> None:
     if path:
         tmp = f"{path}.tmp"
@@ -403,21 +422,9 @@ def run_system(args, system: str) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - t0) * 1e3
-            if i == 0:
-                res["time_to_first_step_s"] = time.time() - t_spawn
             if cuda and i in (0, args.warmup_median_from - 1, args.steps - 1):
                 used.append(_used_bytes(torch))
-            res["step_ms"].append(ms)
-            if counter is not None:  # the SM clock after each step: the power cap's swings move slow steps
-                res.setdefault("step_sm_mhz", []).append(counter.sm_clock_mhz())
-                res.setdefault("step_clock_reasons", []).append(counter.clock_event_reasons())
-            res["losses"].append(loss)
-            res["norms"].append(norm)
-            if i < args.print_steps or (i + 1) % 10 == 0 or i + 1 == args.steps:
-                print(f"[{system}] step {i + 1:3d}/{args.steps} | loss {loss:.6f} | norm {norm:.4f} | "
-                      f"{ms:9.1f} ms", flush=True)
-            if not math.isfinite(loss):
-                res["nonfinite_loss_step"] = res.get("nonfinite_loss_step", i + 1)
+            _record_step(res, args, system, counter, i, ms, loss, norm, t_spawn)
             if cuda:
                 res["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
                 res["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
@@ -455,16 +462,8 @@ def _run_llmc(args, res: dict) -> dict:
         def on_step(step: dict):
             nonlocal window
             i = step["step"] - 1
-            if i == 0:
-                res["time_to_first_step_s"] = time.time() - t_spawn
-            res["step_ms"].append(step["ms"])
-            res["losses"].append(step["loss"])
-            res["norms"].append(step["norm"])
-            if not math.isfinite(step["loss"]):
-                res["nonfinite_loss_step"] = res.get("nonfinite_loss_step", i + 1)
+            _record_step(res, args, "llmc", counter, i, step["ms"], step["loss"], step["norm"], t_spawn)
             if counter is not None:
-                res.setdefault("step_sm_mhz", []).append(counter.sm_clock_mhz())
-                res.setdefault("step_clock_reasons", []).append(counter.clock_event_reasons())
                 if i in (0, lo - 1, args.steps - 1):
                     used.append(counter.memory_used_bytes() - res["used_at_start_bytes"])
                     res["device_used_bytes"] = max(used)
@@ -472,9 +471,6 @@ def _run_llmc(args, res: dict) -> dict:
                     window = _window_start(counter, res)
                 if i == args.steps - 1 and window is not None:
                     _window_end(counter, window, args.steps - lo, res)
-            if i < args.print_steps or (i + 1) % 10 == 0 or i + 1 == args.steps:
-                print(f"[llmc] step {i + 1:3d}/{args.steps} | loss {step['loss']:.6f} | norm {step['norm']:.4f} | "
-                      f"{step['ms']:9.1f} ms", flush=True)
             _write(args.result_file, res)
 
         with tempfile.TemporaryDirectory(prefix="bench_step_llmc_") as work:
