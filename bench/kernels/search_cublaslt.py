@@ -261,8 +261,8 @@ QUICK_WINDOW_MS = 1.0  # the quick screen times each candidate over calls lastin
 def quick_calls(base_ms: float) -> int:
     """Calls a quick-screen timing takes for a product of about base_ms a call: at least 5, and enough to last
     QUICK_WINDOW_MS (a 0.04 ms product timed over 5 calls is noise), at most 100."""
-    import math
-    return max(5, min(100, math.ceil(QUICK_WINDOW_MS / max(base_ms, 1e-3))))
+    from bench.timing import calls_to_sustain
+    return max(5, min(100, calls_to_sustain(None, QUICK_WINDOW_MS, estimate_ms=base_ms)))
 
 
 def _quick_ms(run, calls=5):
@@ -353,14 +353,13 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     # quick screen: each candidate's time over the heuristic's first, timed again every 10 candidates (the
     # card warms over a search and its clock moves more than the candidates differ)
     base = runner(0)
-    timed, base_ms = [], None
+    timed, base_ms, calls = [], None, quick_calls(_quick_ms(base))
     t0 = time.time()
     for i, (config, workspace) in enumerate(found):
         if time.time() - t0 > budget_s:
             print(f"[{name}] budget spent after {len(timed)} timed", flush=True)
             break
         if i % 10 == 0:
-            calls = quick_calls(_quick_ms(base))
             base_ms = _quick_ms(base, calls)
         try:
             timed.append((_quick_ms(runner(config), calls) / base_ms, config, workspace))
