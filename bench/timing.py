@@ -45,6 +45,26 @@ def sustained_ms(fn, sustain_ms: float, estimate_ms: float | None = None) -> flo
     return mean_ms(fn, n)
 
 
+def graphed(fn, calls: int):
+    """A function that replays `calls` fn() calls captured once in a CUDA graph, as the step's graph runs them:
+    without the host's work of making each call (a 0.04 ms product through a ctypes binding, called back to
+    back, is bound by that work). fn() runs once first, outside the capture, so that its errors (an
+    algorithm cuBLASLt refuses) and its one-time setup (plans, workspaces) happen there."""
+    fn()
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph.replay
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate, bytes read + written per second (GB/s): the memory ceiling."""
     src = torch.randn(nbytes // 4, device="cuda")

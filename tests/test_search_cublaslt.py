@@ -3,6 +3,8 @@ table it suggests (what the model holds now, with the suggestions in), and that 
 reads that table back into kernels.matmul.TUNED_ALGOS entries, AlgoConfigs included."""
 import json
 
+import pytest
+
 from bench import bench_step
 from bench.kernels import search_cublaslt as search
 from llmpy.kernels import matmul
@@ -97,15 +99,17 @@ def test_main_searches_every_product_at_the_asked_shape(tmp_path, monkeypatch):
     calls = []
 
     def fake_search(name, *args):
-        calls.append((name, args[-1][name][2]))
-        return {"product": name, "suggested": {"key": list(args[-1][name][2]), "rank": 1}}
+        shape_products, graph_calls = args[-2:]
+        calls.append((name, shape_products[name][2], graph_calls))
+        return {"product": name, "suggested": {"key": list(shape_products[name][2]), "rank": 1}}
 
     monkeypatch.setattr(search, "search", fake_search)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     out = tmp_path / "s.json"
-    assert search.main(["--products", "qkv_fwd", "fc_dinp", "lm_head_fwd", "--B", "16", "--json", str(out)]) == 0
-    assert calls == [("qkv_fwd", ("fwd_bias", 16384, 768, 2304)), ("fc_dinp", ("dinp", 16384, 3072, 768)),
-                     ("lm_head_fwd", ("fwd", 8192, 768, 50304))]
+    assert search.main(["--products", "qkv_fwd", "fc_dinp", "lm_head_fwd", "--B", "16", "--graph-calls", "20",
+                        "--json", str(out)]) == 0
+    assert calls == [("qkv_fwd", ("fwd_bias", 16384, 768, 2304), 20), ("fc_dinp", ("dinp", 16384, 3072, 768), 20),
+                     ("lm_head_fwd", ("fwd", 8192, 768, 50304), 20)]
     keys = [tuple(e["key"]) for e in json.loads(out.read_text())["tuned"]]
     assert ("dinp", 16384, 3072, 768) in keys and ("fwd_bias", 65536, 768, 2304) in keys
 
@@ -124,3 +128,35 @@ def test_quick_screen_times_a_millisecond_of_calls():
     assert search.quick_calls(0.35) == 5, "B=64's products: five calls, as before"
     assert search.quick_calls(0.04) == 25, "B=16's projections: 25 calls, 1 ms"
     assert search.quick_calls(0.0) == 100 and search.quick_calls(5.0) == 5
+
+
+def test_graph_calls_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        search.main(["--products", "qkv_fwd", "--graph-calls", "-1"])
+    assert "--graph-calls" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_graphed_replays_the_calls_it_captured():
+    import torch
+
+    from bench.timing import graphed
+    from llmpy.kernels import cublaslt
+    torch.manual_seed(0)
+    x = torch.randn(257, 96, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(40, 96, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((257, 40), float("nan"), device="cuda", dtype=torch.bfloat16)
+    counter = torch.zeros(1, device="cuda")
+
+    def call():
+        cublaslt.linear_forward(out=out, inp=x, weight=w)
+        counter.add_(1)
+
+    replay = graphed(call, 3)
+    assert counter.item() == 1, "one call outside the capture, none while capturing"
+    out.fill_(float("nan"))
+    replay()
+    replay()
+    torch.cuda.synchronize()
+    assert counter.item() == 7, "each replay makes the 3 captured calls"
+    torch.testing.assert_close(out.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)

@@ -17,7 +17,8 @@ others in turn. The --top fastest, the heuristic's first and what the model runs
 torch's call) are then timed in --rounds alternated rounds, as bench_cublaslt times (best of 5 rounds of 20 calls)
 and at the card's power cap (--sustain-ms of calls, then as many timed), and their results compared with the
 heuristic's first choice (max |difference| over max |value|: the order of the sums may differ, nothing else
-should). --json writes the results and a suggested table: TUNED_ALGOS with each product whose fastest finalist
+should). --graph-calls N times every candidate as N calls captured in a CUDA graph and replayed, as the step
+runs them: the smallest products (~0.05 ms) called one by one from Python are bound by the host. --json writes the results and a suggested table: TUNED_ALGOS with each product whose fastest finalist
 beats the model's call by --margin in every round, which bench_step --tuned-from (and so ab_step) runs. Whether a
 product's gain reaches the step only the step can say.
 
@@ -31,6 +32,7 @@ import ctypes
 import functools
 import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -293,15 +295,19 @@ def _epilogue(fn_name: str, ops: dict) -> int:
 
 
 def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, rounds: int = 3,
-           algo_ids=None, margin: float = 0.02, splits=(), reductions=(2,), shape_products=None) -> dict:
+           algo_ids=None, margin: float = 0.02, splits=(), reductions=(2,), shape_products=None,
+           graph_calls: int = 0) -> dict:
     """One product's search (of shape_products, PRODUCTS by default). splits: search split-K configurations with
     these splits instead, where the product's inner dimension is deep enough (SPLIT_MIN_PART a part: the weight
-    gradients, lm_head's input gradient); a shallower product is searched whole."""
+    gradients, lm_head's input gradient); a shallower product is searched whole. graph_calls > 0: every timing
+    replays that many calls captured in a CUDA graph (timing.graphed), as the step runs them, instead of calls
+    made one by one from Python."""
     import dataclasses
 
     import torch
 
     from bench.kernels.bench_cublaslt import _ms_per_call
+    from bench.timing import graphed
     from bench.timing import sustained_ms
     from llmpy.kernels import cublaslt
     from llmpy.kernels import matmul
@@ -318,8 +324,16 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     plan = cublaslt._plans[key]
     splits = splits_for(key[3], splits)  # key: (device, m, n, k, ...) of cuBLAS's column-major call
 
-    def runner(algo):
+    def caller(algo):
         return lambda: fn(**ops, algo_index=algo)
+
+    per = max(graph_calls, 1)  # product calls a timed run makes
+
+    def timed(call):
+        return graphed(call, graph_calls) if graph_calls else call
+
+    def runner(algo):
+        return timed(caller(algo))
 
     def result_of(algo):
         for k, v in fresh.items():
@@ -334,7 +348,7 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     heuristic = []
     for rank in range(8):
         try:
-            runner(rank)()
+            caller(rank)()
         except cublaslt.CublasLtError:
             break
         algo = cublaslt._plans[key[:14] + (rank,) + key[15:]].algo
@@ -353,26 +367,27 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     # quick screen: each candidate's time over the heuristic's first, timed again every 10 candidates (the
     # card warms over a search and its clock moves more than the candidates differ)
     base = runner(0)
-    timed, base_ms, calls = [], None, quick_calls(_quick_ms(base))
+    screened, base_ms = [], None
+    runs = max(1, math.ceil(quick_calls(_quick_ms(base) / per) / per))
     t0 = time.time()
     for i, (config, workspace) in enumerate(found):
         if time.time() - t0 > budget_s:
-            print(f"[{name}] budget spent after {len(timed)} timed", flush=True)
+            print(f"[{name}] budget spent after {len(screened)} timed", flush=True)
             break
         if i % 10 == 0:
-            base_ms = _quick_ms(base, calls)
+            base_ms = _quick_ms(base, runs)
         try:
-            timed.append((_quick_ms(runner(config), calls) / base_ms, config, workspace))
+            screened.append((_quick_ms(runner(config), runs) / base_ms, config, workspace))
         except cublaslt.CublasLtError:
             continue
-    timed.sort(key=lambda r: r[0])
+    screened.sort(key=lambda r: r[0])
     # the finalists: the heuristic's first, the screen's fastest, and what the model runs now (its table's
     # entry, else torch's call where there is one, else the heuristic's first)
     capability = tuple(torch.cuda.get_device_capability())
     current = matmul.TUNED_ALGOS.get((*tuned_key, capability))
     torch_call = _torch_call(fn_name, ops)
     finalists = [{"label": "heuristic 0", "algo": 0, "ratio": 1.0}]
-    finalists += [{"label": dataclasses.asdict(c), "algo": c, "ratio": q} for q, c, _ in timed[:top]]
+    finalists += [{"label": dataclasses.asdict(c), "algo": c, "ratio": q} for q, c, _ in screened[:top]]
     if current not in (None, 0):
         finalists.append({"label": f"current: {current}", "algo": current, "ratio": None})
     elif torch_call is not None:
@@ -387,9 +402,9 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
         rows.append({"config": f["label"], "quick_ratio": f["ratio"], "diff": diff, "ms": [], "cap_ms": []})
     for _ in range(rounds):  # alternated: every finalist once a round, best-of-5 and at the cap
         for row, f in zip(rows, finalists):
-            run = torch_call if f["algo"] == "torch" else runner(f["algo"])
-            row["ms"].append(_ms_per_call(run))
-            row["cap_ms"].append(sustained_ms(run, sustain_ms))
+            run = timed(torch_call) if f["algo"] == "torch" else runner(f["algo"])
+            row["ms"].append(_ms_per_call(run) / per)
+            row["cap_ms"].append(sustained_ms(run, sustain_ms) / per)
     for r in rows:
         r["ms_median"], r["cap_ms_median"] = statistics.median(r["ms"]), statistics.median(r["cap_ms"])
         ratio = f"x{r['quick_ratio']:.3f}" if r["quick_ratio"] else "-"
@@ -404,8 +419,8 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
                      "cap_ms": best["cap_ms_median"], "current_cap_ms": now["cap_ms_median"]}
     print(f"[{name}] suggested: {suggested}", flush=True)
     return {"product": name, "suggested": suggested, "checked": checked, "accepted": len(found),
-            "timed": len(timed), "per_algo": dict(per_algo),
-            "heuristic": heuristic, "rows": rows, "quick": [(q, dataclasses.asdict(c)) for q, c, _ in timed[:100]]}
+            "timed": len(screened), "per_algo": dict(per_algo), "graph_calls": graph_calls,
+            "heuristic": heuristic, "rows": rows, "quick": [(q, dataclasses.asdict(c)) for q, c, _ in screened[:100]]}
 
 
 def suggested_table(results: list, tuned_algos: dict, capability: tuple) -> list:
@@ -444,12 +459,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reductions", type=int, nargs="+", default=[2], choices=[1, 2, 4],
                     help="split-K reduction schemes: 1 in place (the output's type), 2 fp32 in the workspace, "
                          "4 the output's type in the workspace")
+    ap.add_argument("--graph-calls", type=int, default=0,
+                    help="> 0: time every candidate as that many calls captured in a CUDA graph and replayed, as "
+                         "the step runs them (products of ~0.05 ms called from Python are bound by the host)")
     ap.add_argument("--workspace-mib", type=_at_least_one, default=None,
                     help="cuBLASLt's workspace in MiB (default 32, the model's): a split-K configuration keeps its "
                          "fp32 partial sums there, and one that needs more is refused")
     args = ap.parse_args(argv)
     if any(s < 2 for s in args.split_k):
         ap.error("--split-k: splits are 2 or more")
+    if args.graph_calls < 0:
+        ap.error("--graph-calls: 0 (calls from Python) or more")
     if args.workspace_mib is not None:
         from llmpy.kernels import cublaslt
         cublaslt.set_workspace_bytes(args.workspace_mib << 20)
@@ -457,7 +477,7 @@ def main(argv=None) -> int:
     for product in args.products:
         results.append(search(product, args.top, args.sustain_ms, args.budget_s, args.seed, args.rounds,
                               args.algo_ids, args.margin, tuple(args.split_k), tuple(args.reductions),
-                              shape_products))
+                              shape_products, args.graph_calls))
         if args.json:  # after every product: a timeout keeps what is done
             import torch
 
