@@ -130,6 +130,30 @@ def test_quick_screen_times_a_millisecond_of_calls():
     assert search.quick_calls(0.0) == 100 and search.quick_calls(5.0) == 5
 
 
+def _row(config, cap_ms, diff=0.0):
+    import statistics
+    return {"config": config, "cap_ms": cap_ms, "cap_ms_median": statistics.median(cap_ms), "diff": diff}
+
+
+def test_suggestion_takes_the_fastest_finalist_by_the_margin_in_every_round():
+    key = ("dweight", 16384, 768, 768)
+    config = AlgoConfig(66, 20, 35, custom=1, cluster=2, splitk=7, reduction=2).__dict__
+    torch_now = _row("current: torch", [0.0413, 0.0408])
+    # call 1 of run AP: the heuristic's first (0.0392) beat every configuration and torch's call
+    rows = [_row("heuristic 0", [0.0389, 0.0395]), _row(config, [0.0394, 0.0398], diff=3e-3), torch_now]
+    assert search.suggestion(rows, key, 0.02) == {"key": list(key), "rank": 0, "cap_ms": 0.0392,
+                                                  "current_cap_ms": 0.04105}
+    rows[0] = _row("heuristic 0", [0.0399, 0.0401])
+    got = search.suggestion(rows, key, 0.02)
+    assert got["config"] == config and "rank" not in got
+    assert search.suggestion(rows, key, 0.05) is None, "not 5 % faster in every round"
+    rows[1] = _row(config, [0.0394, 0.0398], diff=0.5)
+    assert search.suggestion(rows, key, 0.02) is None, "a different result is never suggested"
+    # where the model runs the heuristic's first now, only a configuration can be suggested
+    rows = [_row("current: heuristic 0", [0.0399, 0.0401]), _row(config, [0.0420, 0.0430])]
+    assert search.suggestion(rows, key, 0.02) is None
+
+
 def test_graph_calls_are_checked(capsys):
     with pytest.raises(SystemExit):
         search.main(["--products", "qkv_fwd", "--graph-calls", "-1"])

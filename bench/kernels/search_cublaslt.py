@@ -18,9 +18,10 @@ torch's call) are then timed in --rounds alternated rounds, as bench_cublaslt ti
 and at the card's power cap (--sustain-ms of calls, then as many timed), and their results compared with the
 heuristic's first choice (max |difference| over max |value|: the order of the sums may differ, nothing else
 should). --graph-calls N times every candidate as N calls captured in a CUDA graph and replayed, as the step
-runs them: the smallest products (~0.05 ms) called one by one from Python are bound by the host. --json writes the results and a suggested table: TUNED_ALGOS with each product whose fastest finalist
-beats the model's call by --margin in every round, which bench_step --tuned-from (and so ab_step) runs. Whether a
-product's gain reaches the step only the step can say.
+runs them: the smallest products (~0.05 ms) called one by one from Python are bound by the host. --json writes
+the results and a suggested table: TUNED_ALGOS with each product whose fastest finalist (a configuration, or the
+heuristic's first choice as rank 0) beats the model's call by --margin in every round, which bench_step
+--tuned-from (and so ab_step) runs. Whether a product's gain reaches the step only the step can say.
 
     PYTHONPATH=src:. python -m bench.kernels.search_cublaslt [--products dgelu ...] [--B 16] [--json F]
 """
@@ -410,17 +411,24 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
         ratio = f"x{r['quick_ratio']:.3f}" if r["quick_ratio"] else "-"
         print(f"[{name}] quick {ratio}, best {r['ms_median']:.4f}, at cap {r['cap_ms_median']:.4f}"
               f" ms ({' '.join(f'{v:.4f}' for v in r['cap_ms'])}), diff {r['diff']:.1e}: {r['config']}", flush=True)
-    # the suggestion: the fastest at the cap if it beats the current choice by margin in every round
-    now = next(r for r in rows if str(r["config"]).startswith("current"))
-    best = min((r for r in rows if isinstance(r["config"], dict)), key=lambda r: r["cap_ms_median"], default=None)
-    suggested = None
-    if best is not None and max(best["cap_ms"]) < min(now["cap_ms"]) * (1 - margin) and best["diff"] < 1e-2:
-        suggested = {"key": list(tuned_key), "config": best["config"],
-                     "cap_ms": best["cap_ms_median"], "current_cap_ms": now["cap_ms_median"]}
+    suggested = suggestion(rows, tuned_key, margin)
     print(f"[{name}] suggested: {suggested}", flush=True)
     return {"product": name, "suggested": suggested, "checked": checked, "accepted": len(found),
             "timed": len(screened), "per_algo": dict(per_algo), "graph_calls": graph_calls,
             "heuristic": heuristic, "rows": rows, "quick": [(q, dataclasses.asdict(c)) for q, c, _ in screened[:100]]}
+
+
+def suggestion(rows: list, tuned_key: tuple, margin: float) -> dict | None:
+    """The TUNED_ALGOS entry a search suggests from its finalists' rows (search's "rows"): the fastest at the
+    cap among the configurations and the heuristic's first choice (as rank 0, unless the model runs that now),
+    if it beats the model's current call by margin in every round and computes the same product; else None."""
+    now = next(r for r in rows if str(r["config"]).startswith("current"))
+    others = [r for r in rows if isinstance(r["config"], dict) or r["config"] == "heuristic 0"]
+    best = min(others, key=lambda r: r["cap_ms_median"], default=None)
+    if best is None or max(best["cap_ms"]) >= min(now["cap_ms"]) * (1 - margin) or not best["diff"] < 1e-2:
+        return None
+    entry = {"rank": 0} if best["config"] == "heuristic 0" else {"config": best["config"]}
+    return {"key": list(tuned_key), **entry, "cap_ms": best["cap_ms_median"], "current_cap_ms": now["cap_ms_median"]}
 
 
 def suggested_table(results: list, tuned_algos: dict, capability: tuple) -> list:
