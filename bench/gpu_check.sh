@@ -120,7 +120,8 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       # every configuration cuBLASLt runs, per product of the step (SEARCH_PRODUCTS), then the whole step with
       # the suggested table against today's (bench/RESULTS.md run AC); SEARCH_ARGS="--split-k 2 3 4 6 8" searches
       # the split-K configurations instead where the inner dimension is deep enough (run AJ); SEARCH_B=16 the
-      # products of the step at B = 16 (and the A/B at that B); SEARCH_AB=0 the search alone
+      # products of the step at B = 16 (and the A/B at that B); SEARCH_AB=0 the search alone;
+      # SEARCH_ARGS="--graph-calls 20" times the candidates inside CUDA graphs, as the step runs them (run AP)
       timeout ${SEARCH_TIMEOUT:-420} python3 -m bench.kernels.search_cublaslt --products ${SEARCH_PRODUCTS:-qkv_fwd \
         fcproj_fwd attproj_fwd lm_head_fwd qkv_dinp fc_dinp attproj_dinp lm_head_dinp qkv_dweight attproj_dweight \
         fcproj_dweight lm_head_dweight} --top 4 --rounds 2 --budget-s ${SEARCH_BUDGET:-20} --B ${SEARCH_B:-64} \
