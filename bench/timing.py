@@ -54,7 +54,7 @@ def graphed(fn, calls: int):
     torch.cuda.synchronize()
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side):  # not torch.cuda.graph: its gc and cache flush at every capture slow a search
         graph.capture_begin()
         try:
             for _ in range(calls):

@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from bench.timing import median_ms, sustained_ms
+from bench.timing import graphed, median_ms, sustained_ms
 from llmpy.kernels import cublaslt
 from llmpy.kernels import matmul as kmm
 from llmpy.kernels.fused_classifier import fused_classifier
@@ -110,17 +110,15 @@ def main():
             ref = (losses.clone(), dlnf.clone(), dwte.clone())
         same = all(torch.equal(got, want) for got, want in zip((losses, dlnf, dwte), ref))
         err = float((losses - ref[0]).abs().max())
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        g.replay()
+        replay = graphed(run, 1)
+        replay()
         torch.cuda.synchronize()
-        ms = median_ms(g.replay, warmup_ms=100, rep_ms=500)
-        cap_ms = sustained_ms(g.replay, 3000, ms)
+        ms = median_ms(replay, warmup_ms=100, rep_ms=500)
+        cap_ms = sustained_ms(replay, 3000, ms)
         results.append(dict(label=label, S=S, rank=rank, ms=ms, cap_ms=cap_ms, bitwise=same, loss_err=err))
         print(f"{label:34s} median {ms:7.3f} ms  at the cap {cap_ms:7.3f} ms  bitwise {same}  loss err {err:.2e}",
               flush=True)
-        del g
+        del replay
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from llmpy.kernels.common import PIPELINE_FALLBACKS
-from bench.timing import compiled_ms, median_ms, row
+from bench.timing import compiled_ms, graphed, median_ms, row
 from llmpy.kernels.encoder import (WPE_SWEEP, WTE_SWEEP, encoder_backward, encoder_backward_scratch,
                                    encoder_backward_sort, encoder_forward, wpe_backward, wte_backward)
 
@@ -38,18 +38,7 @@ DTYPE = torch.bfloat16
 def _graph_ms(fn, label: str = ""):
     """Median time of fn replayed from a CUDA graph (no host launch overhead), or None if it fails."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile and warm up outside the capture
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        ms = median_ms(graph.replay)
-        del graph
-        return ms
+        return median_ms(graphed(fn, 1))  # compiled and warmed up by graphed's first call, outside the capture
     except Exception as e:
         print(f"graph timing failed for {label}: {type(e).__name__}: {e}")
         torch.cuda.synchronize()

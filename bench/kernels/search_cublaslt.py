@@ -369,7 +369,7 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     # card warms over a search and its clock moves more than the candidates differ)
     base = runner(0)
     screened, base_ms = [], None
-    runs = max(1, math.ceil(quick_calls(_quick_ms(base) / per) / per))
+    runs = math.ceil(quick_calls(_quick_ms(base) / per) / per)  # runs of `per` calls: the screen's window
     t0 = time.time()
     for i, (config, workspace) in enumerate(found):
         if time.time() - t0 > budget_s:
