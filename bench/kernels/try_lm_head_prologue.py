@@ -22,6 +22,16 @@ import triton.language as tl
 
 from llmpy.kernels.common import DOT_UPCAST, tma_descriptor_class
 
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    GLUON = True
+except Exception:  # noqa: BLE001
+    GLUON = False
+
 LOG2E = 1.4426950408889634
 
 
@@ -109,6 +119,105 @@ def _dweight_kernel(x_desc, a_desc, lse2_ptr, tgt_ptr, dw_ptr, dloss, V, R, N,
     tl.store(dw_ptr + offs, (old + acc).to(dw_ptr.dtype.element_ty))
 
 
+if GLUON:
+    @gluon.jit
+    def _gl_loads(x_desc, w_desc, x_ring, w_ring, bars, j, k0, m0, n0, STAGES: gl.constexpr, BK: gl.constexpr):
+        slot = j % STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [m0, (k0 + j) * BK], bar, x_ring.index(slot))
+        tma.async_copy_global_to_shared(w_desc, [(k0 + j) * BK, n0], bar, w_ring.index(slot))
+
+    @gluon.jit
+    def _dinp_gluon_kernel(x_desc, w_desc, w_ptr, lse2_ptr, tgt_ptr, out_ptr, dloss, V, M, N, K_TILES_SPLIT,
+                           BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr,
+                           NT: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, num_warps: gl.constexpr):
+        """_dinp_kernel with the prologue of tile j computed while the product of tile j - 1 runs (wgmma
+        issued asynchronously, A from registers), each slot refilled once the product that read it is done.
+        g = exp2(x log2e - lse2) dloss in the loop; dloss * wte[target] subtracted at the end (split 0)."""
+        pid = gl.program_id(0)
+        n_t = pid % NT
+        rest = pid // NT
+        s = rest % SPLIT
+        m_t = rest // SPLIT
+        m0 = m_t * BM
+        n0 = n_t * BN
+        mma_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BN, 16])
+        mma_x: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BK, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_acc, k_width=2)
+        x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        k0 = s * K_TILES_SPLIT
+        nk = K_TILES_SPLIT
+        for i in gl.static_range(STAGES):
+            if i < nk:
+                _gl_loads(x_desc, w_desc, x_ring, w_ring, bars, i, k0, m0, n0, STAGES, BK)
+        rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_x))
+        lse2 = gl.load(lse2_ptr + rows)
+        acc = warpgroup_mma_init(gl.zeros([BM, BN], gl.float32, mma_acc))
+        a_prev = gl.zeros([BM, BK], gl.bfloat16, a_l)
+        for j in range(nk):
+            slot = j % STAGES
+            mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+            x = x_ring.index(slot).load(mma_x)
+            if PLAIN:
+                a = gl.convert_layout(x, a_l)
+            else:
+                # no selects here: with the one-hot's where (or the padding's) on the tile, ptxas serialises the
+                # products (C7515); the target's -1 is taken in the epilogue, and wte's padding rows are zero
+                g = gl.exp2(x.to(gl.float32) * 1.4426950408889634 - gl.expand_dims(lse2, 1)) * dloss
+                a = gl.convert_layout(g.to(gl.bfloat16), a_l)
+            acc = warpgroup_mma(a, w_ring.index(slot), acc, is_async=True)
+            # the product of tile j - 1 done; its A registers (a_prev) are live until here, so that tile j's
+            # prologue, computed while that product runs, does not take them (acc stays an accumulator in flight)
+            warpgroup_mma_wait(num_outstanding=1, deps=(a_prev, ))
+            a_prev = a
+            if j > 0:  # the product of tile j - 1 is done: its slot takes tile j - 1 + STAGES
+                if j - 1 + STAGES < nk:
+                    _gl_loads(x_desc, w_desc, x_ring, w_ring, bars, j - 1 + STAGES, k0, m0, n0, STAGES, BK)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        out_rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_acc))
+        out_cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_acc))
+        if not PLAIN:
+            if s == 0:  # minus dloss * wte[target] (the one-hot's share), once over the splits
+                t_rows = gl.load(tgt_ptr + out_rows).to(gl.int64)
+                w_t = gl.load(w_ptr + gl.expand_dims(t_rows * N, 1) + gl.expand_dims(out_cols, 0))
+                acc = acc - w_t.to(gl.float32) * dloss
+        offs = gl.expand_dims((s * M + out_rows) * N, 1) + gl.expand_dims(out_cols, 0)
+        gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty))
+
+
+def dinp_gluon(logits, wte, lse2, tgt, dloss, V, out, BM=128, BN=256, BK=64, split=2, stages=4, warps=8,
+               plain=False):
+    M, Vp = logits.shape
+    N = wte.shape[1]
+    k_tiles = triton.cdiv(Vp, BK)
+    assert M % BM == 0 and N % BN == 0 and k_tiles % split == 0
+    lay_x = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    lay_w = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
+    x_desc = GluonTensorDescriptor.from_tensor(logits, [BM, BK], lay_x)
+    w_desc = GluonTensorDescriptor.from_tensor(wte, [BK, BN], lay_w)
+    part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=logits.device)
+    NT = N // BN
+    global last_gluon
+    last_gluon = _dinp_gluon_kernel[(M // BM * split * NT,)](
+        x_desc, w_desc, wte, lse2, tgt, part, dloss, V, M, N, k_tiles // split, BM=BM, BN=BN, BK=BK, SPLIT=split, NT=NT,
+        STAGES=stages, PLAIN=plain, num_warps=warps)
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(M * N, 4096),)](part, out, M * N, SPLIT=split, BLOCK=4096)
+    return out
+
+
+last_gluon = None
+
+
 def dinp(logits, wte, lse2, tgt, dloss, V, out, g_out=None, BM=128, BN=256, BK=64, split=1, stages=3, warps=8,
          plain=False):
     TD = tma_descriptor_class()
@@ -161,6 +270,18 @@ def oracle(logits, wte, lnf, tgt, dloss, V):
     p[torch.arange(len(tgt)), tgt.long()] -= 1
     g = p * dloss
     return g @ wte.double(), g.t() @ lnf.double(), g
+
+
+def oracle_dinp(logits, wte, tgt, dloss, V, rows=1024):
+    """float64 dinp (the oracle), `rows` rows at a time."""
+    out = torch.empty(logits.shape[0], wte.shape[1], dtype=torch.float64, device=logits.device)
+    for r0 in range(0, logits.shape[0], rows):
+        x = logits[r0:r0 + rows].double()
+        x[:, V:] = float("-inf")
+        p = torch.softmax(x, dim=1)
+        p[torch.arange(p.shape[0], device=p.device), tgt[r0:r0 + rows].long()] -= 1
+        out[r0:r0 + rows] = (p * dloss) @ wte.double()
+    return out
 
 
 def lse2_of(logits, V):
@@ -237,7 +358,27 @@ def bench(args):
                                         warps=w), 1.2)
             except Exception as e:  # noqa: BLE001
                 print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+        if GLUON:
+            for plain, stages, split in args.gluon_configs:
+                name = f"gluon {'plain' if plain else 'fused'} dinp BM128 BN256 BK64 split{split} st{stages} w8"
+                try:
+                    t(name, lambda: dinp_gluon(logits, wte, lse2, tgt, dloss, V, dlnf, split=split, stages=stages,
+                                               plain=plain), 1.0)
+                except Exception as e:  # noqa: BLE001
+                    print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+    if GLUON:
+        dlnf.fill_(float("nan"))
+        dinp_gluon(logits, wte, lse2, tgt, dloss, V, dlnf)
+        ref = torch.mm(g_cls.float(), wte.float())
+        ref64 = oracle_dinp(logits, wte, tgt, dloss, V)
+        e = ((dlnf.float() - ref).abs().max() / ref.abs().max()).item()
+        e64 = ((dlnf.double() - ref64).abs().max() / ref64.abs().max()).item()
+        e_cls = ((ref.double() - ref64).abs().max() / ref64.abs().max()).item()
+        print(f"gluon dinp against the fp32 product of the classifier's g: {e:.2e}; against float64: {e64:.2e} "
+              f"(the classifier's g through an fp32 product: {e_cls:.2e})")
     # correctness at the real shape: g's bits against the classifier's, products against cuBLAS on g_cls
+    if args.gluon_only:
+        return
     dinp(logits, wte, lse2, tgt, dloss, V, dlnf, g_out, split=2)
     diff = (g_out.view(torch.int16) != g_cls.view(torch.int16)).float().mean().item()
     ref = torch.mm(g_cls.float(), wte.float())
@@ -255,11 +396,15 @@ def main():
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sustain-ms", type=float, default=300)
+    ap.add_argument("--gluon-only", action="store_true", help="baselines and the Gluon kernel only")
     args = ap.parse_args()
     # call 1 ran BM128 BN256 BK64 split 1-2 stages 3-4, BN128, BK32, BM64 (+g or not); call 2 the plain control
     args.dinp_configs = [(128, 256, 64, 2, 3, 8, False, True), (128, 256, 64, 2, 3, 8, False, False),
                          (128, 256, 64, 2, 4, 8, False, True)]
     args.dw_configs = [(128, 256, 64, 3, 8)]
+    args.gluon_configs = [(True, 3, 2), (False, 3, 2), (True, 4, 2), (False, 4, 2), (False, 4, 1)]
+    if args.gluon_only:
+        args.dinp_configs, args.dw_configs = [], []
     if args.check_only or not torch.cuda.is_available():
         check("cuda" if torch.cuda.is_available() else "cpu")
         check("cuda" if torch.cuda.is_available() else "cpu", M=128, Vp=512, V=500, C=256, split=1, BM=64, BN=128)
