@@ -1,15 +1,22 @@
-"""Experiment (issue 5): the lm_head backward with the classifier's gradient computed in the products' prologue.
+"""Experiment (issue 5): the lm_head backward with the classifier's gradient formed in the products' prologue.
 
 Today, per chunk of rows: the fused classifier reads the logits and writes dlogits = (softmax - onehot) * dloss
-in place (0.495 ms a chunk of 8192 rows in the graphed step), then cuBLAS computes dlnf = dlogits @ wte and
+in place (0.45 ms a chunk of 8192 rows at the cap), then cuBLAS computes dlnf = dlogits @ wte and
 dwte += dlogits^T @ lnf. Here, given each row's log-sum-exp (a read-only pass: the classifier's validation
-kernel), the products load the LOGITS and form dlogits in registers before the tensor cores take them:
+kernel stands in for it), the products load the LOGITS and form g = dlogits in registers on the way into the
+tensor cores, and nothing writes or reads dlogits:
 - dinp: dlnf[rows, c] = sum_v g(rows, v) wte[v, c], g formed from a [BM, BK] tile of logits;
-- dweight: dwte[v, c] += sum_r g(r, v) lnf[r, c], g formed from a [BK, BM] tile and transposed.
-g is the classifier's expression, element for element. Question: can Triton run these near cuBLAS's speed?
-Win if stats pass + fused products < classifier + cuBLAS products.
+- dweight: dwte[v, c] += sum_r g(r, v) lnf[r, c], g formed from a [BK, BM] tile read transposed.
+A win if the read-only pass and the two products take less than the classifier and cuBLAS's two products.
 
-Run: python bench/kernels/try_lm_head_prologue.py [--check-only]. Throwaway: removed once measured.
+Status (bench/RESULTS.md, run AQ): the Triton kernels (tl.dot) are measured: their product alone is within 2-5 % of
+cuBLAS, but the prologue adds 0.75 ms a call, serialised with the products (1.71 against 0.97 ms). The Gluon kernels
+(the prologue of tile j + 1 under the asynchronous product of tile j) compile for sm_90a without spills or
+serialisation and are not yet measured: `python bench/kernels/try_lm_head_prologue.py --rounds 2 --gluon-only` on an
+H200. ptxas serialises every wgmma when a select touches the A tile (C7515), so the Gluon kernels take the one-hot's
+-dloss out of the tile: dinp subtracts dloss * wte[target] in its epilogue, dweight leaves it to a scatter (index_add_
+here: atomic, a stand-in for timing), and both rely on wte's padding rows being zero. An experiment, not the model's
+code: removed once measured.
 """
 from __future__ import annotations
 
@@ -338,7 +345,8 @@ def dweight(logits, a, lse2, tgt, dloss, V, dw, BM=128, BN=256, BK=64, stages=3,
     a_desc = TD.from_tensor(a, [BK, BN])
     NT = N // BN
     _dweight_kernel[(triton.cdiv(Vp, BM) * NT,)](x_desc, a_desc, lse2, tgt, dw, dloss, V, R, N,
-                                                BM=BM, BN=BN, BK=BK, NT=NT, STAGES=stages, UPCAST=DOT_UPCAST, num_warps=warps)
+                                                BM=BM, BN=BN, BK=BK, NT=NT, STAGES=stages, UPCAST=DOT_UPCAST,
+                                                num_warps=warps)
     return dw
 
 
