@@ -15,7 +15,8 @@ cuBLAS, but the prologue adds 0.75 ms a call, serialised with the products (1.71
 serialisation and are not yet measured: `python bench/kernels/try_lm_head_prologue.py --rounds 2 --gluon-only` on an
 H200. ptxas serialises every wgmma when a select touches the A tile (C7515), so the Gluon kernels take the one-hot's
 -dloss out of the tile: dinp subtracts dloss * wte[target] in its epilogue, dweight leaves it to a scatter (index_add_
-here: atomic, a stand-in for timing), and both rely on wte's padding rows being zero. An experiment, not the model's
+here, atomic; the script also times the encoder backward's deterministic wte_backward, which a model would use),
+and both rely on wte's padding rows being zero. An experiment, not the model's
 code: removed once measured.
 """
 from __future__ import annotations
@@ -274,7 +275,7 @@ if GLUON:
 
 def dweight_gluon(logits, a, lse2, tgt, dloss, V, dw, BM=128, BN=256, BK=64, stages=3, warps=8, plain=False):
     """dw += g^T a over the chunk's rows, then the target's share -dloss * a[r] into dw[tgt[r]] (index_add_: a
-    stand-in with atomics, for timing; the model would need a deterministic scatter)."""
+    stand-in with atomics; bench() also times the deterministic scatter a model would use, wte_backward)."""
     R, Vp = logits.shape
     N = a.shape[1]
     assert R % BK == 0 and N % BN == 0 and Vp % BM == 0
@@ -470,6 +471,14 @@ def bench(args):
                       1.0)
                 except Exception as e:  # noqa: BLE001
                     print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+        if GLUON and rnd == 0:
+            # what the model would run instead of index_add_: the encoder backward's deterministic scatter of
+            # -dloss * lnf by the targets (dloss a power of two: the scaled copy is exact in bf16)
+            from llmpy.kernels.encoder import encoder_backward_scratch, wte_backward
+            lnf_s = (lnf * -dloss).view(1, M, C)
+            scratch = encoder_backward_scratch(1, M, C, dev)
+            t("deterministic one-hot scatter (wte_backward, one chunk)",
+              lambda: wte_backward(dw, lnf_s, tgt.view(1, M), 1234, scratch), 0.05)
     if GLUON:
         dw.zero_()
         dweight_gluon(logits, lnf, lse2, tgt, dloss, V, dw)
