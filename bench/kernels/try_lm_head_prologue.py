@@ -36,6 +36,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from llmpy.kernels.flash_backward_wgmma import _rings
     GLUON = True
 except Exception:  # noqa: BLE001
     GLUON = False
@@ -155,11 +156,7 @@ if GLUON:
         mma_x: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BK, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_acc, k_width=2)
-        x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-        w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
+        x_ring, w_ring, bars = _rings(x_desc, w_desc, STAGES)  # the flash backward's TMA rings
         k0 = s * K_TILES_SPLIT
         nk = K_TILES_SPLIT
         for i in gl.static_range(STAGES):
@@ -227,11 +224,7 @@ if GLUON:
         mma_x: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BK, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_acc, k_width=2)
-        x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
+        x_ring, a_ring, bars = _rings(x_desc, a_desc, STAGES)  # the flash backward's TMA rings
         nk = R // BK
         for i in gl.static_range(STAGES):
             if i < nk:
