@@ -266,9 +266,11 @@ if GLUON:
         gl.store(dw_ptr + offs, acc.to(dw_ptr.dtype.element_ty), mask=mask)
 
 
-def dweight_gluon(logits, a, lse2, tgt, dloss, V, dw, BM=128, BN=256, BK=64, stages=3, warps=8, plain=False):
+def dweight_gluon(logits, a, lse2, tgt, dloss, V, dw, BM=128, BN=256, BK=64, stages=3, warps=8, plain=False,
+                  scatter=True):
     """dw += g^T a over the chunk's rows, then the target's share -dloss * a[r] into dw[tgt[r]] (index_add_: a
-    stand-in with atomics; bench() also times the deterministic scatter a model would use, wte_backward)."""
+    stand-in with atomics; bench() also times the deterministic scatter a model would use, wte_backward).
+    scatter=False: the products only."""
     R, Vp = logits.shape
     N = a.shape[1]
     assert R % BK == 0 and N % BN == 0 and Vp % BM == 0
@@ -279,7 +281,7 @@ def dweight_gluon(logits, a, lse2, tgt, dloss, V, dw, BM=128, BN=256, BK=64, sta
     NT = N // BN
     _dweight_gluon_kernel[(Vp // BM * NT,)](x_desc, a_desc, lse2, dw, dloss, V, R, N, BM=BM, BN=BN, BK=BK, NT=NT,
                                            STAGES=stages, PLAIN=plain, num_warps=warps)
-    if not plain:
+    if scatter and not plain:
         dw.index_add_(0, tgt.long(), a, alpha=-dloss)
     return dw
 
@@ -400,7 +402,7 @@ def check(device, M=256, Vp=640, V=600, C=512, split=2, BM=64, BN=256, BK=64):
 
 
 def bench(args):
-    from bench.timing import median_ms, sustained_ms
+    from bench.timing import graphed, median_ms, sustained_ms
     from llmpy.kernels.fused_classifier import fused_classifier
     dev = "cuda"
     M, Vp, V, C = 8192, 50304, 50257, 768
@@ -472,6 +474,28 @@ def bench(args):
             scratch = encoder_backward_scratch(1, M, C, dev)
             t("deterministic one-hot scatter (wte_backward, one chunk)",
               lambda: wte_backward(dw, lnf_s, tgt.view(1, M), 1234, scratch), 0.05)
+        if GLUON:
+            # the chunk's whole lm_head backward both ways, 8 chunks (a step's) captured in a CUDA graph as the
+            # step runs them, ms a chunk at the cap
+            def today():
+                fused_classifier(work, losses, dloss, tgt, V, write_dlogits=True)
+                torch.mm(work, wte, out=dlnf)
+                dw.addmm_(work.t(), lnf)
+
+            def fused(stages):
+                fused_classifier(logits, losses, dloss, tgt, V, write_dlogits=False)  # the read-only pass's stand-in
+                dinp_gluon(logits, wte, lse2, tgt, dloss, V, dlnf, split=2, stages=stages)
+                dweight_gluon(logits, lnf, lse2, tgt, dloss, V, dw, stages=stages, scatter=False)
+                wte_backward(dw, lnf_s, tgt.view(1, M), 1234, scratch)
+            for name, fn in [("today: classifier, cuBLAS dinp, cuBLAS dweight", today),
+                             ("fused: read-only pass, Gluon dinp, Gluon dweight, scatter (3 stages)", lambda: fused(3)),
+                             ("fused: the same, 4 stages", lambda: fused(4))]:
+                try:
+                    replay = graphed(fn, 8)
+                    cap = sustained_ms(replay, args.sustain_ms * 3, 8 * 2.4) / 8
+                    print(f"{'graphed chunk, ' + name:90s} cap {cap:.4f} ms a chunk", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"graphed chunk, {name}: {type(e).__name__}: {str(e)[:300]}")
     if GLUON:
         dw.zero_()
         dweight_gluon(logits, lnf, lse2, tgt, dloss, V, dw)
