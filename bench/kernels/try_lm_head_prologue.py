@@ -130,6 +130,12 @@ def _dweight_kernel(x_desc, a_desc, lse2_ptr, tgt_ptr, dw_ptr, dloss, V, R, N,
 
 
 if GLUON:
+    @gluon.constexpr_function
+    def _mma_layout(cols, num_warps):
+        """The wgmma accumulator layout of [16 * num_warps, cols] tiles: the products' (cols = BN), and the one
+        the logits tile is read into for its prologue (cols = BK), whose results convert to the A operand."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
     @gluon.jit
     def _gl_loads(x_desc, w_desc, x_ring, w_ring, bars, j, k0, m0, n0, STAGES: gl.constexpr, BK: gl.constexpr):
         slot = j % STAGES
@@ -152,10 +158,8 @@ if GLUON:
         m_t = rest // SPLIT
         m0 = m_t * BM
         n0 = n_t * BN
-        mma_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, BN, 16])
-        mma_x: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BK, 16])
+        mma_acc: gl.constexpr = _mma_layout(BN, num_warps)
+        mma_x: gl.constexpr = _mma_layout(BK, num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_acc, k_width=2)
         x_ring, w_ring, bars = _rings(x_desc, w_desc, STAGES)  # the flash backward's TMA rings
         k0 = s * K_TILES_SPLIT
@@ -220,10 +224,8 @@ if GLUON:
         v_t = pid // NT
         v0 = v_t * BM
         n0 = n_t * BN
-        mma_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, BN, 16])
-        mma_x: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BK, 16])
+        mma_acc: gl.constexpr = _mma_layout(BN, num_warps)
+        mma_x: gl.constexpr = _mma_layout(BK, num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_acc, k_width=2)
         x_ring, a_ring, bars = _rings(x_desc, a_desc, STAGES)  # the flash backward's TMA rings
         nk = R // BK
