@@ -308,8 +308,7 @@ def search(name: str, top: int, sustain_ms: float, budget_s: float, seed: int, r
     import torch
 
     from bench.kernels.bench_cublaslt import _ms_per_call
-    from bench.timing import graphed
-    from bench.timing import sustained_ms
+    from bench.timing import graphed, sustained_ms
     from llmpy.kernels import cublaslt
     from llmpy.kernels import matmul
     fn_name, shapes, tuned_key = (shape_products or PRODUCTS)[name]
