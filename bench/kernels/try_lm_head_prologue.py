@@ -16,8 +16,13 @@ serialisation and are not yet measured: `python bench/kernels/try_lm_head_prolog
 H200. ptxas serialises every wgmma when a select touches the A tile (C7515), so the Gluon kernels take the one-hot's
 -dloss out of the tile: dinp subtracts dloss * wte[target] in its epilogue, dweight leaves it to a scatter (index_add_
 here, atomic; the script also times the encoder backward's deterministic wte_backward, which a model would use),
-and both rely on wte's padding rows being zero. An experiment, not the model's
-code: removed once measured.
+and both rely on wte's padding rows being zero.
+
+--step (or --step-only) also times the whole training step with and without the Gluon kernels (lm_head_patch puts
+them into a GPT2Model's chunked classifier; blocks of steps alternated between two models in one process, the same
+batches, losses side by side). On the CPU the script checks the Triton kernels and lm_head_patch's plumbing (with
+torch stand-ins for the Gluon kernels) against the model's own classifier. An experiment, not the model's code:
+removed once measured.
 """
 from __future__ import annotations
 
@@ -527,12 +532,160 @@ def bench(args):
           f"g {e:.2e}; dweight {ew:.2e}")
 
 
+
+def dinp_torch(logits, wte, lse2, tgt, dloss, V, out):
+    """dinp_gluon's result in fp32 torch: the CPU stand-in of check_patch (g over every column, then the
+    one-hot's -dloss * wte[target]; wte's padding rows are zero)."""
+    g = torch.exp2(logits.float() * LOG2E - lse2[:, None]) * dloss
+    out.copy_(g @ wte.float() - dloss * wte.float()[tgt.long()])
+    return out
+
+
+def dweight_torch(logits, a, lse2, tgt, dloss, V, dw):
+    """dweight_gluon(scatter=False)'s result in fp32 torch: rows v < V only, no one-hot."""
+    g = torch.exp2(logits[:, :V].float() * LOG2E - lse2[:, None]) * dloss
+    dw[:V] = (dw[:V].float() + g.t() @ a.float()).to(dw.dtype)
+    return dw
+
+
+def lm_head_patch(model, dinp_fn, dweight_fn):
+    """Give `model` (a GPT2Model with classifier chunks) this design's training classifier: per chunk the lm_head
+    product, the validation classifier (losses, read-only), each row's lse2 = (loss + its target's logit) log2 e,
+    then dinp_fn and dweight_fn forming g from the logits; after the chunks one deterministic scatter of
+    -dloss * lnf by the targets into dwte (the one-hot's share, which dweight_fn leaves out). Buffers are
+    allocated here, before the step's graph is captured. Validation forwards keep the model's own path."""
+    from llmpy.kernels import matmul as kmm
+    from llmpy.kernels.encoder import encoder_backward_scratch, wte_backward
+    from llmpy.kernels.fused_classifier import fused_classifier
+    assert model.classifier_chunks > 1, "the patch replaces the chunked classifier"
+    cfg, p, g, acts = model.config, model.params, model.grads, model.acts
+    assert not p["wte"][cfg.vocab_size:].any(), "dinp relies on wte's padding rows being zero"
+    B, T, C, V, Vp = model.B, model.T, cfg.channels, cfg.vocab_size, cfg.padded_vocab_size
+    dev = p["wte"].device
+    lse2 = torch.empty(B * T, dtype=torch.float32, device=dev)
+    tgt_logit = torch.empty(B * T, 1, dtype=acts["lnf"].dtype, device=dev)
+    tgt64 = torch.empty(B * T, 1, dtype=torch.int64, device=dev)
+    lnf_scaled = torch.empty(B, T, C, dtype=acts["lnf"].dtype, device=dev)
+    scratch = encoder_backward_scratch(B, T, C, dev)
+    own = model._chunked_classifier
+
+    def chunked_classifier(tgt, dloss):
+        if dloss is None:
+            return own(tgt, dloss)
+        lnf, losses, tgt = acts["lnf"].view(-1, C), acts["losses"].view(-1), tgt.view(-1)
+        dlnf = model._dlnf().view(-1, C)
+        tgt64.copy_(tgt.view(-1, 1))
+        for r0, r1 in model._chunk_bounds:
+            logits = model._output((r1 - r0) * Vp).view(r1 - r0, Vp)
+            kmm.matmul_forward(logits, lnf[r0:r1], p["wte"], use_cublaslt=model.use_cublaslt)
+            fused_classifier(logits, losses[r0:r1], 0.0, tgt[r0:r1], V, write_dlogits=False)
+            torch.gather(logits, 1, tgt64[r0:r1], out=tgt_logit[r0:r1])
+            torch.add(losses[r0:r1], tgt_logit[r0:r1, 0], out=lse2[r0:r1])
+            lse2[r0:r1].mul_(LOG2E)
+            dinp_fn(logits, p["wte"], lse2[r0:r1], tgt[r0:r1], dloss, V, dlnf[r0:r1])
+            dweight_fn(logits, lnf[r0:r1], lse2[r0:r1], tgt[r0:r1], dloss, V, g["wte"])
+        torch.mul(acts["lnf"], -dloss, out=lnf_scaled)  # exact: dloss is a power of two at the bench's shapes
+        wte_backward(g["wte"], lnf_scaled, tgt.view(B, T), 0, scratch, stochastic=False)
+
+    model._chunked_classifier = chunked_classifier
+    return model
+
+
+def check_patch(device, dtype, tol):
+    """A small model with lm_head_patch against the same model without it: losses and every gradient after one
+    training forward and backward (on the CPU through dinp_torch / dweight_torch, on the GPU the Gluon kernels)."""
+    from llmpy.config import GPT2Config
+    from llmpy.init import init_parameters
+    from llmpy.config import parameter_views
+    from llmpy.model import GPT2Model
+    if device == "cpu":
+        config, B, T = GPT2Config(max_seq_len=32, vocab_size=300, num_layers=2, num_heads=2, channels=64), 2, 16
+        fns = (dinp_torch, dweight_torch)
+    else:  # the Gluon kernels' tiles: rows and channels in whole tiles
+        config, B, T = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_heads=4, channels=256), 4, 256
+        fns = (dinp_gluon, lambda *a: dweight_gluon(*a, scatter=False))
+    params = init_parameters(config, seed=7)
+    params[:config.padded_vocab_size * config.channels] *= 2 / (0.02 * config.channels ** 0.5)  # logits of a few units
+    params[config.vocab_size * config.channels:config.padded_vocab_size * config.channels] = 0
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(0, config.vocab_size, (B, T), generator=gen)
+    y = torch.randint(0, config.vocab_size, (B, T), generator=gen)
+    out = []
+    for patched in (False, True):
+        model = GPT2Model(config, params, B, T, device=device, dtype=dtype, classifier_chunks=2, cuda_graph=False)
+        if patched:
+            lm_head_patch(model, *fns)
+        model.zero_grad()
+        model.forward(x, y, dloss=1.0 / (B * T))
+        losses = model.acts["losses"].float().cpu().clone()
+        model.backward()
+        out.append((losses, parameter_views(model.gradients_fp32().cpu(), config)))
+    (l0, g0), (l1, g1) = out
+    e_loss = ((l1 - l0).abs().max() / l0.abs().max()).item()
+    worst = max(((g1[n] - g0[n]).norm() / g0[n].norm().clamp_min(1e-30)).item() for n in g0)
+    pad = g1["wte"][config.vocab_size:].abs().max().item()
+    print(f"check_patch {device} {dtype}: losses {e_loss:.2e}, worst gradient {worst:.2e}, wte padding rows "
+          f"{pad:.1e}", flush=True)
+    assert e_loss < tol and worst < tol and pad == 0, (e_loss, worst, pad)
+
+
+def step_ab(args):
+    """The whole training step with and without lm_head_patch (Gluon kernels), at bench_step's acceptance
+    settings (B = 64, T = 1024, -r 0, CUDA graph): two models from the same parameters in this process, the same
+    batches, blocks of steps alternated so that the card's drift does not pick the winner. Prints the losses
+    of the first steps side by side, each block's median and each variant's median over its blocks."""
+    import statistics
+    import time
+    from bench import bench_step
+    from llmpy.init import init_parameters
+    from llmpy.model import GPT2Model
+    bargs = bench_step.parse_args(["--systems", "llmpy", "--recompute", "0"])
+    bench_step.set_kernel_switches(bargs)
+    config = bench_step.parse_descriptor(bargs.model)
+    flat = init_parameters(config, bargs.seed)
+    steps = args.step_blocks * args.block_steps
+    batches = bench_step.make_batches(config.vocab_size, bargs.B, bargs.T, steps, bargs.data_seed, pin=True)
+    models = {}
+    for name in ("today", "fused"):
+        model = GPT2Model(config, flat, bargs.B, bargs.T, device="cuda", dtype=torch.bfloat16,
+                          **bench_step.llmpy_options(bargs))
+        if name == "fused":
+            lm_head_patch(model, dinp_gluon, lambda *a: dweight_gluon(*a, scatter=False))
+        models[name] = model
+    print(f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB for both models", flush=True)
+    losses = {n: [] for n in models}
+    blocks = {n: [] for n in models}
+    for blk in range(args.step_blocks):
+        for name in (("today", "fused") if blk % 2 == 0 else ("fused", "today")):
+            ms = []
+            for i in range(blk * args.block_steps, (blk + 1) * args.block_steps):
+                t0 = time.perf_counter()
+                loss, _ = models[name].train_step([batches[i]], bargs.lr, i + 1, bargs.weight_decay,
+                                                  bargs.grad_clip)
+                losses[name].append(float(loss))
+                torch.cuda.synchronize()
+                ms.append((time.perf_counter() - t0) * 1e3)
+            blocks[name].append(statistics.median(ms))
+            print(f"block {blk} {name}: median {blocks[name][-1]:.2f} ms", flush=True)
+    for i in range(min(10, steps)):
+        print(f"step {i + 1}: today {losses['today'][i]:.6f} fused {losses['fused'][i]:.6f} "
+              f"diff {losses['fused'][i] - losses['today'][i]:+.2e}")
+    worst = max(abs(a - b) for a, b in zip(losses["today"], losses["fused"]))
+    print(f"largest loss difference over {steps} steps: {worst:.2e}")
+    for name, meds in blocks.items():  # the first block of each compiles and captures: left out
+        print(f"{name}: median of block medians (blocks 1..) {statistics.median(meds[1:]):.2f} ms")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sustain-ms", type=float, default=300)
     ap.add_argument("--gluon-only", action="store_true", help="baselines and the Gluon kernel only")
+    ap.add_argument("--step", action="store_true", help="after the kernels, the whole step with and without them")
+    ap.add_argument("--step-only", action="store_true", help="the whole step with and without them, only")
+    ap.add_argument("--step-blocks", type=int, default=9, help="--step: blocks of steps a variant")
+    ap.add_argument("--block-steps", type=int, default=15, help="--step: steps a block")
     args = ap.parse_args()
     # call 1 ran BM128 BN256 BK64 split 1-2 stages 3-4, BN128, BK32, BM64 (+g or not); call 2 the plain control
     args.dinp_configs = [(128, 256, 64, 2, 3, 8, False, True), (128, 256, 64, 2, 3, 8, False, False),
@@ -546,10 +699,15 @@ def main():
         check("cuda" if torch.cuda.is_available() else "cpu")
         check("cuda" if torch.cuda.is_available() else "cpu", M=128, Vp=512, V=500, C=256, split=1, BM=64, BN=128)
         if not torch.cuda.is_available():
+            check_patch("cpu", torch.float32, 1e-5)
+            check_patch("cpu", torch.bfloat16, 3e-2)
             return
-    if torch.cuda.is_available():
+    if not args.step_only:
         check("cuda")
         bench(args)
+    if args.step or args.step_only:
+        check_patch("cuda", torch.bfloat16, 3e-2)
+        step_ab(args)
 
 
 if __name__ == "__main__":
