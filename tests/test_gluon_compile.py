@@ -22,8 +22,9 @@ import torch
 from llmpy.kernels import flash_attention as fa
 from llmpy.kernels import flash_backward_wgmma as fw
 from llmpy.kernels import fused_classifier_tma as fct
+from llmpy.kernels import lm_head_backward as klm
 
-if not (fct.GLUON and fw.GLUON):
+if not (fct.GLUON and fw.GLUON and klm.GLUON):
     # CI installs the newest triton, which has Gluon: there a missing Gluon fails instead of skipping
     if os.environ.get("CI"):
         raise RuntimeError("this triton has no Gluon (triton.experimental.gluon did not import) in CI")
@@ -103,6 +104,30 @@ def _compile_flash_backward(q_sums: bool, a_regs: int = 0, maxnreg: int | None =
         a_regs=a_regs, maxnreg=maxnreg))
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel launched after the one compiled (it cannot run on CPU tensors here)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _compile_lm_head(which: str):
+    R, C, V, Vp = 256, 256, 1000, 1024
+    logits = torch.empty(R, Vp, dtype=torch.bfloat16)
+    wte, lnf = torch.empty(Vp, C, dtype=torch.bfloat16), torch.empty(R, C, dtype=torch.bfloat16)
+    lse2, targets = torch.empty(R), torch.zeros(R, dtype=torch.int32)
+    if which == "dweight":
+        return _compile_launch(klm, "_lm_head_dweight_kernel",
+                               lambda: klm.lm_head_dweight(logits, lnf, lse2, 1.0 / R, V, wte))
+    split_sum, klm._lm_head_split_sum_kernel = klm._lm_head_split_sum_kernel, _NoLaunch()
+    try:
+        return _compile_launch(klm, "_lm_head_dinp_kernel", lambda: klm.lm_head_dinp(
+            logits, wte, lse2, targets, 1.0 / R, torch.empty(R, C, dtype=torch.bfloat16),
+            torch.empty(klm.DINP_SPLIT, R, C)))
+    finally:
+        klm._lm_head_split_sum_kernel = split_sum
+
+
 def _summary(compiled) -> dict:
     return {"shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"]),
             "sm90a": ".target sm_90a" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
@@ -129,6 +154,8 @@ def _compile_all() -> dict:
     model = fa._CONFIGS_16[64]
     out["flash_backward_k_in_registers"] = attempt(lambda: _summary(_compile_flash_backward(
         True, model["wgmma_a_regs"], model["wgmma_maxnreg"])))
+    for which in ("dinp", "dweight"):
+        out[f"lm_head_{which}"] = attempt(lambda: _summary(_compile_lm_head(which)))
     return out
 
 
@@ -159,6 +186,14 @@ def test_wgmma_flash_backward_compiles(compiled, variant):
     assert c["sm90a"] and c["wgmma"] and c["cubin_bytes"] > 0 and c["tma_loads"] > 0
     # three programs an SM: the balance run W measured (bench/RESULTS.md)
     assert 3 * c["shared"] <= SM90_SHARED_BYTES
+
+
+@pytest.mark.parametrize("which", ["dinp", "dweight"])
+def test_lm_head_backward_compiles(compiled, which):
+    c = compiled[f"lm_head_{which}"]
+    assert "error" not in c, c.get("error")
+    assert c["sm90a"] and c["wgmma"] and c["cubin_bytes"] > 0 and c["tma_loads"] > 0
+    assert c["shared"] <= SM90_SHARED_BYTES
 
 
 if __name__ == "__main__":

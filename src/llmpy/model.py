@@ -62,7 +62,11 @@ then at once dlnf[r] = dlogits_r @ wte and dwte += dlogits_r^T @ lnf[r] - the cl
 moved into the forward, so backward() starts from the stored dlnf. Validation is chunked the same way
 (losses only); a forward without targets stops at lnf, and logits_last computes the rows it returns.
 The chunk's buffer is not memory of its own: it overlays the backward's scratch, dead in the classifier
-section (see _shared_scratch_specs).
+section (see _shared_scratch_specs). lm_head_prologue=True (sm_90, bf16, not yet measured: off by default)
+replaces a chunk's training classifier and lm_head backward by the validation classifier (losses only), a
+pass for each row's log-sum-exp, and two Gluon products that form the logit gradient from the logits on the
+way into the tensor cores (kernels.lm_head_backward): nothing writes or reads dlogits; the one-hot's share of
+dwte is one deterministic scatter a step (the encoder backward's, on its scratch, free in the forward).
 
 Attention: "classic" (llm.c's permute + cuBLAS + softmax path: keeps qkvr and the (B, NH, T, T)
 probabilities per layer), "flash" (the Triton flash kernels), "cudnn" (cuDNN's through its frontend,
@@ -99,6 +103,7 @@ from .kernels import attention as kattn
 from .kernels import encoder as kenc
 from .kernels import global_norm as knorm
 from .kernels import layernorm as kln
+from .kernels import lm_head_backward as klm
 from .kernels import matmul as kmm
 from .kernels.common import interpreting
 from .kernels.fused_classifier import fused_classifier
@@ -233,11 +238,12 @@ def _aligned(nbytes: int) -> int:
 
 def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, recompute: int,
                      attention: str, device="cpu", classifier_chunks: int = 1,
-                     fc_bias_in_product: bool = False) -> list[BufferSpec]:
+                     fc_bias_in_product: bool = False, lm_head_prologue: bool = False) -> list[BufferSpec]:
     """The activation and scratch buffers of the model (llm.c's ActivationTensors), for a resolved
     attention impl and a resolved number of classifier chunks. Per-layer tensors have a leading L; those
     recompute shares across layers have 1. fc_bias_in_product: ln2's rows carry FC_BIAS_COLUMNS more
-    columns (a 1, then 0s) and the fc weight gradient's fp32 product gets a scratch of its own."""
+    columns (a 1, then 0s) and the fc weight gradient's fp32 product gets a scratch of its own.
+    lm_head_prologue: each row's lse2 and the Gluon dinp's two fp32 halves of a chunk's dlnf."""
     L, C, NH, Vp = config.num_layers, config.channels, config.num_heads, config.padded_vocab_size
     hs = C // NH
     f32 = torch.float32
@@ -306,6 +312,9 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     if fc_bias_in_product:
         # the fc weight-gradient product's fp32 output: the weight gradient, then the bias gradient column
         specs.append(BufferSpec("fc_grad_wide", (4 * C * (C + FC_BIAS_COLUMNS),), f32, "scratch"))
+    if lm_head_prologue:
+        specs += [BufferSpec("lm_head_lse2", (B * T,), f32, "scratch"),
+                  BufferSpec("lm_head_partial", (klm.DINP_SPLIT, chunk_rows, C), f32, "scratch")]
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
     if attention in kattn.TRITON_BACKWARD:
@@ -355,7 +364,7 @@ def _shared_scratch_specs(B: int, T: int, C: int, out_numel: int, dtype: torch.d
 def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.bfloat16,
                 master_weights: bool = True, recompute: int = 1, attention: str = "cudnn",
                 device="cpu", classifier_chunks: int | None = None, optimizer_numel: int | None = None,
-                fc_bias_in_product: bool = False) -> dict:
+                fc_bias_in_product: bool = False, lm_head_prologue: bool = False) -> dict:
     """Bytes the model allocates, by group and by buffer, without allocating anything (attention must be
     a resolved impl, not "auto"; classifier_chunks as the model's: None is default_classifier_chunks,
     1 the unchunked logits; optimizer_numel: the elements of AdamW's m, v and the master weights this
@@ -369,7 +378,8 @@ def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.b
     if master_weights and dtype != torch.float32:
         specs.append(BufferSpec("master", (S,), f32, "master"))
     chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
-    specs += activation_specs(config, B, T, dtype, recompute, attention, device, chunks, fc_bias_in_product)
+    specs += activation_specs(config, B, T, dtype, recompute, attention, device, chunks, fc_bias_in_product,
+                              lm_head_prologue)
     # integer buffers: inputs, targets (int32), the encoder's sort (int32 ids, int64 permutation)
     specs += [BufferSpec("inputs", (B, T), torch.int32, "scratch"),
               BufferSpec("targets", (B, T), torch.int32, "scratch"),
@@ -480,7 +490,7 @@ class GPT2Model:
                  data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True,
                  use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = True,
                  residual_in_product: bool = False, overlap_weight_grads: str = "off",
-                 fc_bias_in_product: bool | None = None):
+                 fc_bias_in_product: bool | None = None, lm_head_prologue: bool = False):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -537,6 +547,15 @@ class GPT2Model:
         # None: default_classifier_chunks (<= 1 GiB of logits a chunk); 1: the whole (B*T, Vp) logits
         self.classifier_chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
         self._chunk_bounds = chunk_bounds(B * T, self.classifier_chunks)
+        # the classifier's logit gradient formed inside the lm_head backward's products (module docstring)
+        self.lm_head_prologue = bool(lm_head_prologue)
+        if self.lm_head_prologue:
+            whys = [klm.lm_head_prologue_usable(self.device, dtype, rows, config.channels, config.padded_vocab_size)
+                    for rows in sorted({r1 - r0 for r0, r1 in self._chunk_bounds})]
+            why = ("it needs classifier chunks (classifier_chunks > 1)" if self.classifier_chunks == 1 else
+                   next((w for w in whys if w), None))
+            if why:
+                raise LlmpyError(f"lm_head_prologue: {why}")
 
         # data parallelism (llmpy.distributed): this rank's shard [lo, hi) of the flat buffers, whole
         # chunks of the global norm; with ZeRO-1 the optimizer state and master weights are the shard's
@@ -552,7 +571,8 @@ class GPT2Model:
 
         self._plan = memory_plan(config, B, T, dtype, self.master_weights, recompute, self.attention,
                                  self.device, self.classifier_chunks, optimizer_numel=opt_n,
-                                 fc_bias_in_product=self.fc_bias_in_product)
+                                 fc_bias_in_product=self.fc_bias_in_product,
+                                 lm_head_prologue=self.lm_head_prologue)
         self._check_memory()
 
         f32 = torch.float32
@@ -578,7 +598,8 @@ class GPT2Model:
 
         # activations and scratch
         self.acts = _Arena(activation_specs(config, B, T, dtype, recompute, self.attention, dev,
-                                            self.classifier_chunks, self.fc_bias_in_product), dev)
+                                            self.classifier_chunks, self.fc_bias_in_product,
+                                            self.lm_head_prologue), dev)
         self.inputs = torch.zeros(B, T, dtype=torch.int32, device=dev)
         self.targets = torch.zeros(B, T, dtype=torch.int32, device=dev)
         self._enc_scratch = kenc.EncoderBackwardScratch(
@@ -652,7 +673,8 @@ class GPT2Model:
         return (f"GPT2Model {self.config.describe()} | B={self.B} T={self.T} | {str(self.dtype).split('.')[-1]} | "
                 f"master weights {int(self.master_weights)} | recompute {self.recompute} | "
                 f"gelu fusion {self.gelu_fusion} | cuBLASLt {int(self.use_cublaslt)} | attention {self.attention} | "
-                f"classifier chunks {self.classifier_chunks} | overlap {self.overlap_weight_grads} | "
+                f"classifier chunks {self.classifier_chunks}{' (lm_head prologue)' * self.lm_head_prologue} | "
+                f"overlap {self.overlap_weight_grads} | "
                 f"cuda graph {int(self.cuda_graph)} | {self._describe_parallel()}memory {format_memory(self._plan)}")
 
     def _describe_parallel(self) -> str:
@@ -877,6 +899,8 @@ class GPT2Model:
         Vp, C = cfg.padded_vocab_size, cfg.channels
         lnf, losses, tgt = a["lnf"].view(-1, C), a["losses"].view(-1), tgt.view(-1)
         dlnf = self._dlnf().view(-1, C) if dloss is not None else None
+        if dloss is not None and self.lm_head_prologue:
+            return self._chunked_classifier_prologue(lnf, losses, tgt, dlnf, dloss)
         for r0, r1 in self._chunk_bounds:
             logits = self._output((r1 - r0) * Vp).view(r1 - r0, Vp)
             kmm.matmul_forward(logits, lnf[r0:r1], p["wte"], use_cublaslt=lt)
@@ -886,6 +910,26 @@ class GPT2Model:
                 # the lm_head backward of these rows while their logit gradient is here: dlnf rows
                 # overwritten, dwte accumulated chunk after chunk (one more rounding a chunk in bf16)
                 kmm.matmul_backward(dlnf[r0:r1], g["wte"], None, logits, lnf[r0:r1], p["wte"], use_cublaslt=lt)
+
+    def _chunked_classifier_prologue(self, lnf, losses, tgt, dlnf, dloss: float):
+        """_chunked_classifier's training pass with lm_head_prologue: per chunk the losses (the validation
+        classifier, read-only), each row's lse2 and -inf in the padding columns, then dlnf and dwte from the
+        Gluon products that form the logit gradient themselves; after the chunks the one-hot's share of dwte,
+        -dloss * lnf[r] into row target[r], by the encoder backward's deterministic scatter (its scratch is free
+        until the backward's last step). dwte ACCUMULATED, dlnf rows overwritten, as without the option."""
+        cfg, p, g, a = self.config, self.params, self.grads, self.acts
+        V, Vp, C = cfg.vocab_size, cfg.padded_vocab_size, cfg.channels
+        lse2, partial = a["lm_head_lse2"], a["lm_head_partial"]  # partial: the largest chunk's
+        for r0, r1 in self._chunk_bounds:
+            logits = self._output((r1 - r0) * Vp).view(r1 - r0, Vp)
+            kmm.matmul_forward(logits, lnf[r0:r1], p["wte"], use_cublaslt=self.use_cublaslt)
+            fused_classifier(logits, losses[r0:r1], 0.0, tgt[r0:r1], V, write_dlogits=False)
+            klm.lse2_and_mask(logits, losses[r0:r1], tgt[r0:r1], lse2[r0:r1], V)
+            part = partial.view(-1)[:klm.DINP_SPLIT * (r1 - r0) * C].view(klm.DINP_SPLIT, r1 - r0, C)
+            klm.lm_head_dinp(logits, p["wte"], lse2[r0:r1], tgt[r0:r1], dloss, dlnf[r0:r1], part)
+            klm.lm_head_dweight(logits, lnf[r0:r1], lse2[r0:r1], dloss, V, g["wte"])
+        kenc.wte_backward(g["wte"], a["lnf"], tgt.view(self.B, self.T), 0, self._enc_scratch, stochastic=False,
+                          scale=-dloss)
 
     def loss(self) -> float:
         """Mean loss of the last forward with targets (one host sync)."""

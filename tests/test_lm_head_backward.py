@@ -1,0 +1,200 @@
+"""The lm_head backward with the logit gradient formed inside its products (kernels.lm_head_backward, the model's
+lm_head_prologue option).
+
+The Gluon products do not run in Triton's CPU interpreter: on the CPU these tests check the Triton pass before
+them (each row's lse2, the padding's -inf), the scaled scatter that adds the one-hot's share, and the model's
+plumbing with float64 stand-ins for the two products, which assert the contract they are given; on the GPU the
+products themselves against float64, and the whole model against its default classifier.
+"""
+import pytest
+import torch
+
+from llmpy import reference
+from llmpy.config import GPT2Config, parameter_views
+from llmpy.errors import LlmpyError
+from llmpy.init import init_parameters
+from llmpy.kernels import lm_head_backward as klm
+from llmpy.kernels.encoder import encoder_backward_scratch, wte_backward
+from llmpy.model import GPT2Model
+
+LOG2E = klm.LOG2E
+
+
+def rel_err(out, expected):
+    out, expected = out.double(), expected.to(out.device).double()
+    return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,V,Vp", [(37, 250, 256), (5, 128, 128), (64, 300, 384)])
+def test_lse2_and_mask(device, dtype, R, V, Vp):
+    gen = torch.Generator().manual_seed(R + V)
+    logits = (torch.randn(R, Vp, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32)
+    losses = reference.fused_classifier(logits.double(), targets, V)[0].float()
+    before = logits.clone()
+    logits, losses, targets = logits.to(device), losses.to(device), targets.to(device)
+    lse2 = torch.full((R,), float("nan"), device=device)
+    klm.lse2_and_mask(logits, losses, targets, lse2, V)
+    expected = torch.logsumexp(before[:, :V].double(), dim=1) * LOG2E
+    assert (lse2.cpu().double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+    assert torch.equal(logits[:, :V].cpu(), before[:, :V]), "the real columns changed"
+    assert bool((logits[:, V:] == float("-inf")).all()), "the padding columns are not -inf"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wte_backward_scale(device, dtype):
+    """scale = -2^-k: bitwise the scatter of the scaled rows (the lm_head's one-hot share), and the float64
+    index_add_ of them within rounding; repeated ids (few distinct ones) cross the chunks."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, C, Vp = 3, 50, 40, 64
+    dout = torch.randn(B, T, C, generator=gen).to(dtype)
+    ids = torch.randint(0, 9, (B, T), generator=gen, dtype=torch.int32)
+    dwte0 = (torch.randn(Vp, C, generator=gen) * 1e-2).to(dtype)
+    scale = -2.0 ** -7
+    outs = []
+    for rows, s in ((dout, scale), (dout * scale, 1.0)):
+        dwte = dwte0.clone().to(device)
+        scratch = encoder_backward_scratch(B, T, C, device, piece=16)
+        wte_backward(dwte, rows.to(device), ids.to(device), 0, scratch, stochastic=False, piece=16, scale=s)
+        outs.append(dwte.cpu())
+    assert torch.equal(outs[0], outs[1])
+    expected = dwte0.double().index_add(0, ids.view(-1).long(), dout.view(-1, C).double() * scale)
+    assert rel_err(outs[0], expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def _config():
+    return GPT2Config(max_seq_len=32, vocab_size=300, num_layers=2, num_heads=2, channels=64)
+
+
+def test_option_refused(device):
+    config = _config()
+    params = init_parameters(config, seed=1)
+    with pytest.raises(LlmpyError, match="lm_head_prologue: it needs classifier chunks"):
+        GPT2Model(config, params, 2, 16, device=device, classifier_chunks=1, lm_head_prologue=True)
+    if device == "cpu":
+        with pytest.raises(LlmpyError, match="lm_head_prologue: "):
+            GPT2Model(config, params, 2, 16, device=device, classifier_chunks=2, lm_head_prologue=True)
+
+
+def _dinp_standin(logits, wte, lse2, targets, dloss, out, partial):
+    """lm_head_dinp's result in float64, after checking what the model hands it."""
+    V = int((logits[0] > float("-inf")).sum())
+    assert bool((logits[:, V:] == float("-inf")).all()) and partial.shape == (klm.DINP_SPLIT,) + out.shape
+    g = torch.exp2(logits.double() * LOG2E - lse2.double()[:, None]) * dloss
+    out.copy_(g @ wte.double() - dloss * wte.double()[targets.long()])
+    return out
+
+
+def _dweight_standin(logits, lnf, lse2, dloss, V, dwte):
+    g = torch.exp2(logits[:, :V].double() * LOG2E - lse2.double()[:, None]) * dloss
+    dwte[:V] = (dwte[:V].double() + g.t() @ lnf.double()).to(dwte.dtype)
+    return dwte
+
+
+def _one_training_pass(model, x, y):
+    model.zero_grad()
+    model.forward(x, y, dloss=1.0 / x.numel())
+    losses = model.acts["losses"].float().cpu().clone()
+    model.backward()
+    return losses, parameter_views(model.gradients_fp32().cpu(), model.config)
+
+
+def _with_and_without(config, params, B, T, device, dtype, chunks):
+    out = []
+    for option in (False, True):
+        model = GPT2Model(config, params, B, T, device=device, dtype=dtype, classifier_chunks=chunks,
+                          cuda_graph=False, lm_head_prologue=option)
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randint(0, config.vocab_size, (B, T), generator=gen)
+        y = torch.randint(0, config.vocab_size, (B, T), generator=gen)
+        out.append(_one_training_pass(model, x, y))
+    return out
+
+
+def _params(config, seed):
+    """Logits of a few units, and wte's padding rows NOT zero (a loaded checkpoint may have them): the -inf
+    mask must keep them out of dlnf."""
+    params = init_parameters(config, seed=seed)
+    C, V, Vp = config.channels, config.vocab_size, config.padded_vocab_size
+    params[:Vp * C] *= 2 / (0.02 * C ** 0.5)
+    params[V * C:Vp * C] = torch.randn((Vp - V) * C, generator=torch.Generator().manual_seed(seed))
+    return params
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_model_plumbing(monkeypatch, dtype, tol):
+    """On the CPU, the products replaced by float64 stand-ins: the same losses and gradients as the model's own
+    classifier (3 chunks of 10, 11, 11 rows), nothing in wte's padding rows' gradient."""
+    monkeypatch.setattr(klm, "lm_head_prologue_usable", lambda *a: None)
+    monkeypatch.setattr(klm, "lm_head_dinp", _dinp_standin)
+    monkeypatch.setattr(klm, "lm_head_dweight", _dweight_standin)
+    config = _config()
+    (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 3), 2, 16, "cpu", dtype, 3)
+    assert torch.equal(l0, l1), "the losses differ"
+    for name in g0:
+        assert rel_err(g1[name], g0[name]) < tol, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
+    assert not g1["wte"][config.vocab_size:].any()
+
+
+@pytest.mark.gpu
+def test_products_against_float64():
+    if klm.lm_head_prologue_usable("cuda", torch.bfloat16, 256, 512, 1024):
+        pytest.skip(klm.lm_head_prologue_usable("cuda", torch.bfloat16, 256, 512, 1024))
+    from llmpy.kernels.fused_classifier import fused_classifier
+    gen = torch.Generator().manual_seed(2)
+    R, C, V, Vp = 256, 512, 1000, 1024
+    dloss = 1.0 / 4096
+    logits = (torch.randn(R, Vp, generator=gen) * 3).to(torch.bfloat16).cuda()
+    wte = (torch.randn(Vp, C, generator=gen) * 0.05).to(torch.bfloat16).cuda()  # padding rows not zero
+    lnf = torch.randn(R, C, generator=gen).to(torch.bfloat16).cuda()
+    targets = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32).cuda()
+    dw0 = (torch.randn(Vp, C, generator=gen) * 1e-3).to(torch.bfloat16).cuda()
+    g = reference.fused_classifier(logits.double(), targets, V, dloss)[1]
+    losses = torch.full((R,), float("nan"), device="cuda")
+    lse2 = torch.full((R,), float("nan"), device="cuda")
+    fused_classifier(logits, losses, 0.0, targets, V, write_dlogits=False)
+    klm.lse2_and_mask(logits, losses, targets, lse2, V)
+    dinp = torch.full((R, C), float("nan"), dtype=torch.bfloat16, device="cuda")
+    partial = torch.full((klm.DINP_SPLIT, R, C), float("nan"), device="cuda")
+    klm.lm_head_dinp(logits, wte, lse2, targets, dloss, dinp, partial)
+    dw = dw0.clone()
+    klm.lm_head_dweight(logits, lnf, lse2, dloss, V, dw)
+    wte_backward(dw, lnf.view(1, R, C), targets.view(1, R), 0, encoder_backward_scratch(1, R, C, "cuda"),
+                 stochastic=False, scale=-dloss)
+    assert rel_err(dinp, g @ wte.double()) < 1e-2
+    assert rel_err(dw.double() - dw0.double(), g.t() @ lnf.double()) < 1e-2
+    assert torch.equal(dw[V:], dw0[V:]), "wte's padding rows' gradient changed"
+    again = torch.empty_like(dinp)
+    klm.lm_head_dinp(logits, wte, lse2, targets, dloss, again, partial)
+    assert torch.equal(again, dinp), "not the same bits twice"
+
+
+@pytest.mark.gpu
+def test_model_against_default_classifier():
+    config = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_heads=4, channels=256)
+    if klm.lm_head_prologue_usable("cuda", torch.bfloat16, 512, 256, config.padded_vocab_size):
+        pytest.skip("no Gluon lm_head backward here")
+    (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 4), 4, 256, "cuda", torch.bfloat16, 2)
+    assert rel_err(l1, l0) < 1e-5
+    for name in g0:
+        assert rel_err(g1[name], g0[name]) < 3e-2, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
+    assert not g1["wte"][config.vocab_size:].any()
+
+
+@pytest.mark.gpu
+def test_model_same_seed_same_bits():
+    """Three CUDA-graph steps twice from the same seed: bitwise the same losses and parameters."""
+    config = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_heads=4, channels=256)
+    if klm.lm_head_prologue_usable("cuda", torch.bfloat16, 512, 256, config.padded_vocab_size):
+        pytest.skip("no Gluon lm_head backward here")
+    params = _params(config, 6)
+    gen = torch.Generator().manual_seed(8)
+    batches = [(torch.randint(0, 1000, (4, 256), generator=gen), torch.randint(0, 1000, (4, 256), generator=gen))
+               for _ in range(3)]
+    runs = []
+    for _ in range(2):
+        model = GPT2Model(config, params, 4, 256, device="cuda", classifier_chunks=2, lm_head_prologue=True)
+        losses = [model.train_step([b], 1e-3, i + 1, 0.1)[0] for i, b in enumerate(batches)]
+        runs.append((losses, model.parameters_fp32().cpu()))
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
