@@ -149,7 +149,8 @@ def test_products_against_float64():
     wte = (torch.randn(Vp, C, generator=gen) * 0.05).to(torch.bfloat16).cuda()  # padding rows not zero
     lnf = torch.randn(R, C, generator=gen).to(torch.bfloat16).cuda()
     targets = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32).cuda()
-    dw0 = (torch.randn(Vp, C, generator=gen) * 1e-3).to(torch.bfloat16).cuda()
+    # small against the increments (~dloss at the targets), so that its rounding does not swamp their error
+    dw0 = (torch.randn(Vp, C, generator=gen) * 1e-5).to(torch.bfloat16).cuda()
     g = reference.fused_classifier(logits.double(), targets, V, dloss)[1]
     losses = torch.full((R,), float("nan"), device="cuda")
     lse2 = torch.full((R,), float("nan"), device="cuda")
@@ -178,7 +179,7 @@ def test_model_against_default_classifier():
     (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 4), 4, 256, "cuda", torch.bfloat16, 2)
     assert rel_err(l1, l0) < 1e-5
     for name in g0:
-        assert rel_err(g1[name], g0[name]) < 3e-2, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
+        assert rel_err(g1[name], g0[name]) < 1e-2, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
     assert not g1["wte"][config.vocab_size:].any()
 
 
