@@ -321,7 +321,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--graph-steps", type=int, default=20, help="timed CUDA-graph steps (after 3 warm-up)")
     ap.add_argument("--no-graph-compare", action="store_true", help="skip the CUDA-graph timing")
     ap.add_argument("--graph-profile-steps", type=int, default=3,
-                    help="graphed steps profiled after the timing (0: none): kernels at the power cap, idle inside the graph")
+                    help="graphed steps profiled after the timing (0: none): kernels at the power cap, idle inside "
+                         "the graph")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
@@ -330,7 +331,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top", type=int, default=40, help="kernels shown in the printed table (0: all)")
     ap.add_argument("--trace", default=None, help="also export a Chrome trace of the profiled steps here")
     ap.add_argument("--graph-trace", default=None,
-                    help="write the profiled graph replays' device events here (JSON: names, [name index, start us, end us])")
+                    help="write the profiled graph replays' device events here (JSON: names, [name index, start us, "
+                         "end us])")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)

@@ -22,8 +22,9 @@ def main():
         gbs = r["bytes"] / (ms * 1e-3) / 1e9 if ms and r["bytes"] else None
         fmt = lambda x, f: (f.format(x) if x else "-")
         print(f"| {r['kernel'].strip()} | {r['bytes'] / 1e6:.0f} | {fmt(ms, '{:.3f}')} | {fmt(gbs, '{:.0f}')} | "
-              f"{fmt(gbs and 100 * gbs / copy, '{:.0f}')} | {r.get('baseline', '')} | {fmt(r.get('baseline_ms'), '{:.3f}')} | "
-              f"{fmt(r.get('compiled_ms'), '{:.3f}')} | {str(r.get('note', '')).replace('|', '/')[:90]} |")
+              f"{fmt(gbs and 100 * gbs / copy, '{:.0f}')} | {r.get('baseline', '')} | "
+              f"{fmt(r.get('baseline_ms'), '{:.3f}')} | {fmt(r.get('compiled_ms'), '{:.3f}')} | "
+              f"{str(r.get('note', '')).replace('|', '/')[:90]} |")
 
 
 if __name__ == "__main__":
