@@ -153,7 +153,8 @@ def test_model_switches_on_off():
     assert opts["proj_bias_in_layernorm"] is False and opts["residual_in_product"] is True
     assert ps._model_options(ps.parse_args(["--proj-bias-in-ln", "on"]), cuda_graph=True)["proj_bias_in_layernorm"] is True
     assert "lm_head_prologue" not in opts
-    assert ps._model_options(ps.parse_args(["--lm-head-prologue", "on"]), cuda_graph=True)["lm_head_prologue"] is True
+    opts = ps._model_options(ps.parse_args(["--lm-head-prologue", "on"]), cuda_graph=True)
+    assert opts["lm_head_prologue"] is True
 
 
 def test_overlap_switch():
