@@ -23,7 +23,8 @@ ptxas serialises every wgmma of the loop (warning C7515). So dinp takes dloss * 
 
 GPU only (sm_90, bf16): Gluon has no CPU interpreter; `lse2_and_mask` is Triton and runs everywhere. Tested on the
 GPU against float64 products (tests/test_lm_head_backward.py), compiled for sm_90a on the CPU (test_gluon_compile).
-Not yet measured on an H200: bench/kernels/try_lm_head_prologue.py --step, and bench_step --lm-head-prologue on.
+Not yet measured on an H200: `bash bench/gpu_check.sh lm-head-tests lm-head lm-head-ab` (the tests, the kernels
+against the classifier and cuBLAS in bench/kernels/try_lm_head_prologue.py, the whole step with and without).
 """
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ except Exception:  # noqa: BLE001 - an import of an experimental module may fail
 
 LOG2E = 1.4426950408889634
 # the products' tiles: 128 x 256 outputs, 64-deep steps; 8 warps (two warpgroups of 64 rows), one program an SM
-# (170-232 registers a thread); dinp's vocabulary split in two for its waves (64 x 3 programs per 8192-row chunk
-# otherwise); STAGES: TMA ring depths (147 / 197 kB of shared memory at 3 / 4)
+# (171 and 232 registers a thread under triton 3.6, no spills); dinp's vocabulary split in two for its waves
+# (64 x 3 programs per 8192-row chunk otherwise); STAGES: TMA ring depths (147 / 197 kB of shared memory at 3 / 4)
 TILE_M, TILE_N, TILE_K = 128, 256, 64
 DINP_SPLIT = 2
 DINP_STAGES = 4
