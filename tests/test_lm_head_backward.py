@@ -137,10 +137,20 @@ def test_model_plumbing(monkeypatch, dtype, tol):
     assert not g1["wte"][config.vocab_size:].any()
 
 
+def _require_gluon(rows, C, Vp):
+    """Skip where the GPU cannot run the Gluon products (not an sm_90 GPU, no Gluon): the reason given."""
+    why = klm.lm_head_prologue_usable("cuda", torch.bfloat16, rows, C, Vp)
+    if why:
+        pytest.skip(why)
+
+
+# the GPU tests' model: chunks of 512 rows, C and the padded vocabulary on the products' tiles
+GPU_CONFIG = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_heads=4, channels=256)
+
+
 @pytest.mark.gpu
 def test_products_against_float64():
-    if klm.lm_head_prologue_usable("cuda", torch.bfloat16, 256, 512, 1024):
-        pytest.skip(klm.lm_head_prologue_usable("cuda", torch.bfloat16, 256, 512, 1024))
+    _require_gluon(256, 512, 1024)
     from llmpy.kernels.fused_classifier import fused_classifier
     gen = torch.Generator().manual_seed(2)
     R, C, V, Vp = 256, 512, 1000, 1024
@@ -173,9 +183,8 @@ def test_products_against_float64():
 
 @pytest.mark.gpu
 def test_model_against_default_classifier():
-    config = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_heads=4, channels=256)
-    if klm.lm_head_prologue_usable("cuda", torch.bfloat16, 512, 256, config.padded_vocab_size):
-        pytest.skip("no Gluon lm_head backward here")
+    config = GPU_CONFIG
+    _require_gluon(512, config.channels, config.padded_vocab_size)
     (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 4), 4, 256, "cuda", torch.bfloat16, 2)
     assert rel_err(l1, l0) < 1e-5
     for name in g0:
@@ -186,9 +195,8 @@ def test_model_against_default_classifier():
 @pytest.mark.gpu
 def test_model_same_seed_same_bits():
     """Three CUDA-graph steps twice from the same seed: bitwise the same losses and parameters."""
-    config = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_heads=4, channels=256)
-    if klm.lm_head_prologue_usable("cuda", torch.bfloat16, 512, 256, config.padded_vocab_size):
-        pytest.skip("no Gluon lm_head backward here")
+    config = GPU_CONFIG
+    _require_gluon(512, config.channels, config.padded_vocab_size)
     params = _params(config, 6)
     gen = torch.Generator().manual_seed(8)
     batches = [(torch.randint(0, 1000, (4, 256), generator=gen), torch.randint(0, 1000, (4, 256), generator=gen))

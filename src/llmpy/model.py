@@ -550,10 +550,10 @@ class GPT2Model:
         # the classifier's logit gradient formed inside the lm_head backward's products (module docstring)
         self.lm_head_prologue = bool(lm_head_prologue)
         if self.lm_head_prologue:
-            whys = [klm.lm_head_prologue_usable(self.device, dtype, rows, config.channels, config.padded_vocab_size)
-                    for rows in sorted({r1 - r0 for r0, r1 in self._chunk_bounds})]
             why = ("it needs classifier chunks (classifier_chunks > 1)" if self.classifier_chunks == 1 else
-                   next((w for w in whys if w), None))
+                   next(filter(None, (klm.lm_head_prologue_usable(self.device, dtype, rows, config.channels,
+                                                                  config.padded_vocab_size)
+                                      for rows in sorted({r1 - r0 for r0, r1 in self._chunk_bounds}))), None))
             if why:
                 raise LlmpyError(f"lm_head_prologue: {why}")
 
@@ -893,43 +893,35 @@ class GPT2Model:
 
     def _chunked_classifier(self, tgt: torch.Tensor, dloss: float | None):
         """The classifier chunk by chunk of rows, in a fixed order (see the module docstring). Views only:
-        nothing is allocated (CUDA graphs)."""
+        nothing is allocated (CUDA graphs). With lm_head_prologue a training pass runs the read-only classifier,
+        each row's lse2 (and -inf in the padding columns), then the Gluon products that form the logit gradient
+        themselves; after the chunks the one-hot's share of dwte, -dloss * lnf[r] into row target[r], by the
+        encoder backward's deterministic scatter (its scratch is free until the backward's last step)."""
         lt = self.use_cublaslt
         cfg, p, g, a = self.config, self.params, self.grads, self.acts
-        Vp, C = cfg.padded_vocab_size, cfg.channels
+        V, Vp, C = cfg.vocab_size, cfg.padded_vocab_size, cfg.channels
         lnf, losses, tgt = a["lnf"].view(-1, C), a["losses"].view(-1), tgt.view(-1)
         dlnf = self._dlnf().view(-1, C) if dloss is not None else None
-        if dloss is not None and self.lm_head_prologue:
-            return self._chunked_classifier_prologue(lnf, losses, tgt, dlnf, dloss)
+        prologue = dloss is not None and self.lm_head_prologue
+        write_dlogits = dloss is not None and not prologue
         for r0, r1 in self._chunk_bounds:
             logits = self._output((r1 - r0) * Vp).view(r1 - r0, Vp)
             kmm.matmul_forward(logits, lnf[r0:r1], p["wte"], use_cublaslt=lt)
-            fused_classifier(logits, losses[r0:r1], 0.0 if dloss is None else dloss, tgt[r0:r1], cfg.vocab_size,
-                             write_dlogits=dloss is not None)
-            if dloss is not None:
+            fused_classifier(logits, losses[r0:r1], dloss if write_dlogits else 0.0, tgt[r0:r1], V,
+                             write_dlogits=write_dlogits)
+            if write_dlogits:
                 # the lm_head backward of these rows while their logit gradient is here: dlnf rows
                 # overwritten, dwte accumulated chunk after chunk (one more rounding a chunk in bf16)
                 kmm.matmul_backward(dlnf[r0:r1], g["wte"], None, logits, lnf[r0:r1], p["wte"], use_cublaslt=lt)
-
-    def _chunked_classifier_prologue(self, lnf, losses, tgt, dlnf, dloss: float):
-        """_chunked_classifier's training pass with lm_head_prologue: per chunk the losses (the validation
-        classifier, read-only), each row's lse2 and -inf in the padding columns, then dlnf and dwte from the
-        Gluon products that form the logit gradient themselves; after the chunks the one-hot's share of dwte,
-        -dloss * lnf[r] into row target[r], by the encoder backward's deterministic scatter (its scratch is free
-        until the backward's last step). dwte ACCUMULATED, dlnf rows overwritten, as without the option."""
-        cfg, p, g, a = self.config, self.params, self.grads, self.acts
-        V, Vp, C = cfg.vocab_size, cfg.padded_vocab_size, cfg.channels
-        lse2, partial = a["lm_head_lse2"], a["lm_head_partial"]  # partial: the largest chunk's
-        for r0, r1 in self._chunk_bounds:
-            logits = self._output((r1 - r0) * Vp).view(r1 - r0, Vp)
-            kmm.matmul_forward(logits, lnf[r0:r1], p["wte"], use_cublaslt=self.use_cublaslt)
-            fused_classifier(logits, losses[r0:r1], 0.0, tgt[r0:r1], V, write_dlogits=False)
-            klm.lse2_and_mask(logits, losses[r0:r1], tgt[r0:r1], lse2[r0:r1], V)
-            part = partial.view(-1)[:klm.DINP_SPLIT * (r1 - r0) * C].view(klm.DINP_SPLIT, r1 - r0, C)
-            klm.lm_head_dinp(logits, p["wte"], lse2[r0:r1], tgt[r0:r1], dloss, dlnf[r0:r1], part)
-            klm.lm_head_dweight(logits, lnf[r0:r1], lse2[r0:r1], dloss, V, g["wte"])
-        kenc.wte_backward(g["wte"], a["lnf"], tgt.view(self.B, self.T), 0, self._enc_scratch, stochastic=False,
-                          scale=-dloss)
+            elif prologue:  # the same, from the logits and each row's lse2 (lm_head_partial: the largest chunk's)
+                lse2 = a["lm_head_lse2"][r0:r1]
+                klm.lse2_and_mask(logits, losses[r0:r1], tgt[r0:r1], lse2, V)
+                part = a["lm_head_partial"].view(-1)[:klm.DINP_SPLIT * (r1 - r0) * C].view(klm.DINP_SPLIT, r1 - r0, C)
+                klm.lm_head_dinp(logits, p["wte"], lse2, tgt[r0:r1], dloss, dlnf[r0:r1], part)
+                klm.lm_head_dweight(logits, lnf[r0:r1], lse2, dloss, V, g["wte"])
+        if prologue:
+            kenc.wte_backward(g["wte"], a["lnf"], tgt.view(self.B, self.T), 0, self._enc_scratch, stochastic=False,
+                              scale=-dloss)
 
     def loss(self) -> float:
         """Mean loss of the last forward with targets (one host sync)."""
