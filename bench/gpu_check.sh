@@ -105,8 +105,10 @@ for stage in $stages; do
         --rounds ${LM_HEAD_ROUNDS:-2} 2>&1 | tee "$OUT/lm_head.log"
       rc=$? ;;
     lm-head-ab)
-      # whole-step A/B of lm_head_prologue off (the default) / on (2 variants x AB_ROUNDS runs of ~60 s)
-      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= --variant "prologue=--lm-head-prologue on" \
+      # whole-step A/B of lm_head_prologue off (the default) / loss-pass / dinp-sums (3 variants x AB_ROUNDS runs
+      # of ~60 s)
+      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= \
+        --variant "loss-pass=--lm-head-prologue loss-pass" --variant "dinp-sums=--lm-head-prologue dinp-sums" \
         --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- --recompute 0 2>&1 | tee "$OUT/ab.log"
       rc=$? ;;
     blas)

@@ -112,20 +112,23 @@ class _NoLaunch:
 
 
 def _compile_lm_head(which: str):
+    """which: dweight, dinp (loss-pass) or dinp_sums (dinp-sums: the product also sums each row's exponentials)."""
     R, C, V, Vp = 256, 256, 1000, 1024
     logits = torch.empty(R, Vp, dtype=torch.bfloat16)
     wte, lnf = torch.empty(Vp, C, dtype=torch.bfloat16), torch.empty(R, C, dtype=torch.bfloat16)
-    lse2, targets = torch.empty(R), torch.zeros(R, dtype=torch.int32)
+    shift2, targets = torch.empty(R), torch.zeros(R, dtype=torch.int32)
     if which == "dweight":
         return _compile_launch(klm, "_lm_head_dweight_kernel",
-                               lambda: klm.lm_head_dweight(logits, lnf, lse2, 1.0 / R, V, wte))
-    split_sum, klm._lm_head_split_sum_kernel = klm._lm_head_split_sum_kernel, _NoLaunch()
+                               lambda: klm.lm_head_dweight(logits, lnf, shift2, 1.0 / R, V, wte))
+    row_sums = torch.empty(klm.DINP_SPLIT, R) if which == "dinp_sums" else None
+    finish, klm._lm_head_dinp_finish_kernel = klm._lm_head_dinp_finish_kernel, _NoLaunch()
     try:
         return _compile_launch(klm, "_lm_head_dinp_kernel", lambda: klm.lm_head_dinp(
-            logits, wte, lse2, targets, 1.0 / R, torch.empty(R, C, dtype=torch.bfloat16),
-            torch.empty(klm.DINP_SPLIT, R, C)))
+            logits, wte, shift2, targets, 1.0 / R, torch.empty(R, C, dtype=torch.bfloat16),
+            torch.empty(klm.DINP_SPLIT, R, C), row_sums=row_sums, lse2=None if row_sums is None else torch.empty(R),
+            losses=None if row_sums is None else torch.empty(R)))
     finally:
-        klm._lm_head_split_sum_kernel = split_sum
+        klm._lm_head_dinp_finish_kernel = finish
 
 
 def _summary(compiled) -> dict:
@@ -154,7 +157,7 @@ def _compile_all() -> dict:
     model = fa._CONFIGS_16[64]
     out["flash_backward_k_in_registers"] = attempt(lambda: _summary(_compile_flash_backward(
         True, model["wgmma_a_regs"], model["wgmma_maxnreg"])))
-    for which in ("dinp", "dweight"):
+    for which in ("dinp", "dinp_sums", "dweight"):
         out[f"lm_head_{which}"] = attempt(lambda: _summary(_compile_lm_head(which)))
     return out
 
@@ -188,7 +191,7 @@ def test_wgmma_flash_backward_compiles(compiled, variant):
     assert 3 * c["shared"] <= SM90_SHARED_BYTES
 
 
-@pytest.mark.parametrize("which", ["dinp", "dweight"])
+@pytest.mark.parametrize("which", ["dinp", "dinp_sums", "dweight"])
 def test_lm_head_backward_compiles(compiled, which):
     c = compiled[f"lm_head_{which}"]
     assert "error" not in c, c.get("error")

@@ -1,10 +1,11 @@
 """The lm_head backward with the logit gradient formed inside its products (kernels.lm_head_backward, the model's
-lm_head_prologue option).
+lm_head_prologue option, both modes: loss-pass and dinp-sums).
 
-The Gluon products do not run in Triton's CPU interpreter: on the CPU these tests check the Triton pass before
-them (each row's lse2, the padding's -inf), the scaled scatter that adds the one-hot's share, and the model's
-plumbing with float64 stand-ins for the two products, which assert the contract they are given; on the GPU the
-products themselves against float64, and the whole model against its default classifier.
+The Gluon products do not run in Triton's CPU interpreter: on the CPU these tests check the Triton kernels around
+them (each row's exponent shift and the padding's -inf before; dinp's finish after, with the rows it does again),
+the scaled scatter that adds the one-hot's share, and the model's plumbing with float64 stand-ins for the two
+products, which assert the contract they are given; on the GPU the products themselves against float64, and the
+whole model against its default classifier.
 """
 import pytest
 import torch
@@ -27,19 +28,87 @@ def rel_err(out, expected):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R,V,Vp", [(37, 250, 256), (5, 128, 128), (64, 300, 384)])
-def test_lse2_and_mask(device, dtype, R, V, Vp):
+@pytest.mark.parametrize("from_loss", [True, False])
+def test_row_shifts_and_mask(device, dtype, R, V, Vp, from_loss):
+    """From the classifier's losses: each row's log-sum-exp (base 2); without: the target's logit + ROW_OFFSET2."""
     gen = torch.Generator().manual_seed(R + V)
     logits = (torch.randn(R, Vp, generator=gen) * 4).to(dtype)
     targets = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32)
     losses = reference.fused_classifier(logits.double(), targets, V)[0].float()
     before = logits.clone()
-    logits, losses, targets = logits.to(device), losses.to(device), targets.to(device)
-    lse2 = torch.full((R,), float("nan"), device=device)
-    klm.lse2_and_mask(logits, losses, targets, lse2, V)
-    expected = torch.logsumexp(before[:, :V].double(), dim=1) * LOG2E
-    assert (lse2.cpu().double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+    logits, targets = logits.to(device), targets.to(device)
+    shift2 = torch.full((R,), float("nan"), device=device)
+    klm.row_shifts_and_mask(logits, targets, shift2, V, losses=losses.to(device) if from_loss else None)
+    x_t2 = before.double()[torch.arange(R), targets.cpu().long()] * LOG2E
+    expected = torch.logsumexp(before[:, :V].double(), dim=1) * LOG2E if from_loss else x_t2 + klm.ROW_OFFSET2
+    assert (shift2.cpu().double() - expected).abs().max() <= 2e-6 * expected.abs().max()
     assert torch.equal(logits[:, :V].cpu(), before[:, :V]), "the real columns changed"
     assert bool((logits[:, V:] == float("-inf")).all()), "the padding columns are not -inf"
+
+
+def _dinp_products_standin(logits, wte, shift2, scale, partial, row_sums, stages=None):
+    """lm_head_dinp's Gluon product in float64 from fp32 exponentials (they overflow where the kernel's do),
+    after checking what the caller hands it: -inf padding, the vocabulary halves as the kernel splits it."""
+    R, Vp = logits.shape
+    V = int((logits[0] > float("-inf")).sum())
+    assert bool((logits[:, V:] == float("-inf")).all()) and partial.shape == (klm.DINP_SPLIT, R, wte.shape[1])
+    g = torch.exp2(logits.float() * LOG2E - shift2[:, None]).double()
+    part = Vp // klm.DINP_SPLIT
+    for s in range(klm.DINP_SPLIT):
+        cols = slice(s * part, (s + 1) * part)
+        partial[s] = (g[:, cols] * scale) @ wte[cols].double()
+        if row_sums is not None:
+            row_sums[s] = g[:, cols].sum(1)
+
+
+def _expected_dinp(logits, wte, targets, dloss, V):
+    """float64: dloss (softmax(logits[:, :V]) @ wte[:V] - wte[targets]), each row's loss and lse2."""
+    x = logits[:, :V].double()
+    lse = torch.logsumexp(x, dim=1)
+    out = dloss * (torch.softmax(x, dim=1) @ wte[:V].double() - wte.double()[targets.long()])
+    return out, lse - x[torch.arange(len(x)), targets.long()], lse * LOG2E
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the overflowed row's inf * 0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,C,V,Vp", [(37, 100, 250, 256), (16, 300, 120, 128)])
+@pytest.mark.parametrize("row_sums", [True, False])
+def test_dinp_finish(device, dtype, R, C, V, Vp, row_sums):
+    """lm_head_dinp after its product, on the stand-in's float64 parts: dinp-sums gives dlnf, each row's lse2 and
+    loss, with two rows done again from their logits: loss ~210 nats (its fp32 sum overflows) and ~120 nats (its
+    sum is finite but above SUM_LIMIT); loss-pass: the parts (already scaled) summed, less the target's row."""
+    gen = torch.Generator().manual_seed(R * C)
+    dloss = 1.0 / 64
+    logits = (torch.randn(R, Vp, generator=gen) * 3).to(dtype)
+    logits[:, V:] = float("-inf")
+    wte = (torch.randn(Vp, C, generator=gen) * 0.5).to(dtype)
+    targets = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32)
+    again = {3: 105.0, R - 1: 60.0}  # row: the target's logit at -gap, another's at +gap
+    for r, gap in again.items():
+        logits[r, targets[r]] = -gap
+        logits[r, (int(targets[r]) + 1) % V] = gap
+    expected, expected_loss, expected_lse2 = _expected_dinp(logits, wte, targets, dloss, V)
+    losses = reference.fused_classifier(logits.double(), targets, V)[0].float()
+    shift2 = torch.empty(R)
+    klm.row_shifts_and_mask(logits.clone(), targets, shift2, V, losses=None if row_sums else losses)
+    partial = torch.full((klm.DINP_SPLIT, R, C), float("nan"))
+    sums = torch.full((klm.DINP_SPLIT, R), float("nan")) if row_sums else None
+    _dinp_products_standin(logits, wte, shift2, 1.0 if row_sums else dloss, partial, sums)
+    if row_sums:
+        total = sums.sum(0)
+        assert not total[3].isfinite() and klm.SUM_LIMIT.value < total[R - 1] < float("inf"), "not the test's rows"
+    lse2, loss = (torch.full((R,), float("nan"), device=device) for _ in range(2))
+    out = torch.full((R, C), float("nan"), dtype=dtype, device=device)
+    klm.dinp_finish(partial.to(device), sums.to(device) if row_sums else None, shift2.to(device), logits.to(device),
+                    targets.to(device), wte.to(device), dloss, out, lse2 if row_sums else None,
+                    loss if row_sums else None)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, expected) < tol, rel_err(out, expected)
+    for r in again:
+        assert rel_err(out[r], expected[r]) < tol, f"row {r}: {rel_err(out[r], expected[r]):.3g}"
+    if row_sums:
+        assert (loss.cpu().double() - expected_loss).abs().max() < 2e-5 * expected_loss.abs().max()
+        assert (lse2.cpu().double() - expected_lse2).abs().max() < 2e-6 * expected_lse2.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,20 +139,13 @@ def _config():
 def test_option_refused(device):
     config = _config()
     params = init_parameters(config, seed=1)
+    with pytest.raises(LlmpyError, match="lm_head_prologue='on': one of off, loss-pass, dinp-sums"):
+        GPT2Model(config, params, 2, 16, device=device, classifier_chunks=2, lm_head_prologue="on")
     with pytest.raises(LlmpyError, match="lm_head_prologue: it needs classifier chunks"):
-        GPT2Model(config, params, 2, 16, device=device, classifier_chunks=1, lm_head_prologue=True)
+        GPT2Model(config, params, 2, 16, device=device, classifier_chunks=1, lm_head_prologue="dinp-sums")
     if device == "cpu":
         with pytest.raises(LlmpyError, match="lm_head_prologue: "):
-            GPT2Model(config, params, 2, 16, device=device, classifier_chunks=2, lm_head_prologue=True)
-
-
-def _dinp_standin(logits, wte, lse2, targets, dloss, out, partial):
-    """lm_head_dinp's result in float64, after checking what the model hands it."""
-    V = int((logits[0] > float("-inf")).sum())
-    assert bool((logits[:, V:] == float("-inf")).all()) and partial.shape == (klm.DINP_SPLIT,) + out.shape
-    g = torch.exp2(logits.double() * LOG2E - lse2.double()[:, None]) * dloss
-    out.copy_(g @ wte.double() - dloss * wte.double()[targets.long()])
-    return out
+            GPT2Model(config, params, 2, 16, device=device, classifier_chunks=2, lm_head_prologue="loss-pass")
 
 
 def _dweight_standin(logits, lnf, lse2, dloss, V, dwte):
@@ -100,9 +162,9 @@ def _one_training_pass(model, x, y):
     return losses, parameter_views(model.gradients_fp32().cpu(), model.config)
 
 
-def _with_and_without(config, params, B, T, device, dtype, chunks):
+def _with_and_without(config, params, B, T, device, dtype, chunks, mode):
     out = []
-    for option in (False, True):
+    for option in ("off", mode):
         model = GPT2Model(config, params, B, T, device=device, dtype=dtype, classifier_chunks=chunks,
                           cuda_graph=False, lm_head_prologue=option)
         gen = torch.Generator().manual_seed(5)
@@ -122,16 +184,20 @@ def _params(config, seed):
     return params
 
 
+@pytest.mark.parametrize("mode", ["loss-pass", "dinp-sums"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-def test_model_plumbing(monkeypatch, dtype, tol):
-    """On the CPU, the products replaced by float64 stand-ins: the same losses and gradients as the model's own
-    classifier (3 chunks of 10, 11, 11 rows), nothing in wte's padding rows' gradient."""
+def test_model_plumbing(monkeypatch, dtype, tol, mode):
+    """On the CPU, the products replaced by float64 stand-ins: the same losses (loss-pass: bitwise) and gradients
+    as the model's own classifier (3 chunks of 10, 11, 11 rows), nothing in wte's padding rows' gradient."""
     monkeypatch.setattr(klm, "lm_head_prologue_usable", lambda *a: None)
-    monkeypatch.setattr(klm, "lm_head_dinp", _dinp_standin)
+    monkeypatch.setattr(klm, "_dinp_products", _dinp_products_standin)
     monkeypatch.setattr(klm, "lm_head_dweight", _dweight_standin)
     config = _config()
-    (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 3), 2, 16, "cpu", dtype, 3)
-    assert torch.equal(l0, l1), "the losses differ"
+    (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 3), 2, 16, "cpu", dtype, 3, mode)
+    if mode == "loss-pass":
+        assert torch.equal(l0, l1), "the losses differ"
+    else:
+        assert rel_err(l1, l0) < 1e-6, rel_err(l1, l0)
     for name in g0:
         assert rel_err(g1[name], g0[name]) < tol, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
     assert not g1["wte"][config.vocab_size:].any()
@@ -149,43 +215,59 @@ GPU_CONFIG = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_head
 
 
 @pytest.mark.gpu
-def test_products_against_float64():
+@pytest.mark.parametrize("mode", ["loss-pass", "dinp-sums"])
+def test_products_against_float64(mode):
+    """The Gluon products (and dinp's finish) against float64, row 5's loss ~210 nats (dinp-sums: its sum
+    overflows and the finish does the row again), wte's padding rows not zero; the same bits twice."""
     _require_gluon(256, 512, 1024)
     from llmpy.kernels.fused_classifier import fused_classifier
     gen = torch.Generator().manual_seed(2)
     R, C, V, Vp = 256, 512, 1000, 1024
     dloss = 1.0 / 4096
-    logits = (torch.randn(R, Vp, generator=gen) * 3).to(torch.bfloat16).cuda()
+    logits = torch.randn(R, Vp, generator=gen) * 3
+    targets = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32)
+    logits[5, targets[5]], logits[5, (int(targets[5]) + 1) % V] = -100.0, 110.0
+    logits = logits.to(torch.bfloat16).cuda()
+    targets = targets.cuda()
     wte = (torch.randn(Vp, C, generator=gen) * 0.05).to(torch.bfloat16).cuda()  # padding rows not zero
     lnf = torch.randn(R, C, generator=gen).to(torch.bfloat16).cuda()
-    targets = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32).cuda()
     # small against the increments (~dloss at the targets), so that its rounding does not swamp their error
     dw0 = (torch.randn(Vp, C, generator=gen) * 1e-5).to(torch.bfloat16).cuda()
     g = reference.fused_classifier(logits.double(), targets, V, dloss)[1]
-    losses = torch.full((R,), float("nan"), device="cuda")
-    lse2 = torch.full((R,), float("nan"), device="cuda")
-    fused_classifier(logits, losses, 0.0, targets, V, write_dlogits=False)
-    klm.lse2_and_mask(logits, losses, targets, lse2, V)
-    dinp = torch.full((R, C), float("nan"), dtype=torch.bfloat16, device="cuda")
+    expected_losses = reference.fused_classifier(logits.double(), targets, V)[0]
+    losses, shift2 = (torch.full((R,), float("nan"), device="cuda") for _ in range(2))
     partial = torch.full((klm.DINP_SPLIT, R, C), float("nan"), device="cuda")
-    klm.lm_head_dinp(logits, wte, lse2, targets, dloss, dinp, partial)
+    if mode == "loss-pass":
+        fused_classifier(logits, losses, 0.0, targets, V, write_dlogits=False)
+        klm.row_shifts_and_mask(logits, targets, shift2, V, losses=losses)
+        lse2, outputs = shift2, {}
+    else:
+        klm.row_shifts_and_mask(logits, targets, shift2, V)
+        lse2 = torch.full((R,), float("nan"), device="cuda")
+        outputs = dict(row_sums=torch.full((klm.DINP_SPLIT, R), float("nan"), device="cuda"), lse2=lse2,
+                       losses=losses)
+    dinp = torch.full((R, C), float("nan"), dtype=torch.bfloat16, device="cuda")
+    klm.lm_head_dinp(logits, wte, shift2, targets, dloss, dinp, partial, **outputs)
+    assert (losses.double() - expected_losses).abs().max() < 1e-5 * expected_losses.abs().max()
     dw = dw0.clone()
     klm.lm_head_dweight(logits, lnf, lse2, dloss, V, dw)
     wte_backward(dw, lnf.view(1, R, C), targets.view(1, R), 0, encoder_backward_scratch(1, R, C, "cuda"),
                  stochastic=False, scale=-dloss)
     assert rel_err(dinp, g @ wte.double()) < 1e-2
+    assert rel_err(dinp[5], g[5] @ wte.double()) < 1e-2, "the row done again"
     assert rel_err(dw.double() - dw0.double(), g.t() @ lnf.double()) < 1e-2
     assert torch.equal(dw[V:], dw0[V:]), "wte's padding rows' gradient changed"
     again = torch.empty_like(dinp)
-    klm.lm_head_dinp(logits, wte, lse2, targets, dloss, again, partial)
+    klm.lm_head_dinp(logits, wte, shift2, targets, dloss, again, partial, **outputs)
     assert torch.equal(again, dinp), "not the same bits twice"
 
 
 @pytest.mark.gpu
-def test_model_against_default_classifier():
+@pytest.mark.parametrize("mode", ["loss-pass", "dinp-sums"])
+def test_model_against_default_classifier(mode):
     config = GPU_CONFIG
     _require_gluon(512, config.channels, config.padded_vocab_size)
-    (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 4), 4, 256, "cuda", torch.bfloat16, 2)
+    (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 4), 4, 256, "cuda", torch.bfloat16, 2, mode)
     assert rel_err(l1, l0) < 1e-5
     for name in g0:
         assert rel_err(g1[name], g0[name]) < 1e-2, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
@@ -193,7 +275,8 @@ def test_model_against_default_classifier():
 
 
 @pytest.mark.gpu
-def test_model_same_seed_same_bits():
+@pytest.mark.parametrize("mode", ["loss-pass", "dinp-sums"])
+def test_model_same_seed_same_bits(mode):
     """Three CUDA-graph steps twice from the same seed: bitwise the same losses and parameters."""
     config = GPU_CONFIG
     _require_gluon(512, config.channels, config.padded_vocab_size)
@@ -203,7 +286,7 @@ def test_model_same_seed_same_bits():
                for _ in range(3)]
     runs = []
     for _ in range(2):
-        model = GPT2Model(config, params, 4, 256, device="cuda", classifier_chunks=2, lm_head_prologue=True)
+        model = GPT2Model(config, params, 4, 256, device="cuda", classifier_chunks=2, lm_head_prologue=mode)
         losses = [model.train_step([b], 1e-3, i + 1, 0.1)[0] for i, b in enumerate(batches)]
         runs.append((losses, model.parameters_fp32().cpu()))
     assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])

@@ -12,11 +12,11 @@ A win if the read-only pass and the two products take less than the classifier a
 Status (bench/RESULTS.md, run AQ): the Triton kernels here (tl.dot) are measured: their product alone is within
 2-5 % of cuBLAS, but the prologue adds 0.75 ms a call, serialised with the products (1.71 against 0.97 ms). The
 Gluon kernels, which run the prologue of tile j + 1 under the asynchronous product of tile j, are the model's
-(llmpy.kernels.lm_head_backward, GPT2Model(lm_head_prologue=True)); this script times them against the classifier
-and cuBLAS, kernel by kernel and as a chunk's whole lm_head backward in a CUDA graph at the cap:
-`python bench/kernels/try_lm_head_prologue.py --rounds 2 --gluon-only` on an H200 (the whole step:
-`python -m bench.ab_step --variant default= --variant "prologue=--lm-head-prologue on" -- --recompute 0`). On the
-CPU it checks the Triton kernels against float64. An experiment: removed once measured.
+(llmpy.kernels.lm_head_backward, GPT2Model(lm_head_prologue="loss-pass" or "dinp-sums"); this script times them,
+both ways, against the classifier and cuBLAS, kernel by kernel and as a chunk's whole lm_head backward in a CUDA
+graph at the cap: `python bench/kernels/try_lm_head_prologue.py --rounds 2 --gluon-only` on an H200 (the whole
+step: `bash bench/gpu_check.sh lm-head-ab`). On the CPU it checks the Triton kernels against float64. An
+experiment: removed once measured.
 """
 from __future__ import annotations
 
@@ -227,9 +227,17 @@ def bench(args):
     if gluon:  # the model's lse2 (from the classifier's losses) and -inf padding; the Triton kernels mask it anyway
         from llmpy.kernels.encoder import encoder_backward_scratch, wte_backward
         fused_classifier(logits, losses, 0.0, tgt, V, write_dlogits=False)
-        klm.lse2_and_mask(logits, losses, tgt, lse2, V)
+        klm.row_shifts_and_mask(logits, tgt, lse2, V, losses=losses)
         partial = torch.empty(klm.DINP_SPLIT, M, C, dtype=torch.float32, device=dev)
         scratch = encoder_backward_scratch(1, M, C, dev)
+        # dinp-sums: the shifts from the targets' logits; dinp writes each row's lse2 and loss
+        shift2, sums = torch.empty_like(lse2), torch.empty(klm.DINP_SPLIT, M, device=dev)
+        lse2_s, losses_s = torch.empty_like(lse2), torch.empty_like(losses)
+        klm.row_shifts_and_mask(logits, tgt, shift2, V)
+
+        def dinp_sums(stages=klm.DINP_STAGES):
+            klm.lm_head_dinp(logits, wte, shift2, tgt, dloss, dlnf, partial, row_sums=sums, lse2=lse2_s,
+                             losses=losses_s, stages=stages)
 
         def scatter():
             wte_backward(dw, lnf.view(1, M, C), tgt.view(1, M), 0, scratch, stochastic=False, scale=-dloss)
@@ -269,12 +277,14 @@ def bench(args):
                 print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
         if gluon:  # the model's kernels (llmpy.kernels.lm_head_backward), on the masked logits
             for stages in (3, 4):
-                t(f"gluon dinp (lm_head_dinp), {stages} stages",
+                t(f"gluon dinp (lm_head_dinp, loss-pass), {stages} stages",
                   lambda: klm.lm_head_dinp(logits, wte, lse2, tgt, dloss, dlnf, partial, stages=stages), 1.0)
+                t(f"gluon dinp (lm_head_dinp, dinp-sums), {stages} stages", lambda: dinp_sums(stages), 1.0)
                 t(f"gluon dweight (lm_head_dweight, no one-hot), {stages} stages",
                   lambda: klm.lm_head_dweight(logits, lnf, lse2, dloss, V, dw, stages=stages), 1.0)
             if rnd == 0:
-                t("lse2_and_mask", lambda: klm.lse2_and_mask(logits, losses, tgt, lse2, V), 0.01)
+                t("row_shifts_and_mask (loss-pass)", lambda: klm.row_shifts_and_mask(logits, tgt, lse2, V, losses),
+                  0.01)
                 t("one-hot scatter (wte_backward, scale -dloss, one chunk)", scatter, 0.05)
 
             # the chunk's whole lm_head backward both ways, 8 chunks (a step's) captured in a CUDA graph as the
@@ -286,14 +296,21 @@ def bench(args):
 
             def fused(stages):
                 fused_classifier(logits, losses, 0.0, tgt, V, write_dlogits=False)
-                klm.lse2_and_mask(logits, losses, tgt, lse2, V)
+                klm.row_shifts_and_mask(logits, tgt, lse2, V, losses=losses)
                 klm.lm_head_dinp(logits, wte, lse2, tgt, dloss, dlnf, partial, stages=stages)
                 klm.lm_head_dweight(logits, lnf, lse2, dloss, V, dw, stages=stages)
                 scatter()
+
+            def fused_sums():
+                klm.row_shifts_and_mask(logits, tgt, shift2, V)
+                dinp_sums()
+                klm.lm_head_dweight(logits, lnf, lse2_s, dloss, V, dw)
+                scatter()
             for name, fn in [("today: classifier, cuBLAS dinp, cuBLAS dweight", today),
-                             ("fused: validation classifier, lse2, Gluon dinp (3 stages), dweight, scatter",
+                             ("loss-pass: validation classifier, lse2, Gluon dinp (3 stages), dweight, scatter",
                               lambda: fused(3)),
-                             ("fused: the same, 4 stages", lambda: fused(4))]:
+                             ("loss-pass: the same, 4 stages", lambda: fused(4)),
+                             ("dinp-sums: shifts, Gluon dinp summing (4 stages), dweight (3), scatter", fused_sums)]:
                 replay = graphed(fn, 8)
                 cap = sustained_ms(replay, args.sustain_ms * 3, 8 * 2.4) / 8
                 print(f"{'graphed chunk, ' + name:90s} cap {cap:.4f} ms a chunk", flush=True)
@@ -314,6 +331,12 @@ def bench(args):
         e_cls = ((ref.double() - ref64).abs().max() / ref64.abs().max()).item()
         print(f"gluon dinp against the fp32 product of the classifier's g: {e:.2e}; against float64: {e64:.2e} "
               f"(the classifier's g through an fp32 product: {e_cls:.2e})")
+        dlnf.fill_(float("nan"))
+        dinp_sums()
+        e64 = ((dlnf.double() - ref64).abs().max() / ref64.abs().max()).item()
+        print(f"gluon dinp-sums against float64: {e64:.2e}; its lse2 against loss-pass's "
+              f"{(lse2_s - lse2).abs().max().item():.2e}, losses against the classifier's "
+              f"{(losses_s - losses).abs().max().item():.2e}")
     # correctness at the real shape: g's bits against the classifier's, products against cuBLAS on g_cls
     if args.gluon_only:
         return
