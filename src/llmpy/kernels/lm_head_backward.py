@@ -226,8 +226,8 @@ if GLUON:
                              NT: gl.constexpr, STAGES: gl.constexpr, ROW_SUMS: gl.constexpr,
                              num_warps: gl.constexpr):
         """out[s] (fp32 [M, N] slice s of SPLIT) = the product over vocabulary part s of g = exp2(x log2 e -
-        shift2) scale and wte; with ROW_SUMS, each row's sum of those g over part s into sums[s] (column tile 0
-        writes it). Tile j + 1's prologue runs while tile j's product is in flight; each ring slot is refilled
+        shift2) scale and wte; with ROW_SUMS, g unscaled, and each row's sum of those g over part s into sums[s]
+        (column tile 0 writes it). Tile j + 1's prologue runs while tile j's product is in flight; each ring slot is refilled
         once the product that read it is done."""
         pid = gl.program_id(0)
         n_t = pid % NT  # a row block's column tiles run side by side: its logits come from L2 for all but one
@@ -254,9 +254,11 @@ if GLUON:
             slot = j % STAGES
             mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
             x = x_ring.index(slot).load(mma_x)
-            g = gl.exp2(x.to(gl.float32) * 1.4426950408889634 - gl.expand_dims(shift2, 1)) * scale
-            if ROW_SUMS:
+            g = gl.exp2(x.to(gl.float32) * 1.4426950408889634 - gl.expand_dims(shift2, 1))
+            if ROW_SUMS:  # unscaled: the finish kernel scales by dloss / sum
                 sums = sums + g
+            else:
+                g = g * scale
             a = gl.convert_layout(g.to(gl.bfloat16), a_l)
             acc = warpgroup_mma(a, w_ring.index(slot), acc, is_async=True)
             # tile j - 1's product done; its A registers (a_prev) stay live until here so that tile j's prologue
