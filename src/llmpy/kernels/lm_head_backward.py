@@ -53,8 +53,9 @@ except Exception:  # noqa: BLE001 - an import of an experimental module may fail
 
 LOG2E = 1.4426950408889634
 # the products' tiles: 128 x 256 outputs, 64-deep steps; 8 warps (two warpgroups of 64 rows), one program an SM
-# (171 and 232 registers a thread under triton 3.6, no spills); dinp's vocabulary split in two for its waves
-# (64 x 3 programs per 8192-row chunk otherwise); STAGES: TMA ring depths (147 / 197 kB of shared memory at 3 / 4)
+# (dinp 171, 239 with ROW_SUMS, dweight 243 registers a thread under triton 3.6 and its ptxas, no spills);
+# dinp's vocabulary split in two for its waves (64 x 3 programs per 8192-row chunk otherwise); STAGES: TMA ring
+# depths (147 / 197 kB of shared memory at 3 / 4)
 TILE_M, TILE_N, TILE_K = 128, 256, 64
 DINP_SPLIT = 2
 DINP_STAGES = 4
