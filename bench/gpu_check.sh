@@ -96,8 +96,8 @@ for stage in $stages; do
       rc=$? ;;
     lm-head-tests)
       # the lm_head backward's Gluon products (lm_head_prologue) against float64, in the model, same seed same bits
-      timeout ${LM_HEAD_TESTS_TIMEOUT:-240} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_lm_head_backward.py \
-        -m gpu 2>&1 | tee "$OUT/lm_head_tests.log"
+      timeout ${LM_HEAD_TESTS_TIMEOUT:-240} python3 -m pytest -q -rfEx -p no:cacheprovider \
+        tests/test_lm_head_backward.py -m gpu 2>&1 | tee "$OUT/lm_head_tests.log"
       rc=$? ;;
     lm-head)
       # those products against the classifier + cuBLAS, kernel by kernel and a chunk's whole lm_head backward at the cap

@@ -90,13 +90,14 @@ def lm_head_prologue_usable(device, dtype: torch.dtype, chunk_rows: int, C: int,
 @triton.jit
 def _lm_head_row_shift_kernel(logits_ptr, losses_ptr, targets_ptr, shift2_ptr, n_rows, V, Vp,
                               FROM_LOSS: tl.constexpr, OFFSET2: tl.constexpr, ROWS: tl.constexpr, PAD: tl.constexpr):
+    LOG2E: tl.constexpr = 1.4426950408889634
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n_rows
     row_base = rows.to(tl.int64) * Vp
     tgt = tl.load(targets_ptr + rows, mask=ok, other=0).to(tl.int64)
-    x_t2 = tl.load(logits_ptr + row_base + tgt, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    x_t2 = tl.load(logits_ptr + row_base + tgt, mask=ok, other=0.0).to(tl.float32) * LOG2E
     if FROM_LOSS:  # the row's log-sum-exp: loss = lse - logit[target]
-        shift2 = tl.load(losses_ptr + rows, mask=ok, other=0.0) * 1.4426950408889634 + x_t2
+        shift2 = tl.load(losses_ptr + rows, mask=ok, other=0.0) * LOG2E + x_t2
     else:
         shift2 = x_t2 + OFFSET2
     tl.store(shift2_ptr + rows, shift2, mask=ok)
@@ -131,6 +132,7 @@ def _lm_head_dinp_finish_kernel(part_ptr, sums_ptr, shift2_ptr, logits_ptr, tgt_
     ROW_SUMS also each row's lse2 and loss (column block 0 writes them), and the rows whose sum reached
     SUM_LIMIT or whose parts are not finite done again from their logits (_dinp_row_again)."""
     LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok_r, ok_c = rows < R, cols < C
@@ -158,7 +160,7 @@ def _lm_head_dinp_finish_kernel(part_ptr, sums_ptr, shift2_ptr, logits_ptr, tgt_
         first = ok_r & ~again & (tl.program_id(1) == 0)
         tl.store(lse2_ptr + rows, shift2 + log2_total, mask=first)
         # the shift's offset from the target's logit (exactly as rounded) plus log2 of the sum: no cancellation
-        tl.store(losses_ptr + rows, ((shift2 - x_t2) + log2_total) * 0.6931471805599453, mask=first)
+        tl.store(losses_ptr + rows, ((shift2 - x_t2) + log2_total) * LN2, mask=first)
     tl.store(out_ptr + offs, (acc - w_t * dloss).to(out_ptr.dtype.element_ty), mask=keep)
     if ROW_SUMS:
         if tl.sum(again.to(tl.int32), axis=0) > 0:
@@ -175,6 +177,7 @@ def _dinp_row_again(r, cols, ok_c, logits_ptr, tgt_ptr, w_ptr, out_ptr, lse2_ptr
     its lse2 from the logits (max, then sum), then out[r, cols] = dloss (softmax @ wte[:, cols] - wte[target]).
     Rare (a diverging run): a loop over the vocabulary, a row at a time."""
     LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
     base = r.to(tl.int64) * Vp
     v_offs = tl.arange(0, BLOCK_V)
     high = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -202,7 +205,7 @@ def _dinp_row_again(r, cols, ok_c, logits_ptr, tgt_ptr, w_ptr, out_ptr, lse2_ptr
     if tl.program_id(1) == 0:
         x_t = tl.load(logits_ptr + base + tgt).to(tl.float32)
         tl.store(lse2_ptr + r, lse2)
-        tl.store(losses_ptr + r, (lse2 - x_t * LOG2E) * 0.6931471805599453)
+        tl.store(losses_ptr + r, (lse2 - x_t * LOG2E) * LN2)
 
 
 if GLUON:
@@ -228,8 +231,8 @@ if GLUON:
                              num_warps: gl.constexpr):
         """out[s] (fp32 [M, N] slice s of SPLIT) = the product over vocabulary part s of g = exp2(x log2 e -
         shift2) scale and wte; with ROW_SUMS, g unscaled, and each row's sum of those g over part s into sums[s]
-        (column tile 0 writes it). Tile j + 1's prologue runs while tile j's product is in flight; each ring slot is refilled
-        once the product that read it is done."""
+        (column tile 0 writes it). Tile j + 1's prologue runs while tile j's product is in flight; each ring slot
+        is refilled once the product that read it is done."""
         pid = gl.program_id(0)
         n_t = pid % NT  # a row block's column tiles run side by side: its logits come from L2 for all but one
         rest = pid // NT
