@@ -217,12 +217,13 @@ if GLUON:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
 
     @gluon.jit
-    def _dinp_loads(x_desc, w_desc, x_ring, w_ring, bars, j, k0, m0, n0, STAGES: gl.constexpr, BK: gl.constexpr):
+    def _ring_loads(a_desc, b_desc, a_ring, b_ring, bars, j, a0, a1, b0, b1, STAGES: gl.constexpr):
+        """Tile j of both streams (boxes at [a0, a1] and [b0, b1]) into ring slot j % STAGES, one barrier."""
         slot = j % STAGES
         bar = bars.index(slot)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [m0, (k0 + j) * BK], bar, x_ring.index(slot))
-        tma.async_copy_global_to_shared(w_desc, [(k0 + j) * BK, n0], bar, w_ring.index(slot))
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [a0, a1], bar, a_ring.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [b0, b1], bar, b_ring.index(slot))
 
     @gluon.jit
     def _lm_head_dinp_kernel(x_desc, w_desc, shift2_ptr, sums_ptr, out_ptr, scale, M, N, K_TILES_SPLIT,
@@ -247,7 +248,8 @@ if GLUON:
         nk = K_TILES_SPLIT
         for i in gl.static_range(STAGES):
             if i < nk:
-                _dinp_loads(x_desc, w_desc, x_ring, w_ring, bars, i, k0, m0, n0, STAGES, BK)
+                # logits [m0, k] and wte [k, n0]
+                _ring_loads(x_desc, w_desc, x_ring, w_ring, bars, i, m0, (k0 + i) * BK, (k0 + i) * BK, n0, STAGES)
         rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_x))
         shift2 = gl.load(shift2_ptr + rows)
         if ROW_SUMS:  # elementwise over the loop (an add a value), one reduction after it
@@ -271,7 +273,8 @@ if GLUON:
             a_prev = a
             if j > 0:
                 if j - 1 + STAGES < nk:  # tile j - 1's slot takes tile j - 1 + STAGES
-                    _dinp_loads(x_desc, w_desc, x_ring, w_ring, bars, j - 1 + STAGES, k0, m0, n0, STAGES, BK)
+                    k = (k0 + j - 1 + STAGES) * BK
+                    _ring_loads(x_desc, w_desc, x_ring, w_ring, bars, j - 1 + STAGES, m0, k, k, n0, STAGES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -282,14 +285,6 @@ if GLUON:
         out_cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_acc))
         offs = gl.expand_dims((s * M + out_rows) * N, 1) + gl.expand_dims(out_cols, 0)
         gl.store(out_ptr + offs, acc)
-
-    @gluon.jit
-    def _dweight_loads(x_desc, a_desc, x_ring, a_ring, bars, j, v0, n0, STAGES: gl.constexpr, BK: gl.constexpr):
-        slot = j % STAGES
-        bar = bars.index(slot)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + a_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [j * BK, v0], bar, x_ring.index(slot))
-        tma.async_copy_global_to_shared(a_desc, [j * BK, n0], bar, a_ring.index(slot))
 
     @gluon.jit
     def _lm_head_dweight_kernel(x_desc, a_desc, lse2_ptr, dw_ptr, dloss, V, R, N,
@@ -309,7 +304,8 @@ if GLUON:
         nk = R // BK
         for i in gl.static_range(STAGES):
             if i < nk:
-                _dweight_loads(x_desc, a_desc, x_ring, a_ring, bars, i, v0, n0, STAGES, BK)
+                # logits [k, v0] (read transposed) and lnf [k, n0]
+                _ring_loads(x_desc, a_desc, x_ring, a_ring, bars, i, i * BK, v0, i * BK, n0, STAGES)
         k_offs = gl.arange(0, BK, layout=gl.SliceLayout(0, mma_x))
         lse2 = gl.load(lse2_ptr + k_offs)
         # dw's old value is the accumulator's start: loading it after the loop spills
@@ -332,7 +328,8 @@ if GLUON:
             a_prev = a
             if j > 0:
                 if j - 1 + STAGES < nk:
-                    _dweight_loads(x_desc, a_desc, x_ring, a_ring, bars, j - 1 + STAGES, v0, n0, STAGES, BK)
+                    k = (j - 1 + STAGES) * BK
+                    _ring_loads(x_desc, a_desc, x_ring, a_ring, bars, j - 1 + STAGES, k, v0, k, n0, STAGES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
