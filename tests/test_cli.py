@@ -81,6 +81,105 @@ def test_unknown_descriptor_and_flag(shards):
     assert_one_line_error(llmpy("train", "-w", "7", "-i", train, "-e", TINY), "-w 7")
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("learning_rate", float("nan"), "-l nan: must be a finite number"),
+    ("learning_rate", float("inf"), "-l inf: must be a finite number"),
+    ("final_lr_frac", float("nan"), "-q nan: must be a finite number"),
+    ("weight_decay", -0.1, "-c -0.1: must be >= 0"),
+    ("grad_clip", float("nan"), "--grad-clip nan: must be a finite number"),
+    ("skip_loss_z", -1.0, "-sl -1.0: must be >= 0 (0: off)"),
+    ("skip_grad_z", float("inf"), "-sg inf: must be a finite number"),
+    ("temperature", -0.5, "--temperature -0.5: must be >= 0 (0: greedy)"),
+    ("top_k", -2, "--top-k -2: must be >= 0 (0: all)"),
+    ("val_every", -1, "-v -1: must be >= 0 (0: never)"),
+    ("sample_every", -3, "-s -3: must be >= 0 (0: only at the end)"),
+    ("val_max_steps", 0, "-m 0: must be positive (-v 0 turns validation off)"),
+    ("max_steps", 0, "-x 0: must be positive, or -1 for one epoch"),
+    ("max_steps", -7, "-x -7: must be positive, or -1 for one epoch"),
+    ("progress", 2, "--progress 2: must be one of -1, 0, 1"),
+    ("shuffle", 3, "--shuffle 3: must be one of 0, 1"),
+    ("cuda_graph", -1, "--cuda-graph -1: must be one of 0, 1"),
+])
+def test_impossible_values_are_refused_before_anything_runs(field, value, message):
+    """A NaN passes every `< 0` check unnoticed and an infinite rate trains NaN weights: each such value is
+    refused by name, as is every value outside a flag's meanings."""
+    import re
+
+    from llmpy.errors import LlmpyError
+    from llmpy.trainer import TrainOptions
+
+    TrainOptions().validate()  # the defaults pass
+    with pytest.raises(LlmpyError, match=re.escape(message)):
+        TrainOptions(**{field: value}).validate()
+
+
+def test_impossible_flag_on_the_command_line(shards):
+    train, _ = shards
+    assert_one_line_error(llmpy("train", "-i", train, "-e", TINY, "-l", "nan", "-x", 1), "-l nan", "finite")
+    assert_one_line_error(llmpy("train", "-i", train, "-e", TINY, "-m", 0, "-x", 1), "-m 0")
+
+
+def test_diverging_run_stops_in_one_line_and_keeps_its_checkpoints(tmp_path, shards):
+    """A learning rate of 1e30 is finite but wrecks the weights in one update: the next loss is not finite,
+    the run ends in one line naming the step, and the checkpoint written before stays as it was."""
+    train, _ = shards
+    out = tmp_path / "out"
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 4, "-l", 1e30, "-n", 1, "-v", 0,
+                "-g", 0, "-o", out, "--progress", 0)
+    assert_one_line_error(res, "step 2: the loss is", "lower -l")
+    assert sorted(p.name for p in out.glob("*_0000000*")) == ["model_00000001.bin", "state_00000001.safetensors"]
+    config, flat, _ = load_llmc(out / "model_00000001.bin")
+    assert config.num_layers == 1 and flat.numel() == config.num_parameters
+
+
+def test_no_checkpoint_of_non_finite_weights(tmp_path):
+    """The update after the last loss seen can diverge unseen: _save_checkpoint refuses non-finite weights
+    before writing anything (every rank checks, so none waits on a rank that stopped)."""
+    from llmpy.config import parse_descriptor
+    from llmpy.errors import LlmpyError
+    from llmpy.trainer import TrainOptions, _save_checkpoint
+
+    config = parse_descriptor(TINY)
+
+    class Diverged:
+        def parameters_fp32(self):
+            flat = torch.randn(config.num_parameters)
+            flat[config.num_parameters // 3] = float("nan")
+            return flat
+
+        def state_tensors(self):
+            return {}
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(LlmpyError, match="step 7: the weights are not finite; no checkpoint written"):
+        _save_checkpoint(out, 7, config, Diverged(), TrainOptions(), {}, final=True)
+    assert list(out.iterdir()) == []
+
+
+def test_sample_command_refuses_impossible_options(tmp_path):
+    from llmpy.checkpoint import save_llmc
+    from llmpy.config import parse_descriptor
+    cfg = parse_descriptor(TINY)
+    model = tmp_path / "tiny.bin"
+    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    for flag, value in (("-g", "-3"), ("--temperature", "nan"), ("--temperature", "-1"), ("--top-k", "-1")):
+        assert_one_line_error(llmpy("sample", model, flag, value), f"{flag} {value}")
+    res = llmpy("sample", model, "-g", 5, "--temperature", 0)
+    assert res.returncode == 0, res.stderr
+
+
+def test_sampling_from_non_finite_logits_is_one_clear_error():
+    from llmpy.errors import LlmpyError
+    from llmpy.sampler import sample_next
+
+    logits = torch.randn(300)
+    assert 0 <= sample_next(logits, 257, torch.Generator().manual_seed(1)) < 257
+    logits[5] = float("inf")
+    for temperature in (1.0, 0.0):
+        with pytest.raises(LlmpyError, match="logits are not finite"):
+            sample_next(logits, 257, torch.Generator().manual_seed(1), temperature=temperature)
+
+
 def test_attention_flag_takes_every_path(shards):
     """--attention accepts each of the model's paths (the flag's check and the dispatcher share one list);
     a GPU-only path on the CPU ends in one line from the model, an unknown name in one line from the flag."""
@@ -151,6 +250,21 @@ def test_out_of_memory_is_one_line(monkeypatch, capsys):
     assert cli.main(["train", "-x", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "out of memory" in err[0] and "-b" in err[0] and "6.00 GiB" in err[0]
+
+
+def test_system_error_is_one_line(monkeypatch, capsys):
+    """A read or write the system refuses mid-run (here a full disk at a checkpoint) ends in one line
+    naming the file, not a traceback."""
+    import errno
+
+    from llmpy import cli, trainer
+
+    def full_disk(opts, log=print):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/state_00000100.safetensors")
+    monkeypatch.setattr(trainer, "train", full_disk)
+    assert cli.main(["train", "-x", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["llmpy train: error: /runs/x/state_00000100.safetensors: No space left on device"]
 
 
 def test_tensorboard_events_match_the_jsonl_log(tmp_path, shards):

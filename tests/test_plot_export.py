@@ -119,6 +119,8 @@ def test_plot_errors(tmp_path):
         pl.plot_run(tmp_path / "run", smooth=-0.1)
     with pytest.raises(LlmpyError, match="not a directory"):
         pl.plot_run(tmp_path / "run", tmp_path / "afile")
+    with pytest.raises(LlmpyError, match="afile/charts: cannot create or write the plot folder"):
+        pl.plot_run(tmp_path / "run", tmp_path / "afile" / "charts")  # a file where a parent folder must be
 
 
 def test_plot_without_matplotlib_is_one_clear_error(tmp_path, monkeypatch):
@@ -234,6 +236,8 @@ def test_export_errors(tmp_path):
     (tmp_path / "taken").write_text("x")
     with pytest.raises(LlmpyError, match="not a directory"):
         export_hf(tmp_path / "m.bin", tmp_path / "taken")
+    with pytest.raises(LlmpyError, match="taken/hf: cannot create or write the export folder"):
+        export_hf(tmp_path / "m.bin", tmp_path / "taken" / "hf")
     export_hf(tmp_path / "m.bin", tmp_path / "hf")
     with pytest.raises(LlmpyError, match="onto itself"):
         export_hf(tmp_path / "hf", tmp_path / "hf")

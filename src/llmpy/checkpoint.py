@@ -124,6 +124,20 @@ def atomic_write(path, writer: Callable) -> None:
             f.flush()
 
 
+def writable_dir(folder, what: str, name: str | None = None) -> Path:
+    """Create `folder` if missing and write a probe file in it, so that a run fails before its work, not
+    at its first save; an LlmpyError naming the folder (or `name`, e.g. the flag) and the reason."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".llmpy-probe.{os.getpid()}.{secrets.token_hex(4)}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise LlmpyError(f"{name or folder}: cannot create or write the {what} ({e.strerror or e})") from None
+    return folder
+
+
 def _fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable; not all filesystems allow opening a directory.
     try:

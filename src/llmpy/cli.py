@@ -57,6 +57,10 @@ def main(argv=None) -> int:
         print(f"llmpy {args.command}: error: out of memory ({detail[:200]}); lower the batch size -b, "
               "raise recompute -r, or use a smaller model", file=sys.stderr)
         return 1
+    except OSError as e:  # the system refused a read or write the checks could not foresee (disk full, ...)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"llmpy {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except _dist_error() as e:
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"llmpy {args.command}: error: data-parallel communication failed ({detail[:200]}); another "

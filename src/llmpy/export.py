@@ -31,7 +31,7 @@ def generation_config_dict(eos: int) -> dict:
 
 def export_hf(model_path, out_dir) -> Path:
     """Write the HF folder for `model_path` into out_dir; returns out_dir."""
-    from .checkpoint import atomic_write, hf_config_dict, load_model_file, save_hf
+    from .checkpoint import atomic_write, hf_config_dict, load_model_file, save_hf, writable_dir
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -40,6 +40,7 @@ def export_hf(model_path, out_dir) -> Path:
     if src.exists() and out.exists() and src.resolve() == out.resolve():
         raise LlmpyError(f"{out}: exporting a folder onto itself")
     config, flat, _ = load_model_file(model_path)
+    writable_dir(out, "export folder")
     save_hf(out, config, flat.float())  # HF's GPT-2 is fp32 here; a bf16 .bin widens exactly
     eos = hf_config_dict(config)["eos_token_id"]
     text = json.dumps(generation_config_dict(eos), indent=2) + "\n"

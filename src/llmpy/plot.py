@@ -130,7 +130,8 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9) -> list[Path]:
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
     plt = _pyplot()
-    out.mkdir(parents=True, exist_ok=True)
+    from .checkpoint import writable_dir
+    writable_dir(out, "plot folder")
     title = run_dir.resolve().name
     written = []
 

@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from .checkpoint import writable_dir
 from .data import shard_name, write_shard
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
@@ -63,7 +64,7 @@ def download(url: str, dest: Path, sha256: str | None = None) -> Path:
     dest = Path(dest)
     if dest.is_file():
         return dest
-    _ensure_dir(dest.parent, "download folder")
+    writable_dir(dest.parent, "download folder")
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     digest = hashlib.sha256()
     try:
@@ -95,18 +96,6 @@ def _unlink(path) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _ensure_dir(folder: Path, what: str) -> Path:
-    """Create `folder` and check that a file can be written in it, failing early with its name."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".llmpy-probe.", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise LlmpyError(f"{folder}: cannot create or write the {what} ({e.strerror or e})") from None
-    return folder
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +163,7 @@ def _tinystories_files(cache: Path) -> list[Path]:
     done = folder / ".complete"
     if not done.is_file():
         archive = download(TINYSTORIES_URL, cache / "TinyStories_all_data.tar.gz")
-        _ensure_dir(folder, "download folder")
+        writable_dir(folder, "download folder")
         try:
             with tarfile.open(archive, "r:gz") as tar:
                 for m in tar:
@@ -326,7 +315,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
         raise LlmpyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
     name = name or re.sub(r"[^A-Za-z0-9._-]+", "_", src.name) or "data"
     out = Path(outdir).expanduser() if outdir is not None else Path("data") / name
-    _ensure_dir(out, "output folder")
+    writable_dir(out, "output folder")
     tok = load_tokenizer(tokenizer, tokenizer_dir)
 
     chunks: Iterable[tuple[bool, np.ndarray]] = _token_chunks(src, tok)

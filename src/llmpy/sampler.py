@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -16,6 +17,8 @@ def sample_next(logits: torch.Tensor, vocab_size: int, generator: torch.Generato
     temperature 0 takes the most likely token; top_k > 0 keeps the k most likely before sampling.
     """
     row = logits[:vocab_size].float().cpu()
+    if not torch.isfinite(row).all():
+        raise LlmpyError("sampling: the model's logits are not finite (its weights have diverged)")
     if temperature <= 0:
         return int(row.argmax())
     row = row / temperature
@@ -73,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_model_file
     from .reference import GPT2Reference
     from .tokenizer import load_tokenizer
+    if args.gen_tokens < 0:
+        raise LlmpyError(f"-g {args.gen_tokens}: must be >= 0")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):  # also refuses NaN
+        raise LlmpyError(f"--temperature {args.temperature}: must be a finite number >= 0 (0: greedy)")
+    if args.top_k < 0:
+        raise LlmpyError(f"--top-k {args.top_k}: must be >= 0 (0: all)")
     config, flat, _ = load_model_file(args.model)
     name = args.tokenizer
     if name == "auto":

@@ -102,12 +102,28 @@ class TrainOptions:
             raise LlmpyError(f"--engine {self.engine}: must be auto, kernels or reference")
         if self.attention not in ATTENTION_CHOICES:
             raise LlmpyError(f"--attention {self.attention}: must be one of {', '.join(ATTENTION_CHOICES)}")
-        if self.grad_clip < 0:
-            raise LlmpyError(f"--grad-clip {self.grad_clip}: must be >= 0 (0 turns clipping off)")
-        for name, flag in (("checkpoint_every", "-n"), ("checkpoints_keep", "-nk"), ("major_checkpoint_every", "-nm"),
-                           ("val_max_steps", "-m"), ("gen_tokens", "-g")):
+        for name, flag, allowed in (("progress", "--progress", (-1, 0, 1)), ("shuffle", "--shuffle", (0, 1)),
+                                    ("cuda_graph", "--cuda-graph", (0, 1))):
+            if getattr(self, name) not in allowed:
+                raise LlmpyError(f"{flag} {getattr(self, name)}: must be one of {', '.join(map(str, allowed))}")
+        # a NaN passes every comparison below unnoticed, and an infinite rate ends in NaN weights
+        for name, flag in (("learning_rate", "-l"), ("final_lr_frac", "-q"), ("weight_decay", "-c"),
+                           ("skip_loss_z", "-sl"), ("skip_grad_z", "-sg"), ("grad_clip", "--grad-clip"),
+                           ("temperature", "--temperature")):
+            if not math.isfinite(getattr(self, name)):
+                raise LlmpyError(f"{flag} {getattr(self, name)}: must be a finite number")
+        for name, flag, zero in (("grad_clip", "--grad-clip", " (0 turns clipping off)"), ("weight_decay", "-c", ""),
+                                 ("skip_loss_z", "-sl", " (0: off)"), ("skip_grad_z", "-sg", " (0: off)"),
+                                 ("temperature", "--temperature", " (0: greedy)"), ("top_k", "--top-k", " (0: all)"),
+                                 ("val_every", "-v", " (0: never)"), ("sample_every", "-s", " (0: only at the end)"),
+                                 ("checkpoint_every", "-n", ""), ("checkpoints_keep", "-nk", ""),
+                                 ("major_checkpoint_every", "-nm", ""), ("gen_tokens", "-g", "")):
             if getattr(self, name) < 0:
-                raise LlmpyError(f"{flag} {getattr(self, name)}: must be >= 0")
+                raise LlmpyError(f"{flag} {getattr(self, name)}: must be >= 0{zero}")
+        if self.val_max_steps <= 0:
+            raise LlmpyError(f"-m {self.val_max_steps}: must be positive (-v 0 turns validation off)")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise LlmpyError(f"-x {self.max_steps}: must be positive, or -1 for one epoch of the train data")
         if self.resume and not self.output_dir:
             raise LlmpyError("-y 1 resumes from the output directory: give it with -o")
         if self.hellaswag_examples < 0:
@@ -384,18 +400,6 @@ def _tokenizer_for(vocab_size: int, byte_data: bool = False):
     return None
 
 
-def _check_output_dir(path: str) -> Path:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".llmpy_write_test_{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise LlmpyError(f"-o {path}: output directory cannot be written ({e.strerror or e})") from None
-    return out
-
-
 class RunLog:
     """llm.c's main.log lines (`s:STEP trl:LOSS`, `s:STEP tel:LOSS`, `s:STEP eval:ACC`), a JSONL twin with
     every field, and TensorBoard events under tensorboard/ when torch's TensorBoard writer (the
@@ -459,6 +463,8 @@ def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts
     pair; then -nk/-nm pruning."""
     from .training_state import prune_checkpoints, save_checkpoint
     params, tensors = backend.parameters_fp32(), backend.state_tensors()  # collectives under ZeRO-1
+    if not torch.isfinite(params).all():  # the update after the last loss seen diverged: keep the good files
+        raise LlmpyError(f"step {step}: the weights are not finite; no checkpoint written (lower -l)")
     if not write:
         return
     save_checkpoint(out_dir, step, config, params, tensors, meta, model_dtype=opts.dtype)
@@ -665,7 +671,10 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         start_step = state.step
     schedule = LRSchedule(opts.lr_schedule, opts.learning_rate, opts.warmup_steps, steps, opts.final_lr_frac)
     tokenizer = _tokenizer_for(config.vocab_size, byte_data=embedded)
-    out_dir = _check_output_dir(opts.output_dir) if opts.output_dir else None  # after every check of the input
+    out_dir = None
+    if opts.output_dir:  # after every check of the input
+        from .checkpoint import writable_dir
+        out_dir = writable_dir(opts.output_dir, "output directory", name=f"-o {opts.output_dir}")
     writer = rank == 0  # the one rank that writes checkpoints and logs
 
     if kernels:
@@ -718,6 +727,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 losses = dp.all_gather_scalars(torch.tensor(losses, dtype=torch.float64,
                                                             device=backend.model.device)).reshape(-1).tolist()
             val = sum(losses) / len(losses)
+            if not math.isfinite(val):
+                raise LlmpyError(f"step {step}: the validation loss is {val}; stopping (lower -l, or check the validation data)")
             result.val_losses.append((step, val))
             run_log.write(step, "val", loss=val)
             log(f"val loss {val:.6f}")
@@ -732,8 +743,11 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         if opts.gen_tokens == 0 or not writer:
             return None
         start = [tokenizer.eot] if tokenizer is not None else [config.vocab_size - 1]
-        ids = generate(backend.next_logits, start, opts.gen_tokens, config.vocab_size, config.max_seq_len,
-                       seed=opts.seed + step, temperature=opts.temperature, top_k=opts.top_k)
+        try:
+            ids = generate(backend.next_logits, start, opts.gen_tokens, config.vocab_size, config.max_seq_len,
+                           seed=opts.seed + step, temperature=opts.temperature, top_k=opts.top_k)
+        except LlmpyError as e:
+            raise LlmpyError(f"step {step}: {e}; stopping (lower -l)") from None
         if tokenizer is not None:  # a byte-trained GPT-2 vocab can still draw an id past the bytes early on
             text = tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
         else:
