@@ -728,7 +728,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                                                             device=backend.model.device)).reshape(-1).tolist()
             val = sum(losses) / len(losses)
             if not math.isfinite(val):
-                raise LlmpyError(f"step {step}: the validation loss is {val}; stopping (lower -l, or check the validation data)")
+                raise LlmpyError(f"step {step}: the validation loss is {val}; stopping (lower -l, or check "
+                                 "the validation data)")
             result.val_losses.append((step, val))
             run_log.write(step, "val", loss=val)
             log(f"val loss {val:.6f}")
