@@ -34,6 +34,19 @@ def device():
     return DEVICE
 
 
+@pytest.fixture
+def gluon_emulator():
+    """tests/gluon_emulator.py, for the Gluon kernels' CPU tests: there only (the Triton kernels around them run
+    in the interpreter; on a GPU machine the compiled kernels' own tests run instead), and where triton has Gluon."""
+    if HAS_CUDA:
+        pytest.skip("Gluon emulation runs where the Triton interpreter does (a GPU machine tests the compiled kernel)")
+    from llmpy.kernels.flash_backward_wgmma import GLUON
+    if not GLUON:
+        pytest.skip("this triton has no Gluon")
+    import gluon_emulator
+    return gluon_emulator
+
+
 # the shared data (GPT-2's tokenizer files, tinyshakespeare): ../shared/data beside the checkout, where CI lays
 # it, else $LLMPY_SHARED_DATA
 _SHARED_BESIDE = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -1,8 +1,9 @@
 """The Gluon (explicit async wgmma) flash backward against the CPU reference and the tl.dot kernel.
 
-Gluon kernels do not run in Triton's CPU interpreter, so the kernel itself is tested on the GPU only; the
-CPU tests check the dispatch: which calls it serves, and that everything else falls back to the tl.dot
-kernel (which test_flash_attention.py tests on the CPU).
+Gluon kernels do not run in Triton's CPU interpreter: on the CPU the kernel's own code runs in
+tests/gluon_emulator.py against the reference, and the dispatch is checked: which calls it serves, and that
+everything else falls back to the tl.dot kernel (which test_flash_attention.py tests on the CPU). On the GPU
+the compiled kernel against the reference and the tl.dot kernel.
 """
 import pytest
 import torch
@@ -74,6 +75,28 @@ def test_gpu_wgmma_backward(monkeypatch, shape, variant):
     monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma", "wgmma_stages": (3, 3), "wgmma_a_regs": 0,
                                             "wgmma_maxnreg": None})
     assert torch.equal(dqkv, run_backward(dout, qkv, out, lse, NH)), "not the bits of k and v from shared memory"
+
+
+@pytest.mark.parametrize("tma_loads", ["at-issue", "at-wait"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", [(2, 64, 3), (2, 192, 2)], ids=lambda s: "B%dT%dNH%d" % s)
+def test_wgmma_backward_emulated_on_the_cpu(monkeypatch, gluon_emulator, shape, variant, tma_loads):
+    """The kernel's own code on the CPU (tests/gluon_emulator.py): its tiles, diagonal masks, ring slots and
+    barrier phases, the dq column sums, with TMA loads landing at issue and at the wait."""
+    B, T, NH = shape
+    hs, dtype = 64, torch.bfloat16
+    qkv, dout = make_inputs(B, T, NH, hs, dtype, "cpu", seed=11)
+    out, lse = run_forward(qkv, NH)
+    _, _, dqkv_ref = reference(qkv, dout, NH)
+    monkeypatch.setattr(fa, "wgmma_backward_usable", lambda *args: True)  # on the CPU it says no, rightly
+    emulated = gluon_emulator.emulate(fw._flash_bwd_wgmma_kernel, tma_loads)
+    monkeypatch.setattr(fw, "_flash_bwd_wgmma_kernel", emulated)
+    monkeypatch.setitem(FLASH_CONFIGS, hs, {"bwd_kernel": "wgmma", **VARIANTS[variant]})
+    q_sums = poisoned_q_sums(qkv)
+    dqkv = run_backward(dout, qkv, out, lse, NH, q_sums=q_sums)
+    assert emulated.launches == 1
+    check_backward(dqkv, dqkv_ref, dtype)
+    check_q_sums(q_sums, dqkv, dqkv_ref, dtype, summed_before_rounding=True)
 
 
 @pytest.mark.gpu

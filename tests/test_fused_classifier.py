@@ -331,6 +331,36 @@ TMA_SHAPES = [(1, 5, 77, 128), (3, 100, 1000, 1024), (2, 150, 4000, 4096), (1, 3
               (1, 40, 8192, 8192), (1, 50, 8193, 8320)]
 
 
+def check_tma_classifier(logits, targets, V, dloss, buffers):
+    """The "tma" variant on logits' device: training and validation against the reference, validation leaving
+    the logits untouched and giving bitwise the training losses. Returns the training (losses, dlogits)."""
+    exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
+    kw = dict(variant="tma", buffers=buffers)
+    val_losses, after = run(logits, targets, V, dloss, logits.device, write_dlogits=False, **kw)
+    assert torch.equal(after.view(torch.int16), logits.view(torch.int16))
+    losses, dlogits = run(logits, targets, V, dloss, logits.device, **kw)
+    check_train(losses, dlogits, exp_losses, exp_dlogits, V, dloss, torch.bfloat16)
+    assert torch.equal(val_losses, losses), "validation losses must be bitwise the training losses"
+    return losses, dlogits
+
+
+@pytest.mark.parametrize("tma_loads", ["at-issue", "at-wait"])
+@pytest.mark.parametrize("B,T,V,Vp", [(1, 5, 77, 128), (3, 10, 1000, 1024), (1, 7, 8192, 8192), (1, 9, 8193, 8320)])
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_tma_classifier_emulated_on_the_cpu(monkeypatch, gluon_emulator, B, T, V, Vp, buffers, tma_loads):
+    """The Gluon kernel's own code on the CPU (tests/gluon_emulator.py; its bf16x2 max as torch.fmax, the same
+    NaN rule): boxes, masks, the persistent programs' rows and buffers, against the reference; validation
+    leaves the logits untouched and gives bitwise the training losses."""
+    from llmpy.kernels import fused_classifier as fc
+    from llmpy.kernels import fused_classifier_tma as fct
+    emulated = gluon_emulator.emulate(fct._fc_tma_kernel, tma_loads, overrides={"_max_pairs": torch.fmax})
+    monkeypatch.setattr(fct, "_fc_tma_kernel", emulated)
+    monkeypatch.setattr(fc, "tma_classifier_usable", lambda logits: True)
+    logits, targets = make_case(B, T, V, Vp, torch.bfloat16, seed=T + V, padding=float("nan"))
+    check_tma_classifier(logits, targets, V, 1.0 / (B * T), buffers)
+    assert emulated.launches == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,V,Vp", TMA_SHAPES)
 @pytest.mark.parametrize("buffers", [2, 1])
@@ -343,12 +373,6 @@ def test_gpu_tma_classifier(B, T, V, Vp, buffers):
     logits, targets = logits.cuda(), targets.cuda()
     assert tma_classifier_usable(logits)
     dloss = 1.0 / (B * T)
-    exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
-    kw = dict(variant="tma", buffers=buffers)
-    val_losses, after = run(logits, targets, V, dloss, "cuda", write_dlogits=False, **kw)
-    assert torch.equal(after.view(torch.int16), logits.view(torch.int16))
-    losses, dlogits = run(logits, targets, V, dloss, "cuda", **kw)
-    check_train(losses, dlogits, exp_losses, exp_dlogits, V, dloss, torch.bfloat16)
-    assert torch.equal(val_losses, losses), "validation losses must be bitwise the training losses"
-    again = run(logits, targets, V, dloss, "cuda", **kw)
+    losses, dlogits = check_tma_classifier(logits, targets, V, dloss, buffers)
+    again = run(logits, targets, V, dloss, "cuda", variant="tma", buffers=buffers)
     assert torch.equal(losses, again[0]) and torch.equal(dlogits, again[1])

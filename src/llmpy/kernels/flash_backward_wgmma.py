@@ -35,8 +35,9 @@ summed across key blocks instead of recomputed (each 64-key program adding its s
 an fp32 sum through the TMA unit's reduce-add, in an order fixed by per-tile counters; commit 181187c, run X):
 bitwise repeatable but 1.46 against 0.98 ms, the shares' 1.7 GB of L2 writes a layer alone costing ~0.5 ms.
 
-GPU only (sm_90): Gluon has no CPU interpreter. flash_attention.py's tl.dot kernel is the portable path,
-tested on the CPU; this one is tested on the GPU against the CPU reference and against that kernel. It serves
+GPU only (sm_90). flash_attention.py's tl.dot kernel is the portable path; this one is tested on the GPU
+against the CPU reference and against that kernel, and on the CPU, where Gluon has no interpreter, through
+tests/gluon_emulator.py (its own code, sequentially, against the reference). It serves
 bf16 storage, head size 64 and T a multiple of 64 (every GPT-2 size); flash_attention_backward falls back to
 the tl.dot kernel elsewhere.
 """

@@ -18,7 +18,8 @@ fills with zeros without reading anything, and the kernel masks every column >= 
 memory: a box row is 256 bytes, wider than TMA's largest swizzle span, and each thread reads 16
 contiguous bytes, which needs no swizzle to be free of bank conflicts.
 
-GPU only (sm_90 with Gluon): there is no CPU interpreter for Gluon. fused_classifier's "tma" variant
+GPU only (sm_90 with Gluon; Gluon has no CPU interpreter, so the CPU tests run this kernel's code in
+tests/gluon_emulator.py). fused_classifier's "tma" variant
 runs it where tma_classifier_usable says so (bf16 logits, Vp a multiple of 128, a row within two
 buffers' worth of shared memory) and the two-pass kernel elsewhere, which is also what the CPU tests run.
 The reduction order is fixed by the layout (no atomics): bitwise repeatable, and validation (no gradient

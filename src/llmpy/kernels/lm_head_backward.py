@@ -26,9 +26,10 @@ Why the one-hot is not in the tiles: when a select touches the A operand (the ta
 ptxas serialises every wgmma of the loop (warning C7515). So the finish kernel takes dloss * wte[target] off
 (exact in fp32) and dweight leaves it to the scatter. No atomics: the same bits run after run.
 
-GPU only (sm_90, bf16): Gluon has no CPU interpreter; the Triton kernels (row shifts, finish) run everywhere and
-are tested on the CPU with float64 stand-ins for the products. The products are tested on the GPU against
-float64 (tests/test_lm_head_backward.py) and compiled for sm_90a on the CPU (test_gluon_compile). Not yet
+GPU only (sm_90, bf16); the Triton kernels (row shifts, finish) run everywhere. Gluon has no CPU interpreter: on
+the CPU the products' own code runs in tests/gluon_emulator.py against float64, in the model's plumbing float64
+stand-ins take their place, and they compile for sm_90a (test_gluon_compile); on the GPU they are tested against
+float64 (tests/test_lm_head_backward.py). Not yet
 measured on an H200: `bash bench/gpu_check.sh lm-head-tests lm-head lm-head-ab` (the tests, the kernels against
 the classifier and cuBLAS in bench/kernels/try_lm_head_prologue.py, the whole step each way).
 """
