@@ -215,6 +215,19 @@ def _require_gluon(rows, C, Vp):
 GPU_CONFIG = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_heads=4, channels=256)
 
 
+def _wrong_tiles(out, expected, tol=1e-2):
+    """Which of the products' [TILE_M, TILE_N] output tiles are wrong, for a failure's message: where the first
+    GPU run of a kernel goes wrong (one column tile, the last row block, ...) says what to look at."""
+    out, expected = out.cpu().double(), expected.cpu().double()
+    wrong = []
+    for r in range(0, out.shape[0], klm.TILE_M):
+        for c in range(0, out.shape[1], klm.TILE_N):
+            err = rel_err(out[r:r + klm.TILE_M, c:c + klm.TILE_N], expected[r:r + klm.TILE_M, c:c + klm.TILE_N])
+            if not err < tol:
+                wrong.append(f"[{r}:, {c}:] {err:.3g}")
+    return f"{len(wrong)} wrong tiles (rows, columns: relative error): " + ", ".join(wrong[:12])
+
+
 def _check_products(mode, device):
     """The Gluon products (and dinp's finish) against float64, row 5's loss ~210 nats (dinp-sums: its sum
     overflows and the finish does the row again), wte's padding rows not zero; the same bits twice."""
@@ -254,9 +267,10 @@ def _check_products(mode, device):
     klm.lm_head_dweight(logits, lnf, lse2, dloss, V, dw)
     wte_backward(dw, lnf.view(1, R, C), targets.view(1, R), 0, encoder_backward_scratch(1, R, C, device),
                  stochastic=False, scale=-dloss)
-    assert rel_err(dinp, g @ wte.cpu().double()) < 1e-2
+    assert rel_err(dinp, g @ wte.cpu().double()) < 1e-2, _wrong_tiles(dinp, g @ wte.cpu().double())
     assert rel_err(dinp[5], g[5] @ wte.cpu().double()) < 1e-2, "the row done again"
-    assert rel_err(dw.double() - dw0.double(), g.t() @ lnf.cpu().double()) < 1e-2
+    dw_added, dw_expected = dw.double() - dw0.double(), g.t() @ lnf.cpu().double()
+    assert rel_err(dw_added, dw_expected) < 1e-2, _wrong_tiles(dw_added, dw_expected)
     assert torch.equal(dw[V:], dw0[V:]), "wte's padding rows' gradient changed"
     again = torch.empty_like(dinp)
     klm.lm_head_dinp(logits, wte, shift2, targets, dloss, again, partial, **outputs)
