@@ -216,8 +216,8 @@ GPU_CONFIG = GPT2Config(max_seq_len=256, vocab_size=1000, num_layers=2, num_head
 
 
 def _wrong_tiles(out, expected, tol=1e-2):
-    """Which of the products' [TILE_M, TILE_N] output tiles are wrong, for a failure's message: where the first
-    GPU run of a kernel goes wrong (one column tile, the last row block, ...) says what to look at."""
+    """The products' [TILE_M, TILE_N] output tiles that are wrong, for a failure's message (_report): where the
+    first GPU run of a kernel goes wrong (one column tile, the last row block, ...) says what to look at."""
     out, expected = out.cpu().double(), expected.cpu().double()
     wrong = []
     for r in range(0, out.shape[0], klm.TILE_M):
@@ -225,6 +225,10 @@ def _wrong_tiles(out, expected, tol=1e-2):
             err = rel_err(out[r:r + klm.TILE_M, c:c + klm.TILE_N], expected[r:r + klm.TILE_M, c:c + klm.TILE_N])
             if not err < tol:
                 wrong.append(f"[{r}:, {c}:] {err:.3g}")
+    return wrong
+
+
+def _report(wrong):
     return f"{len(wrong)} wrong tiles (rows, columns: relative error): " + ", ".join(wrong[:12])
 
 
@@ -267,10 +271,10 @@ def _check_products(mode, device):
     klm.lm_head_dweight(logits, lnf, lse2, dloss, V, dw)
     wte_backward(dw, lnf.view(1, R, C), targets.view(1, R), 0, encoder_backward_scratch(1, R, C, device),
                  stochastic=False, scale=-dloss)
-    assert rel_err(dinp, g @ wte.cpu().double()) < 1e-2, _wrong_tiles(dinp, g @ wte.cpu().double())
+    assert rel_err(dinp, g @ wte.cpu().double()) < 1e-2, _report(_wrong_tiles(dinp, g @ wte.cpu().double()))
     assert rel_err(dinp[5], g[5] @ wte.cpu().double()) < 1e-2, "the row done again"
     dw_added, dw_expected = dw.double() - dw0.double(), g.t() @ lnf.cpu().double()
-    assert rel_err(dw_added, dw_expected) < 1e-2, _wrong_tiles(dw_added, dw_expected)
+    assert rel_err(dw_added, dw_expected) < 1e-2, _report(_wrong_tiles(dw_added, dw_expected))
     assert torch.equal(dw[V:], dw0[V:]), "wte's padding rows' gradient changed"
     again = torch.empty_like(dinp)
     klm.lm_head_dinp(logits, wte, shift2, targets, dloss, again, partial, **outputs)
@@ -293,6 +297,39 @@ def test_products_emulated_on_the_cpu(monkeypatch, gluon_emulator, mode, tma_loa
     for name in ("_lm_head_dinp_kernel", "_lm_head_dweight_kernel"):
         monkeypatch.setattr(klm, name, gluon_emulator.emulate(getattr(klm, name), tma_loads))
     _check_products(mode, "cpu")
+
+
+def test_products_emulated_at_gpt2_shapes(monkeypatch, gluon_emulator):
+    """dinp-sums at GPT-2 124M's shapes (C = 768, V = 50257, Vp = 50304: three column tiles, 393 vocabulary
+    tiles, a ragged last one) on 512 rows, emulated: every output tile against float64."""
+    for name in ("_lm_head_dinp_kernel", "_lm_head_dweight_kernel"):
+        monkeypatch.setattr(klm, name, gluon_emulator.emulate(getattr(klm, name)))
+    gen = torch.Generator().manual_seed(3)
+    R, C, V, Vp = 512, 768, 50257, 50304
+    dloss = 1.0 / (64 * 1024)
+    logits = (torch.randn(R, Vp, generator=gen) * 2).to(torch.bfloat16)
+    targets = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32)
+    wte = (torch.randn(Vp, C, generator=gen) * 0.02).to(torch.bfloat16)
+    lnf = torch.randn(R, C, generator=gen).to(torch.bfloat16)
+    # an old gradient well below the increments (~1e-8 a vocabulary row here), so bf16's rounding of the sum
+    # does not swamp them
+    dw0 = (torch.randn(Vp, C, generator=gen) * 1e-11).to(torch.bfloat16)
+    expected_losses, g = reference.fused_classifier(logits.double(), targets, V, dloss)
+    shift2, lse2, losses = (torch.full((R,), float("nan")) for _ in range(3))
+    klm.row_shifts_and_mask(logits, targets, shift2, V)
+    dinp = torch.full((R, C), float("nan"), dtype=torch.bfloat16)
+    klm.lm_head_dinp(logits, wte, shift2, targets, dloss, dinp, torch.full((klm.DINP_SPLIT, R, C), float("nan")),
+                     row_sums=torch.full((klm.DINP_SPLIT, R), float("nan")), lse2=lse2, losses=losses)
+    dw = dw0.clone()
+    klm.lm_head_dweight(logits, lnf, lse2, dloss, V, dw)
+    wte_backward(dw, lnf.view(1, R, C), targets.view(1, R), 0, encoder_backward_scratch(1, R, C, "cpu"),
+                 stochastic=False, scale=-dloss)
+    assert (losses.double() - expected_losses).abs().max() < 1e-5 * expected_losses.abs().max()
+    wrong = _wrong_tiles(dinp, g @ wte.double())
+    assert not wrong, _report(wrong)
+    wrong = _wrong_tiles(dw.double() - dw0.double(), g.t() @ lnf.double())
+    assert not wrong, _report(wrong)
+    assert torch.equal(dw[V:], dw0[V:]), "wte's padding rows' gradient changed"
 
 
 # the default classifier's masked tail takes exp2 of the padding columns' logits (large: wte's padding rows are
