@@ -232,6 +232,12 @@ def _report(wrong):
     return f"{len(wrong)} wrong tiles (rows, columns: relative error): " + ", ".join(wrong[:12])
 
 
+def _emulate_products(monkeypatch, gluon_emulator, tma_loads="at-issue"):
+    """The two Gluon products' launches run their code on the CPU (tests/gluon_emulator.py)."""
+    for name in ("_lm_head_dinp_kernel", "_lm_head_dweight_kernel"):
+        monkeypatch.setattr(klm, name, gluon_emulator.emulate(getattr(klm, name), tma_loads))
+
+
 def _check_products(mode, device):
     """The Gluon products (and dinp's finish) against float64, row 5's loss ~210 nats (dinp-sums: its sum
     overflows and the finish does the row again), wte's padding rows not zero; the same bits twice."""
@@ -294,16 +300,14 @@ def test_products_against_float64(mode):
 def test_products_emulated_on_the_cpu(monkeypatch, gluon_emulator, mode, tma_loads):
     """The Gluon products' own code, run on the CPU by tests/gluon_emulator.py: their tiles, masks, ring slots
     and barrier phases, with TMA loads landing at issue and at the wait (each shows other ring mistakes)."""
-    for name in ("_lm_head_dinp_kernel", "_lm_head_dweight_kernel"):
-        monkeypatch.setattr(klm, name, gluon_emulator.emulate(getattr(klm, name), tma_loads))
+    _emulate_products(monkeypatch, gluon_emulator, tma_loads)
     _check_products(mode, "cpu")
 
 
 def test_products_emulated_at_gpt2_shapes(monkeypatch, gluon_emulator):
     """dinp-sums at GPT-2 124M's shapes (C = 768, V = 50257, Vp = 50304: three column tiles, 393 vocabulary
     tiles, a ragged last one) on 512 rows, emulated: every output tile against float64."""
-    for name in ("_lm_head_dinp_kernel", "_lm_head_dweight_kernel"):
-        monkeypatch.setattr(klm, name, gluon_emulator.emulate(getattr(klm, name)))
+    _emulate_products(monkeypatch, gluon_emulator)
     gen = torch.Generator().manual_seed(3)
     R, C, V, Vp = 512, 768, 50257, 50304
     dloss = 1.0 / (64 * 1024)
@@ -332,6 +336,15 @@ def test_products_emulated_at_gpt2_shapes(monkeypatch, gluon_emulator):
     assert torch.equal(dw[V:], dw0[V:]), "wte's padding rows' gradient changed"
 
 
+def _check_against_default(config, params, B, T, device, mode):
+    """bf16, two classifier chunks: the same losses and gradients as the default classifier, within bf16."""
+    (l0, g0), (l1, g1) = _with_and_without(config, params, B, T, device, torch.bfloat16, 2, mode)
+    assert rel_err(l1, l0) < 1e-5
+    for name in g0:
+        assert rel_err(g1[name], g0[name]) < 1e-2, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
+    assert not g1["wte"][config.vocab_size:].any()
+
+
 # the default classifier's masked tail takes exp2 of the padding columns' logits (large: wte's padding rows are
 # not zero here) before discarding them; numpy warns of the overflow, the GPU does not
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
@@ -340,14 +353,9 @@ def test_model_with_emulated_products(monkeypatch, gluon_emulator, mode):
     """The model's chunked classifier with the Gluon products' own code (emulated on the CPU) against its default
     classifier, bf16, two chunks of 128 rows: the views, descriptors and scratch the model hands the kernels."""
     monkeypatch.setattr(klm, "lm_head_prologue_usable", lambda *a: None)
-    for name in ("_lm_head_dinp_kernel", "_lm_head_dweight_kernel"):
-        monkeypatch.setattr(klm, name, gluon_emulator.emulate(getattr(klm, name)))
+    _emulate_products(monkeypatch, gluon_emulator)
     config = GPT2Config(max_seq_len=64, vocab_size=300, num_layers=1, num_heads=4, channels=256)
-    (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 7), 4, 64, "cpu", torch.bfloat16, 2, mode)
-    assert rel_err(l1, l0) < 1e-5
-    for name in g0:
-        assert rel_err(g1[name], g0[name]) < 1e-2, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
-    assert not g1["wte"][config.vocab_size:].any()
+    _check_against_default(config, _params(config, 7), 4, 64, "cpu", mode)
 
 
 @pytest.mark.gpu
@@ -355,11 +363,7 @@ def test_model_with_emulated_products(monkeypatch, gluon_emulator, mode):
 def test_model_against_default_classifier(mode):
     config = GPU_CONFIG
     _require_gluon(512, config.channels, config.padded_vocab_size)
-    (l0, g0), (l1, g1) = _with_and_without(config, _params(config, 4), 4, 256, "cuda", torch.bfloat16, 2, mode)
-    assert rel_err(l1, l0) < 1e-5
-    for name in g0:
-        assert rel_err(g1[name], g0[name]) < 1e-2, f"{name}: {rel_err(g1[name], g0[name]):.3g}"
-    assert not g1["wte"][config.vocab_size:].any()
+    _check_against_default(config, _params(config, 4), 4, 256, "cuda", mode)
 
 
 @pytest.mark.gpu
