@@ -142,10 +142,6 @@ def add_model_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--overlap-weight-grads", default=None, choices=("off", "on", "priority"),
                     help="llmpy: the backward's weight and bias gradients on a second stream "
                          "(overlap_weight_grads; priority: the input-gradient chain first; model default: off)")
-    ap.add_argument("--lm-head-prologue", default=None, choices=("off", "loss-pass", "dinp-sums"),
-                    help="llmpy: the classifier's logit gradient formed inside the lm_head backward's Gluon products "
-                         "(lm_head_prologue; sm_90; loss-pass: after the classifier's loss pass; dinp-sums: dinp "
-                         "sums the exponentials itself; model default: off)")
     # switches of the kernel modules (module constants, set by set_kernel_switches)
     ap.add_argument("--bias-in-product", action="store_true",
                     help="llmpy: bias gradients by cuBLASLt's BGRADB, not our reduction (BIAS_GRAD_IN_PRODUCT)")
@@ -213,8 +209,6 @@ def model_switches(args) -> dict:
         opts["overlap_weight_grads"] = args.overlap_weight_grads
     if args.classifier_chunks is not None:
         opts["classifier_chunks"] = args.classifier_chunks
-    if args.lm_head_prologue is not None:
-        opts["lm_head_prologue"] = args.lm_head_prologue
     return opts
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [lm-head-tests] [lm-head] [lm-head-ab] [blas] [lt] [search] [dgelu-ab] [classifier-l2] [bias-column] [ablate] [energy] [bias] [dist] [sanitize]
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [search] [dgelu-ab] [classifier-l2] [bias-column] [ablate] [energy] [bias] [dist] [sanitize]
 # (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 # .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
@@ -10,8 +10,7 @@ OUT=${OUT:-/tmp/llmpy_out}
 mkdir -p "$OUT"
 stages=${*:-tests bench sanitize}
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_encoder.py tests/test_layernorm.py tests/test_attention.py tests/test_flash_attention.py tests/test_flash_backward_wgmma.py
-  tests/test_matmul.py tests/test_cublaslt.py tests/test_gelu.py tests/test_fused_classifier.py tests/test_adamw.py tests/test_global_norm.py
-  tests/test_lm_head_backward.py"}
+  tests/test_matmul.py tests/test_cublaslt.py tests/test_gelu.py tests/test_fused_classifier.py tests/test_adamw.py tests/test_global_norm.py"}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -93,23 +92,6 @@ for stage in $stages; do
       timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= --variant "overlap=--overlap-weight-grads on" \
         --variant "priority=--overlap-weight-grads priority" --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- \
         --recompute 0 2>&1 | tee "$OUT/ab.log"
-      rc=$? ;;
-    lm-head-tests)
-      # the lm_head backward's Gluon products (lm_head_prologue) against float64, in the model, same seed same bits
-      timeout ${LM_HEAD_TESTS_TIMEOUT:-240} python3 -m pytest -q -rfEx -p no:cacheprovider \
-        tests/test_lm_head_backward.py -m gpu 2>&1 | tee "$OUT/lm_head_tests.log"
-      rc=$? ;;
-    lm-head)
-      # those products against the classifier + cuBLAS, kernel by kernel and a chunk's whole lm_head backward at the cap
-      timeout ${LM_HEAD_TIMEOUT:-300} python3 bench/kernels/try_lm_head_prologue.py --gluon-only \
-        --rounds ${LM_HEAD_ROUNDS:-2} 2>&1 | tee "$OUT/lm_head.log"
-      rc=$? ;;
-    lm-head-ab)
-      # whole-step A/B of lm_head_prologue off (the default) / loss-pass / dinp-sums (3 variants x AB_ROUNDS runs
-      # of ~60 s)
-      timeout ${AB_TIMEOUT:-480} python3 -m bench.ab_step --variant default= \
-        --variant "loss-pass=--lm-head-prologue loss-pass" --variant "dinp-sums=--lm-head-prologue dinp-sums" \
-        --rounds ${AB_ROUNDS:-2} --json "$OUT/ab.json" -- --recompute 0 2>&1 | tee "$OUT/ab.log"
       rc=$? ;;
     blas)
       # every matrix product of a step under cuBLAS settings, each setting in its own process

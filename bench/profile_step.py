@@ -56,12 +56,10 @@ CLASSES: list[tuple[str, str]] = [
     ("attention", r"flash|fmha|sdpa|cudnn|attn|attention|_softmax_(forward|backward)_kernel|softmax_warp"
                   r"|_permute_kernel|_dkdv|_dq_block|_fwd_block"),
     # matrix products: cuBLAS(Lt) (nvjet, sm90_xmma, cutlass, *gemm*), split-K reductions, our Triton matmul
-    ("matrix", r"nvjet|cutlass|gemm|xmma|cublas|splitkreduce|s16816|s1688|wgmma|_matmul_kernel|_mm_kernel"
-               r"|_lm_head_(dinp|dweight)_kernel"),
+    ("matrix", r"nvjet|cutlass|gemm|xmma|cublas|splitkreduce|s16816|s1688|wgmma|_matmul_kernel|_mm_kernel"),
     # memory-bound: layernorm, GELU, encoder, residual, classifier, bias reduction, copies / fills
     ("memory-bound", r"layernorm|layer_norm|gelu|encoder|_wte_|_wpe_|residual|_fc_|classifier|cross_entropy"
-                     r"|bias|memcpy|memset|copy|fill|zero|elementwise|reduce_kernel|round|cat_|index|radix_?sort"
-                     r"|_lm_head_"),
+                     r"|bias|memcpy|memset|copy|fill|zero|elementwise|reduce_kernel|round|cat_|index|radix_?sort"),
 ]
 _COMPILED = [(g, re.compile(p, re.IGNORECASE)) for g, p in CLASSES]
 

@@ -1,8 +1,7 @@
 """The Gluon emulator (tests/gluon_emulator.py) on a small pipelined product written for it: right answers on
 odd shapes in both TMA modes, and each pipeline mistake the library's kernels could make reported, not passed.
 
-The kernels' own emulated tests are in test_lm_head_backward.py, test_flash_backward_wgmma.py and
-test_fused_classifier.py.
+The kernels' own emulated tests are in test_flash_backward_wgmma.py and test_fused_classifier.py.
 """
 import pytest
 import torch
@@ -44,7 +43,7 @@ def _ring_load(a_desc, b_desc, a_ring, b_ring, bars, j, m0, n0, BK: gl.constexpr
 def _ring_product_kernel(a_desc, b_desc, out_ptr, M, N, K_TILES, BM: gl.constexpr, BN: gl.constexpr,
                          BK: gl.constexpr, STAGES: gl.constexpr, BUG: gl.constexpr, num_warps: gl.constexpr):
     """out[m0:m0+BM, n0:n0+BN] = a @ b, both operands through a TMA ring of STAGES slots, one asynchronous
-    wgmma in flight: the pipeline of the library's Gluon products (lm_head_backward)."""
+    wgmma in flight: the pipeline of a Gluon product with its A tile from a TMA ring."""
     m0 = gl.program_id(0) * BM
     n0 = gl.program_id(1) * BN
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],

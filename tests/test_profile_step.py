@@ -27,10 +27,6 @@ CUTLASS = ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_
     ("_gelu_backward_inplace_kernel", "memory-bound"),
     ("_encoder_forward_kernel", "memory-bound"),
     ("_wte_backward_chunks_kernel", "memory-bound"),
-    ("_lm_head_dinp_kernel", "matrix"),
-    ("_lm_head_dweight_kernel", "matrix"),
-    ("_lm_head_dinp_finish_kernel", "memory-bound"),
-    ("_lm_head_row_shift_kernel", "memory-bound"),
     ("_fused_residual_forward_kernel", "memory-bound"),
     ("_bias_partial_kernel", "memory-bound"),
     ("Memcpy HtoD (Pinned -> Device)", "memory-bound"),
@@ -153,9 +149,6 @@ def test_model_switches_on_off():
     opts = ps._model_options(ps.parse_args(["--proj-bias-in-ln", "off", "--residual-in-product"]), cuda_graph=True)
     assert opts["proj_bias_in_layernorm"] is False and opts["residual_in_product"] is True
     assert ps._model_options(ps.parse_args(["--proj-bias-in-ln", "on"]), cuda_graph=True)["proj_bias_in_layernorm"] is True
-    assert "lm_head_prologue" not in opts
-    opts = ps._model_options(ps.parse_args(["--lm-head-prologue", "dinp-sums"]), cuda_graph=True)
-    assert opts["lm_head_prologue"] == "dinp-sums"
 
 
 def test_overlap_switch():

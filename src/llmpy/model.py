@@ -62,12 +62,7 @@ then at once dlnf[r] = dlogits_r @ wte and dwte += dlogits_r^T @ lnf[r] - the cl
 moved into the forward, so backward() starts from the stored dlnf. Validation is chunked the same way
 (losses only); a forward without targets stops at lnf, and logits_last computes the rows it returns.
 The chunk's buffer is not memory of its own: it overlays the backward's scratch, dead in the classifier
-section (see _shared_scratch_specs). lm_head_prologue (sm_90, bf16, not yet measured: "off" by default)
-replaces a chunk's training classifier and lm_head backward by two Gluon products that form the logit
-gradient from the logits on the way into the tensor cores (kernels.lm_head_backward): nothing writes or reads
-dlogits; the one-hot's share of dwte is one deterministic scatter a step (the encoder backward's, on its
-scratch, free in the forward). "loss-pass": the validation classifier (losses only) gives each row's
-log-sum-exp first; "dinp-sums": the dinp product sums each row's exponentials itself and writes the losses.
+section (see _shared_scratch_specs).
 
 Attention: "classic" (llm.c's permute + cuBLAS + softmax path: keeps qkvr and the (B, NH, T, T)
 probabilities per layer), "flash" (the Triton flash kernels), "cudnn" (cuDNN's through its frontend,
@@ -104,7 +99,6 @@ from .kernels import attention as kattn
 from .kernels import encoder as kenc
 from .kernels import global_norm as knorm
 from .kernels import layernorm as kln
-from .kernels import lm_head_backward as klm
 from .kernels import matmul as kmm
 from .kernels.common import interpreting
 from .kernels.fused_classifier import fused_classifier
@@ -239,13 +233,11 @@ def _aligned(nbytes: int) -> int:
 
 def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, recompute: int,
                      attention: str, device="cpu", classifier_chunks: int = 1,
-                     fc_bias_in_product: bool = False, lm_head_prologue: str = "off") -> list[BufferSpec]:
+                     fc_bias_in_product: bool = False) -> list[BufferSpec]:
     """The activation and scratch buffers of the model (llm.c's ActivationTensors), for a resolved
     attention impl and a resolved number of classifier chunks. Per-layer tensors have a leading L; those
     recompute shares across layers have 1. fc_bias_in_product: ln2's rows carry FC_BIAS_COLUMNS more
-    columns (a 1, then 0s) and the fc weight gradient's fp32 product gets a scratch of its own.
-    lm_head_prologue (not "off"): a chunk's rows' exponent shifts and the Gluon dinp's two fp32 halves of its
-    dlnf; dinp-sums also their log-sum-exps and the halves' sums of exponentials."""
+    columns (a 1, then 0s) and the fc weight gradient's fp32 product gets a scratch of its own."""
     L, C, NH, Vp = config.num_layers, config.channels, config.num_heads, config.padded_vocab_size
     hs = C // NH
     f32 = torch.float32
@@ -314,12 +306,6 @@ def activation_specs(config: GPT2Config, B: int, T: int, dtype: torch.dtype, rec
     if fc_bias_in_product:
         # the fc weight-gradient product's fp32 output: the weight gradient, then the bias gradient column
         specs.append(BufferSpec("fc_grad_wide", (4 * C * (C + FC_BIAS_COLUMNS),), f32, "scratch"))
-    if lm_head_prologue != "off":
-        specs += [BufferSpec("lm_head_shift2", (chunk_rows,), f32, "scratch"),
-                  BufferSpec("lm_head_partial", (klm.DINP_SPLIT, chunk_rows, C), f32, "scratch")]
-    if lm_head_prologue == "dinp-sums":
-        specs += [BufferSpec("lm_head_lse2", (chunk_rows,), f32, "scratch"),
-                  BufferSpec("lm_head_row_sums", (klm.DINP_SPLIT, chunk_rows), f32, "scratch")]
     if classic and B * NH * T * T > out_numel:
         specs.append(BufferSpec("datt", (B, NH, T, T), dtype, "scratch"))
     if attention in kattn.TRITON_BACKWARD:
@@ -369,7 +355,7 @@ def _shared_scratch_specs(B: int, T: int, C: int, out_numel: int, dtype: torch.d
 def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.bfloat16,
                 master_weights: bool = True, recompute: int = 1, attention: str = "cudnn",
                 device="cpu", classifier_chunks: int | None = None, optimizer_numel: int | None = None,
-                fc_bias_in_product: bool = False, lm_head_prologue: str = "off") -> dict:
+                fc_bias_in_product: bool = False) -> dict:
     """Bytes the model allocates, by group and by buffer, without allocating anything (attention must be
     a resolved impl, not "auto"; classifier_chunks as the model's: None is default_classifier_chunks,
     1 the unchunked logits; optimizer_numel: the elements of AdamW's m, v and the master weights this
@@ -383,8 +369,7 @@ def memory_plan(config: GPT2Config, B: int, T: int, dtype: torch.dtype = torch.b
     if master_weights and dtype != torch.float32:
         specs.append(BufferSpec("master", (S,), f32, "master"))
     chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
-    specs += activation_specs(config, B, T, dtype, recompute, attention, device, chunks, fc_bias_in_product,
-                              lm_head_prologue)
+    specs += activation_specs(config, B, T, dtype, recompute, attention, device, chunks, fc_bias_in_product)
     # integer buffers: inputs, targets (int32), the encoder's sort (int32 ids, int64 permutation)
     specs += [BufferSpec("inputs", (B, T), torch.int32, "scratch"),
               BufferSpec("targets", (B, T), torch.int32, "scratch"),
@@ -495,7 +480,7 @@ class GPT2Model:
                  data_parallel: "DataParallel | None" = None, overlap_reduction: bool = True,
                  use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = True,
                  residual_in_product: bool = False, overlap_weight_grads: str = "off",
-                 fc_bias_in_product: bool | None = None, lm_head_prologue: str = "off"):
+                 fc_bias_in_product: bool | None = None):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -552,17 +537,6 @@ class GPT2Model:
         # None: default_classifier_chunks (<= 1 GiB of logits a chunk); 1: the whole (B*T, Vp) logits
         self.classifier_chunks = _resolve_chunks(config, B, T, dtype, classifier_chunks)
         self._chunk_bounds = chunk_bounds(B * T, self.classifier_chunks)
-        # the classifier's logit gradient formed inside the lm_head backward's products (module docstring)
-        if lm_head_prologue not in klm.PROLOGUE_MODES:
-            raise LlmpyError(f"lm_head_prologue={lm_head_prologue!r}: one of {', '.join(klm.PROLOGUE_MODES)}")
-        self.lm_head_prologue = lm_head_prologue
-        if lm_head_prologue != "off":
-            why = ("it needs classifier chunks (classifier_chunks > 1)" if self.classifier_chunks == 1 else
-                   next(filter(None, (klm.lm_head_prologue_usable(self.device, dtype, rows, config.channels,
-                                                                  config.padded_vocab_size)
-                                      for rows in sorted({r1 - r0 for r0, r1 in self._chunk_bounds}))), None))
-            if why:
-                raise LlmpyError(f"lm_head_prologue: {why}")
 
         # data parallelism (llmpy.distributed): this rank's shard [lo, hi) of the flat buffers, whole
         # chunks of the global norm; with ZeRO-1 the optimizer state and master weights are the shard's
@@ -578,8 +552,7 @@ class GPT2Model:
 
         self._plan = memory_plan(config, B, T, dtype, self.master_weights, recompute, self.attention,
                                  self.device, self.classifier_chunks, optimizer_numel=opt_n,
-                                 fc_bias_in_product=self.fc_bias_in_product,
-                                 lm_head_prologue=self.lm_head_prologue)
+                                 fc_bias_in_product=self.fc_bias_in_product)
         self._check_memory()
 
         f32 = torch.float32
@@ -605,8 +578,7 @@ class GPT2Model:
 
         # activations and scratch
         self.acts = _Arena(activation_specs(config, B, T, dtype, recompute, self.attention, dev,
-                                            self.classifier_chunks, self.fc_bias_in_product,
-                                            self.lm_head_prologue), dev)
+                                            self.classifier_chunks, self.fc_bias_in_product), dev)
         self.inputs = torch.zeros(B, T, dtype=torch.int32, device=dev)
         self.targets = torch.zeros(B, T, dtype=torch.int32, device=dev)
         self._enc_scratch = kenc.EncoderBackwardScratch(
@@ -680,9 +652,7 @@ class GPT2Model:
         return (f"GPT2Model {self.config.describe()} | B={self.B} T={self.T} | {str(self.dtype).split('.')[-1]} | "
                 f"master weights {int(self.master_weights)} | recompute {self.recompute} | "
                 f"gelu fusion {self.gelu_fusion} | cuBLASLt {int(self.use_cublaslt)} | attention {self.attention} | "
-                f"classifier chunks {self.classifier_chunks}"
-                f"{f' (lm_head prologue {self.lm_head_prologue})' * (self.lm_head_prologue != 'off')} | "
-                f"overlap {self.overlap_weight_grads} | "
+                f"classifier chunks {self.classifier_chunks} | overlap {self.overlap_weight_grads} | "
                 f"cuda graph {int(self.cuda_graph)} | {self._describe_parallel()}memory {format_memory(self._plan)}")
 
     def _describe_parallel(self) -> str:
@@ -901,46 +871,21 @@ class GPT2Model:
 
     def _chunked_classifier(self, tgt: torch.Tensor, dloss: float | None):
         """The classifier chunk by chunk of rows, in a fixed order (see the module docstring). Views only:
-        nothing is allocated (CUDA graphs). With lm_head_prologue a training pass runs (loss-pass: the read-only
-        classifier), each row's exponent shift (and -inf in the padding columns), then the Gluon products that
-        form the logit gradient themselves (dinp-sums: dinp also writes the losses and each row's lse2); after
-        the chunks the one-hot's share of dwte, -dloss * lnf[r] into row target[r], by the encoder backward's
-        deterministic scatter (its scratch is free until the backward's last step)."""
+        nothing is allocated (CUDA graphs)."""
         lt = self.use_cublaslt
         cfg, p, g, a = self.config, self.params, self.grads, self.acts
-        V, Vp, C = cfg.vocab_size, cfg.padded_vocab_size, cfg.channels
+        Vp, C = cfg.padded_vocab_size, cfg.channels
         lnf, losses, tgt = a["lnf"].view(-1, C), a["losses"].view(-1), tgt.view(-1)
         dlnf = self._dlnf().view(-1, C) if dloss is not None else None
-        prologue = self.lm_head_prologue if dloss is not None else "off"
-        write_dlogits = dloss is not None and prologue == "off"
         for r0, r1 in self._chunk_bounds:
-            n = r1 - r0
-            logits = self._output(n * Vp).view(n, Vp)
+            logits = self._output((r1 - r0) * Vp).view(r1 - r0, Vp)
             kmm.matmul_forward(logits, lnf[r0:r1], p["wte"], use_cublaslt=lt)
-            if prologue != "dinp-sums":
-                fused_classifier(logits, losses[r0:r1], dloss if write_dlogits else 0.0, tgt[r0:r1], V,
-                                 write_dlogits=write_dlogits)
-            if write_dlogits:
+            fused_classifier(logits, losses[r0:r1], 0.0 if dloss is None else dloss, tgt[r0:r1], cfg.vocab_size,
+                             write_dlogits=dloss is not None)
+            if dloss is not None:
                 # the lm_head backward of these rows while their logit gradient is here: dlnf rows
                 # overwritten, dwte accumulated chunk after chunk (one more rounding a chunk in bf16)
                 kmm.matmul_backward(dlnf[r0:r1], g["wte"], None, logits, lnf[r0:r1], p["wte"], use_cublaslt=lt)
-            elif prologue != "off":  # the same from the logits; the row buffers are the largest chunk's
-                shift2 = a["lm_head_shift2"][:n]
-                part = a["lm_head_partial"].view(-1)[:klm.DINP_SPLIT * n * C].view(klm.DINP_SPLIT, n, C)
-                if prologue == "loss-pass":
-                    klm.row_shifts_and_mask(logits, tgt[r0:r1], shift2, V, losses=losses[r0:r1])
-                    klm.lm_head_dinp(logits, p["wte"], shift2, tgt[r0:r1], dloss, dlnf[r0:r1], part)
-                    lse2 = shift2
-                else:
-                    klm.row_shifts_and_mask(logits, tgt[r0:r1], shift2, V)
-                    lse2 = a["lm_head_lse2"][:n]
-                    sums = a["lm_head_row_sums"].view(-1)[:klm.DINP_SPLIT * n].view(klm.DINP_SPLIT, n)
-                    klm.lm_head_dinp(logits, p["wte"], shift2, tgt[r0:r1], dloss, dlnf[r0:r1], part, row_sums=sums,
-                                     lse2=lse2, losses=losses[r0:r1])
-                klm.lm_head_dweight(logits, lnf[r0:r1], lse2, dloss, V, g["wte"])
-        if prologue != "off":
-            kenc.wte_backward(g["wte"], a["lnf"], tgt.view(self.B, self.T), 0, self._enc_scratch, stochastic=False,
-                              scale=-dloss)
 
     def loss(self) -> float:
         """Mean loss of the last forward with targets (one host sync)."""

@@ -217,9 +217,9 @@ def _run_sums(x, ids, TILE: tl.constexpr, SCAN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _wte_backward_chunks_kernel(dwte_ptr, partial_ptr, dout_ptr, sorted_ptr, perm_ptr, seed, N, C, scale,
+def _wte_backward_chunks_kernel(dwte_ptr, partial_ptr, dout_ptr, sorted_ptr, perm_ptr, seed, N, C,
                                 CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr,
-                                STAGES: tl.constexpr, SCAN: tl.constexpr, SCALED: tl.constexpr,
+                                STAGES: tl.constexpr, SCAN: tl.constexpr,
                                 STOCHASTIC: tl.constexpr, SR_HASH: tl.constexpr, SEED_IS_PTR: tl.constexpr):
     chunk = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -243,8 +243,6 @@ def _wte_backward_chunks_kernel(dwte_ptr, partial_ptr, dout_ptr, sorted_ptr, per
         m2 = ok[:, None] & col_ok[None, :]
         x = tl.load(dout_ptr + (src[:, None] * C + cols[None, :]), mask=m2, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
-        if SCALED:
-            x = x * scale
         run = _run_sums(x, ids, TILE, SCAN)
         # the tile's first run may continue one from the previous tile (ids sorted: only its rows match)
         run += tl.where((ids == carry_id)[:, None], carry[None, :], 0.0)
@@ -395,10 +393,9 @@ def wte_backward(dwte: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor, seed
                  scratch: EncoderBackwardScratch, stochastic: bool = True, piece: int = ENC_PIECE,
                  tile: int = ENC_TILE, block_c: int = ENC_BLOCK_C, num_warps: int = ENC_WARPS,
                  stages: int = ENC_STAGES, sr_hash: bool = ENC_SR_HASH, maxnreg: int | None = ENC_MAXNREG,
-                 scan: bool | None = None, sort: bool = True, scale: float = 1.0):
-    """dwte (Vp, C) += scale * scatter of dout (B, T, C) by the ids inp (B, T): the device sort, then the
-    chunk kernel and the fix-up (module docstring). scale multiplies each gathered row in fp32 (exact for a
-    power of two; at 1.0 the kernel has no multiply): the lm_head backward's one-hot share is scale = -dloss.
+                 scan: bool | None = None, sort: bool = True):
+    """dwte (Vp, C) += scatter of dout (B, T, C) by the ids inp (B, T): the device sort, then the chunk
+    kernel and the fix-up (module docstring).
 
     piece: sorted positions per program (any >= 1; scratch.partial needs 2 * cdiv(B*T, piece) rows);
     tile: positions gathered and scanned at once; block_c: channels per program (both powers of two);
@@ -432,8 +429,8 @@ def wte_backward(dwte: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor, seed
         encoder_backward_sort(inp, scratch)
     n_chunks = cdiv(N, piece)
     launch_pipelined(_wte_backward_chunks_kernel, (n_chunks, cdiv(C, block_c)),
-            (dwte, scratch.partial, dout, scratch.sorted_ids, scratch.perm, seed_arg, N, C, float(scale)), stages,
-            CHUNK=piece, TILE=tile, BLOCK_C=block_c, SCAN=scan, SCALED=scale != 1.0, STOCHASTIC=sr, SR_HASH=sr_hash,
+            (dwte, scratch.partial, dout, scratch.sorted_ids, scratch.perm, seed_arg, N, C), stages,
+            CHUNK=piece, TILE=tile, BLOCK_C=block_c, SCAN=scan, STOCHASTIC=sr, SR_HASH=sr_hash,
             SEED_IS_PTR=seed_is_ptr, num_warps=num_warps, **register_cap(maxnreg))
     _wte_backward_fixup_kernel[(n_chunks, cdiv(C, fix_c))](
         dwte, scratch.partial, scratch.sorted_ids, seed_arg, N, C,
