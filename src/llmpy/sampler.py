@@ -10,6 +10,16 @@ import torch
 from .errors import LlmpyError
 
 
+def check_sampling_options(gen_tokens: int, temperature: float, top_k: int) -> None:
+    """-g, --temperature and --top-k as `llmpy train` and `llmpy sample` take them: one line naming a bad one."""
+    if not math.isfinite(temperature):  # a NaN passes the comparison below
+        raise LlmpyError(f"--temperature {temperature}: must be a finite number")
+    for value, flag, zero in ((gen_tokens, "-g", ""), (temperature, "--temperature", " (0: greedy)"),
+                              (top_k, "--top-k", " (0: all)")):
+        if value < 0:
+            raise LlmpyError(f"{flag} {value}: must be >= 0{zero}")
+
+
 def sample_next(logits: torch.Tensor, vocab_size: int, generator: torch.Generator, temperature: float = 1.0,
                 top_k: int = 0) -> int:
     """One token id from a row of logits (only the first vocab_size columns are real).
@@ -76,12 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_model_file
     from .reference import GPT2Reference
     from .tokenizer import load_tokenizer
-    if args.gen_tokens < 0:
-        raise LlmpyError(f"-g {args.gen_tokens}: must be >= 0")
-    if not (args.temperature >= 0 and math.isfinite(args.temperature)):  # also refuses NaN
-        raise LlmpyError(f"--temperature {args.temperature}: must be a finite number >= 0 (0: greedy)")
-    if args.top_k < 0:
-        raise LlmpyError(f"--top-k {args.top_k}: must be >= 0 (0: all)")
+    check_sampling_options(args.gen_tokens, args.temperature, args.top_k)
     config, flat, _ = load_model_file(args.model)
     name = args.tokenizer
     if name == "auto":

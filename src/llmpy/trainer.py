@@ -23,6 +23,7 @@ import torch
 from .config import ATTENTION_IMPLS, GPT2Config, parse_descriptor
 from .errors import LlmpyError
 from .outliers import OutlierDetector
+from .sampler import check_sampling_options
 from .schedulers import SCHEDULES, LRSchedule
 
 # The embedded default: the model and run that `llmpy train` with no arguments trains on 2 CPU cores
@@ -108,18 +109,17 @@ class TrainOptions:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be one of {', '.join(map(str, allowed))}")
         # a NaN passes every comparison below unnoticed, and an infinite rate ends in NaN weights
         for name, flag in (("learning_rate", "-l"), ("final_lr_frac", "-q"), ("weight_decay", "-c"),
-                           ("skip_loss_z", "-sl"), ("skip_grad_z", "-sg"), ("grad_clip", "--grad-clip"),
-                           ("temperature", "--temperature")):
+                           ("skip_loss_z", "-sl"), ("skip_grad_z", "-sg"), ("grad_clip", "--grad-clip")):
             if not math.isfinite(getattr(self, name)):
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be a finite number")
         for name, flag, zero in (("grad_clip", "--grad-clip", " (0 turns clipping off)"), ("weight_decay", "-c", ""),
                                  ("skip_loss_z", "-sl", " (0: off)"), ("skip_grad_z", "-sg", " (0: off)"),
-                                 ("temperature", "--temperature", " (0: greedy)"), ("top_k", "--top-k", " (0: all)"),
                                  ("val_every", "-v", " (0: never)"), ("sample_every", "-s", " (0: only at the end)"),
                                  ("checkpoint_every", "-n", ""), ("checkpoints_keep", "-nk", ""),
-                                 ("major_checkpoint_every", "-nm", ""), ("gen_tokens", "-g", "")):
+                                 ("major_checkpoint_every", "-nm", "")):
             if getattr(self, name) < 0:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be >= 0{zero}")
+        check_sampling_options(self.gen_tokens, self.temperature, self.top_k)
         if self.val_max_steps <= 0:
             raise LlmpyError(f"-m {self.val_max_steps}: must be positive (-v 0 turns validation off)")
         if self.max_steps == 0 or self.max_steps < -1:
