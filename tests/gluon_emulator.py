@@ -71,11 +71,6 @@ def _fail(message):
 # ---------------------------------------------------------------------------------------------------
 # memory: pointers, shared memory, descriptors
 
-class _ElementType:
-    def __init__(self, dtype):
-        self.element_ty = dtype
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """The memory a pointer to t addresses: t itself when contiguous, else its storage from t's first element."""
     if t.is_contiguous():
@@ -102,7 +97,7 @@ class Pointer:
 
     @property
     def dtype(self):
-        return _ElementType(self.flat.dtype)
+        return types.SimpleNamespace(element_ty=self.flat.dtype)
 
     def _index(self, mask):
         offs = torch.as_tensor(self.offsets).to(torch.int64)
@@ -134,7 +129,7 @@ def _store(ptr: Pointer, value, mask=None, **_):
         _fail(f"{ptr.name}: storing {value.dtype} through a pointer to {ptr.flat.dtype}")
     value = value.expand(offs.shape)
     if mask is None:
-        ptr.flat[offs.reshape(-1)] = value.reshape(-1)
+        ptr.flat[offs] = value
     else:
         ptr.flat[offs[mask]] = value[mask]
 
@@ -464,8 +459,7 @@ def _make_gl():
     gl.exp2, gl.exp, gl.log2, gl.log = torch.exp2, torch.exp, torch.log2, torch.log
     gl.sqrt, gl.abs, gl.maximum, gl.minimum = torch.sqrt, torch.abs, torch.maximum, torch.minimum
     gl.sum = _reduce(torch.sum)
-    gl.max = _reduce(lambda x, **kw: torch.amax(x, **kw) if kw else x.max())
-    gl.min = _reduce(lambda x, **kw: torch.amin(x, **kw) if kw else x.min())
+    gl.max, gl.min = _reduce(torch.amax), _reduce(torch.amin)
     gl.barrier = gl.thread_barrier = lambda: None
     return gl
 
