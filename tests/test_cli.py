@@ -12,6 +12,13 @@ from cli_helpers import assert_one_line_error, llmpy
 TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
 
 
+@pytest.mark.parametrize("command", ["train", "sample", "prepare", "plot", "export"])
+def test_help_states_every_default_in_words(command):
+    # a default decided at run time (None, "") is explained in the flag's text, never printed raw
+    res = llmpy(command, "--help")
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())  # argparse wraps lines
+    assert "usage:" in text and "(default: None)" not in text and "(default: )" not in text
 
 
 @pytest.fixture

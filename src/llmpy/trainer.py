@@ -139,10 +139,13 @@ class TrainOptions:
 
 FLAGS = [  # (short, long, field, type, help)
     ("-i", "--train-data", "train_data", str, "train token shards (glob); default: the embedded stdlib corpus"),
-    ("-j", "--val-data", "val_data", str, "validation token shards (glob)"),
+    ("-j", "--val-data", "val_data", str, "validation token shards (glob); default: none (with no -i, the "
+                                          "embedded corpus's validation split)"),
     ("-e", "--model", "model", str, "model: dN, gpt2:dN, gpt3:cN, gpt2[-medium|-large|-xl], "
-                                    "layers=..,channels=..,heads=.., or a checkpoint file"),
-    ("-o", "--output-dir", "output_dir", str, "output directory for the log and checkpoints"),
+                                    "layers=..,channels=..,heads=.., or a checkpoint file; default: d12 (with no -i "
+                                    "on the CPU a small model; with -y the checkpoint's own)"),
+    ("-o", "--output-dir", "output_dir", str, "output directory for the log and checkpoints; default: none "
+                                              "(nothing written)"),
     ("-n", "--checkpoint-every", "checkpoint_every", int, "write a checkpoint every N steps (0: only at the end)"),
     ("-nk", "--checkpoints-keep", "checkpoints_keep", int, "keep only the last K checkpoints (0: all)"),
     ("-nm", "--major-checkpoint-every", "major_checkpoint_every", int, "keep every M-th checkpoint for ever"),
@@ -174,7 +177,7 @@ EXTRA_FLAGS = [  # long-only flags
     ("--grad-clip", "grad_clip", float, "clip the gradient's global norm to this (0: off)"),
     ("--seed", "seed", int, "seed of the model's random init, shuffling and sampling"),
     ("--device", "device", str, "cpu, cuda or auto (cuda when a GPU is visible)"),
-    ("--dtype", "dtype", str, "bfloat16 or float32 (default: bfloat16 on the GPU; the CPU is float32)"),
+    ("--dtype", "dtype", str, "bfloat16 or float32; default: bfloat16 on the GPU (the CPU reference is float32)"),
     ("--attention", "attention", str, "GPU attention: " + ", ".join(ATTENTION_CHOICES)),
     ("--cuda-graph", "cuda_graph", int, "1: capture the whole step in a CUDA graph (GPU)"),
     ("--overlap-reduction", "overlap_reduction", int, "several processes: 1 reduces finished layers during the "
@@ -197,15 +200,20 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _with_default(help_: str, default) -> str:
+    # a default chosen at run time (None, "") is described in the help text itself
+    return help_ if default in (None, "") else f"{help_} (default: {default})"
+
+
 def add_arguments(parser: argparse.ArgumentParser):
     parser.description = "Train a GPT-2-family model (llm.c's flags; each also has a long name)."
     defaults = TrainOptions()
     for short, long, name, typ, help_ in FLAGS:
         parser.add_argument(short, long, dest=name, type=typ, default=getattr(defaults, name),
-                            help=f"{help_} (default: {getattr(defaults, name)})")
+                            help=_with_default(help_, getattr(defaults, name)))
     for long, name, typ, help_ in EXTRA_FLAGS:
         parser.add_argument(long, dest=name, type=typ, default=getattr(defaults, name),
-                            help=f"{help_} (default: {getattr(defaults, name)})")
+                            help=_with_default(help_, getattr(defaults, name)))
     parser.add_argument("--help", action="help", help="show this help and exit")
 
 
