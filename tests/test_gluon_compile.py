@@ -20,15 +20,12 @@ import sys
 import pytest
 import torch
 
+from gluon_guard import require_gluon
 from llmpy.kernels import flash_attention as fa
 from llmpy.kernels import flash_backward_wgmma as fw
 from llmpy.kernels import fused_classifier_tma as fct
 
-if not (fct.GLUON and fw.GLUON):
-    # CI installs the newest triton, which has Gluon: there a missing Gluon fails instead of skipping
-    if os.environ.get("CI"):
-        raise RuntimeError("this triton has no Gluon (triton.experimental.gluon did not import) in CI")
-    pytest.skip("this triton has no Gluon", allow_module_level=True)
+require_gluon(fct.GLUON and fw.GLUON, module_level=True)
 
 SM90_SHARED_BYTES = 232448  # the most shared memory a CTA may have on sm_90
 

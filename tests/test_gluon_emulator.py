@@ -3,17 +3,13 @@ odd shapes in both TMA modes, and each pipeline mistake the library's kernels co
 
 The kernels' own emulated tests are in test_flash_backward_wgmma.py and test_fused_classifier.py.
 """
-import os
-
 import pytest
 import torch
 
+from gluon_guard import require_gluon
 from llmpy.kernels.flash_backward_wgmma import GLUON
 
-if not GLUON:
-    if os.environ.get("CI"):  # CI installs the newest triton, which has Gluon: there a skip would hide a break
-        raise RuntimeError("this triton has no Gluon (triton.experimental.gluon did not import) in CI")
-    pytest.skip("this triton has no Gluon", allow_module_level=True)
+require_gluon(GLUON, module_level=True)
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
