@@ -31,6 +31,24 @@ def shards(tmp_path):
     return train, val
 
 
+def test_demo_run_takes_its_settings_unless_given(tmp_path, monkeypatch):
+    # without -i and -e the run takes the demo's settings (RUN_DEFAULTS), but never over a value given,
+    # even one equal to the usual default (-b 4, -l 3e-4)
+    import llmpy
+    from llmpy import data
+    from llmpy.trainer import RUN_DEFAULTS
+    files = data.default_dataset(cache_dir=tmp_path, max_bytes=100_000)
+    monkeypatch.setattr(data, "default_dataset", lambda: files)
+    demo = {name: cpu for name, (usual, cpu, gpu) in RUN_DEFAULTS.items()}
+    for given in ({}, {"batch_size": 4, "learning_rate": 3e-4, "warmup_steps": 0}):
+        lines = []
+        llmpy.train(log=lines.append, device="cpu", max_steps=1, val_every=0, gen_tokens=1, **given)
+        want = {**demo, **given}
+        setup = next(line for line in lines if "tokens/step" in line)
+        assert f"({want['batch_size'] * want['seq_len']} tokens/step)" in setup, setup
+        assert f"lr {want['learning_rate']} cosine warmup {want['warmup_steps']} final x0.1" in setup, setup
+
+
 def test_tiny_run_trains_writes_checkpoint_and_log(tmp_path, shards):
     train, val = shards
     out = tmp_path / "out"

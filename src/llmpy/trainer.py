@@ -34,6 +34,17 @@ DEFAULT_CPU_MODEL = "layers=4,channels=192,heads=4,seq=128,vocab=257"
 ATTENTION_CHOICES = ("auto",) + ATTENTION_IMPLS
 
 
+# The options whose default depends on the run: (the default, the demo run on the CPU, the demo run on a GPU).
+# The demo run is `llmpy train` without -i and -e: the embedded corpus, on the CPU a small model that trains in
+# about two minutes on two cores, on a GPU GPT-2 124M (d12). A value given on the command line or to the API
+# always wins, even where it equals the default.
+RUN_DEFAULTS = {
+    "batch_size": (4, 16, 16), "seq_len": (1024, 128, 1024), "learning_rate": (3e-4, 2e-3, 6e-4),
+    "final_lr_frac": (1.0, 0.1, 0.1), "warmup_steps": (0, 20, 20), "max_steps": (-1, 300, 200),
+    "val_every": (20, 50, 50), "val_max_steps": (20, 8, 8), "sample_every": (20, 0, 0), "gen_tokens": (64, 192, 256),
+}
+
+
 @dataclass
 class TrainOptions:
     """Every option of a run; the command line maps one flag to one field (llm.c's letters)."""
@@ -45,19 +56,19 @@ class TrainOptions:
     checkpoints_keep: int = 0              # -nk
     major_checkpoint_every: int = 0        # -nm
     resume: int = 0                        # -y
-    batch_size: int = 4                    # -b
-    seq_len: int = 1024                    # -t
+    batch_size: int | None = None          # -b (None: RUN_DEFAULTS, as the other fields marked so)
+    seq_len: int | None = None             # -t (None: RUN_DEFAULTS)
     total_batch_size: int = -1             # -d
-    learning_rate: float = 3e-4            # -l
-    final_lr_frac: float = 1.0             # -q
-    warmup_steps: int = 0                  # -u
+    learning_rate: float | None = None     # -l (None: RUN_DEFAULTS)
+    final_lr_frac: float | None = None     # -q (None: RUN_DEFAULTS)
+    warmup_steps: int | None = None        # -u (None: RUN_DEFAULTS)
     weight_decay: float = 0.0              # -c
     lr_schedule: str = "cosine"            # -k
-    max_steps: int = -1                    # -x
-    val_every: int = 20                    # -v
-    val_max_steps: int = 20                # -m
-    sample_every: int = 20                 # -s
-    gen_tokens: int = 64                   # -g
+    max_steps: int | None = None           # -x (None: RUN_DEFAULTS)
+    val_every: int | None = None           # -v (None: RUN_DEFAULTS)
+    val_max_steps: int | None = None       # -m (None: RUN_DEFAULTS)
+    sample_every: int | None = None        # -s (None: RUN_DEFAULTS)
+    gen_tokens: int | None = None          # -g (None: RUN_DEFAULTS)
     overfit_single_batch: int = 0          # -a
     tf32: int = 1                          # -f
     master_weights: int = 1                # -w
@@ -82,7 +93,17 @@ class TrainOptions:
     top_k: int = 0
     progress: int = -1                     # -1: a bar when stderr is a terminal
 
+    def fill_run_defaults(self, demo: str | None = None):
+        """Give each RUN_DEFAULTS field still unset its default: the demo run's on demo = "cpu" or "cuda"."""
+        column = {None: 0, "cpu": 1, "cuda": 2}[demo]
+        for name, values in RUN_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, values[column])
+
     def validate(self):
+        """One LlmpyError naming the flag for the first impossible value (RUN_DEFAULTS fields still unset take
+        their default first)."""
+        self.fill_run_defaults()
         for name, flag in (("batch_size", "-b"), ("seq_len", "-t")):
             if getattr(self, name) <= 0:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be positive")
@@ -200,8 +221,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _with_default(help_: str, default) -> str:
-    # a default chosen at run time (None, "") is described in the help text itself
+def _with_default(help_: str, name: str, default) -> str:
+    # a default chosen at run time (None, "") is described in the help text itself, or by RUN_DEFAULTS
+    if name in RUN_DEFAULTS:
+        usual, cpu, gpu = RUN_DEFAULTS[name]
+        demo = f"{cpu}" if cpu == gpu else f"{cpu} on the CPU, {gpu} on a GPU"
+        return f"{help_} (default: {usual}; {demo} in the demo run, without -i and -e)"
     return help_ if default in (None, "") else f"{help_} (default: {default})"
 
 
@@ -210,10 +235,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     defaults = TrainOptions()
     for short, long, name, typ, help_ in FLAGS:
         parser.add_argument(short, long, dest=name, type=typ, default=getattr(defaults, name),
-                            help=_with_default(help_, getattr(defaults, name)))
+                            help=_with_default(help_, name, getattr(defaults, name)))
     for long, name, typ, help_ in EXTRA_FLAGS:
         parser.add_argument(long, dest=name, type=typ, default=getattr(defaults, name),
-                            help=_with_default(help_, getattr(defaults, name)))
+                            help=_with_default(help_, name, getattr(defaults, name)))
     parser.add_argument("--help", action="help", help="show this help and exit")
 
 
@@ -572,18 +597,9 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         files = default_dataset()
         opts.train_data, opts.val_data = files.train, opts.val_data or files.val
         if opts.model is None:
-            on_gpu = _resolve_device(opts) == "cuda"
-            opts.model = "d12" if on_gpu else DEFAULT_CPU_MODEL
-            defaults = TrainOptions()
-            settings = (("batch_size", 16), ("seq_len", 1024), ("learning_rate", 6e-4), ("max_steps", 200),
-                        ("warmup_steps", 20), ("val_every", 50), ("val_max_steps", 8), ("sample_every", 0),
-                        ("gen_tokens", 256), ("final_lr_frac", 0.1)) if on_gpu else \
-                       (("batch_size", 16), ("seq_len", 128), ("learning_rate", 2e-3), ("max_steps", 300),
-                        ("warmup_steps", 20), ("val_every", 50), ("val_max_steps", 8), ("sample_every", 0),
-                        ("gen_tokens", 192), ("final_lr_frac", 0.1))
-            for name, value in settings:
-                if getattr(opts, name) == getattr(defaults, name):
-                    setattr(opts, name, value)
+            demo = _resolve_device(opts)
+            opts.model = "d12" if demo == "cuda" else DEFAULT_CPU_MODEL
+            opts.fill_run_defaults(demo)
     opts.validate()
     device = _resolve_device(opts)
     # under torchrun with several processes: data parallel over NCCL (GPUs) or gloo (CPU)
