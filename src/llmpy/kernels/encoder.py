@@ -51,8 +51,9 @@ import triton.language as tl
 
 from .common import cdiv, interpreting, register_cap, store_rounded, launch_pipelined
 
-# ---- dwte: tuning knobs, launcher defaults (bench/kernels/bench_encoder.py sweeps WTE_SWEEP below;
-# these are guesses for C=768 on an H200 from ptxas register counts, not yet measured)
+# ---- dwte: tuning knobs, launcher defaults (bench/kernels/bench_encoder.py sweeps WTE_SWEEP below: piece,
+# tile, channels, warps and stages are its best at C=768 on an H200, 2026-12-01, bench/RESULTS.md "Second
+# kernel run"; the fix-up's ENC_COMBINE_* tiles are not swept)
 # sorted positions per program of kernel 1 (the name is kept from the earlier piece-wise scheme: the
 # model sizes the encoder's partial-sum scratch as 2 * cdiv(B*T, ENC_PIECE) rows of C fp32)
 ENC_PIECE = 64
