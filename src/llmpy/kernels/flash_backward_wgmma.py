@@ -35,6 +35,11 @@ summed across key blocks instead of recomputed (each 64-key program adding its s
 an fp32 sum through the TMA unit's reduce-add, in an order fixed by per-tile counters; commit 181187c, run X):
 bitwise repeatable but 1.46 against 0.98 ms, the shares' 1.7 GB of L2 writes a layer alone costing ~0.5 ms.
 
+Not written: FlashAttention-3's backward (a producer warp, two consumer warpgroups, 128 x 128 tiles, dq by atomic
+adds). Its paper (Shah et al. 2024, H100 SXM5, head size 64, sequence 1k) puts it 4 % above cuDNN's backward (363
+against 348 TFLOPs/s), and that kernel is not deterministic; this one is 6-8 % faster than cuDNN's (0.94-0.97 ms at
+the power cap, run AL, against 1.03 for cuDNN's through PyTorch, run J), so that design promises no gain here.
+
 GPU only (sm_90). flash_attention.py's tl.dot kernel is the portable path; this one is tested on the GPU
 against the CPU reference and against that kernel, and on the CPU, where Gluon has no interpreter, through
 tests/gluon_emulator.py (its own code, sequentially, against the reference). It serves
