@@ -49,6 +49,28 @@ def test_demo_run_takes_its_settings_unless_given(tmp_path, monkeypatch):
         assert f"lr {want['learning_rate']} cosine warmup {want['warmup_steps']} final x0.1" in setup, setup
 
 
+def test_samples_print_as_ids_with_a_note_when_gpt2s_files_are_absent(tmp_path, monkeypatch):
+    # a GPT-2-vocab run with no local tokenizer files fetches nothing: one note, samples as token ids
+    import tiktoken
+
+    import llmpy
+
+    def fetch(name):
+        raise AssertionError("tiktoken asked to fetch")
+    monkeypatch.setattr(tiktoken, "get_encoding", fetch)
+    monkeypatch.delenv("LLMPY_GPT2_DIR", raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    train = tmp_path / "g_train_000000.bin"
+    write_shard(train, np.random.default_rng().integers(0, 50257, 2000))
+    lines = []
+    res = llmpy.train(log=lines.append, train_data=str(train), model="layers=1,channels=16,heads=2,seq=32",
+                      batch_size=2, seq_len=16, max_steps=1, val_every=0, gen_tokens=5, device="cpu")
+    note = [line for line in lines if line.startswith("note: samples print as token ids")]
+    assert len(note) == 1 and "LLMPY_GPT2_DIR" in note[0], lines
+    ids = res.sample.split()
+    assert len(ids) == 5 and all(0 <= int(i) < 50257 for i in ids)
+
+
 def test_tiny_run_trains_writes_checkpoint_and_log(tmp_path, shards):
     train, val = shards
     out = tmp_path / "out"

@@ -8,7 +8,7 @@ import pytest
 
 from llmpy.errors import LlmpyError
 from llmpy.tokenizer import (ByteTokenizer, GPT2Tokenizer, find_gpt2_dir, gpt2_mergeable_ranks,
-                             load_tokenizer)
+                             load_tokenizer, tiktoken_cached_gpt2_files)
 
 
 GPT2_FILES = ("gpt2/encoder.json", "gpt2/vocab.bpe")
@@ -125,15 +125,42 @@ def test_mismatched_merges_are_refused(tmp_path, rng, gpt2_dir):
         gpt2_mergeable_ranks(tmp_path / "nope.json", bad)
 
 
-def test_from_tiktoken_failure_is_a_clear_error(monkeypatch):
+def test_from_tiktoken_failure_is_a_clear_error(monkeypatch, tmp_path):
     import tiktoken
 
     def offline(name):
         raise ConnectionError("no network")
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     monkeypatch.delenv("LLMPY_GPT2_DIR", raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # an empty cache
     with pytest.raises(LlmpyError, match=r"cannot load GPT-2 BPE through tiktoken.*no network.*LLMPY_GPT2_DIR"):
+        load_tokenizer("gpt2", download=True)
+
+
+def test_nothing_is_fetched_unless_asked(monkeypatch, tmp_path, gpt2, gpt2_dir):
+    # without download=True GPT-2's files come from a folder or tiktoken's cache, never the network
+    import hashlib
+
+    import tiktoken
+
+    def fetch(name):
+        raise AssertionError("tiktoken asked to fetch")
+    monkeypatch.setattr(tiktoken, "get_encoding", fetch)
+    monkeypatch.delenv("LLMPY_GPT2_DIR", raising=False)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    with pytest.raises(LlmpyError, match=r"not on this machine: set LLMPY_GPT2_DIR"):
         load_tokenizer("gpt2")
+    assert tiktoken_cached_gpt2_files() is None
+    # tiktoken's cached copies (named by the sha1 of their address) serve as a local folder would
+    base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    for name in ("encoder.json", "vocab.bpe"):
+        (cache / hashlib.sha1((base + name).encode()).hexdigest()).write_bytes((gpt2_dir / name).read_bytes())
+    text = " the Hello world, 日本 🙂"
+    assert load_tokenizer("gpt2").encode(text) == gpt2.encode(text)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken's "no cache"
+    assert tiktoken_cached_gpt2_files() is None
 
 
 # ----------------------------------------------------------------------------------------------

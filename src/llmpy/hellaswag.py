@@ -246,7 +246,7 @@ def prepare_hellaswag(outdir, cache: Path, tokenizer: str = "gpt2", tokenizer_di
     from .tokenizer import load_tokenizer
     out = Path(outdir).expanduser() if outdir is not None else Path("data") / "hellaswag"
     jsonl = download(HELLASWAG_VAL_URL, Path(cache) / "hellaswag" / "hellaswag_val.jsonl")
-    tok = load_tokenizer(tokenizer, tokenizer_dir)
+    tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # `llmpy prepare hellaswag` fetches anyway
     examples = examples_from_jsonl(jsonl, tok)
     dest = write_eval_file(out / "hellaswag_val.bin", examples)
     log(f"hellaswag val: {len(examples):,} examples ({tok.name} tokens) in {dest}")

@@ -316,7 +316,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     name = name or re.sub(r"[^A-Za-z0-9._-]+", "_", src.name) or "data"
     out = Path(outdir).expanduser() if outdir is not None else Path("data") / name
     writable_dir(out, "output folder")
-    tok = load_tokenizer(tokenizer, tokenizer_dir)
+    tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # the user asked for data: tiktoken may fetch
 
     chunks: Iterable[tuple[bool, np.ndarray]] = _token_chunks(src, tok)
     use_hints = src.hinted_split and val_fraction is None and val_tokens is None

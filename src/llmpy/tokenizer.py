@@ -1,17 +1,20 @@
 """Tokenizers: GPT-2's byte-level BPE (through tiktoken) and a 257-symbol byte tokenizer.
 
 `load_tokenizer("gpt2")` reads encoder.json + vocab.bpe from a folder (argument, else the
-`LLMPY_GPT2_DIR` environment variable) and only when neither is given asks tiktoken for its own
-"gpt2" encoding, which comes from tiktoken's cache or the network. `load_tokenizer("bytes")`
-needs nothing: ids 0..255 are the UTF-8 bytes and 256 is the end-of-text token.
+`LLMPY_GPT2_DIR` environment variable), else tiktoken's cached copies of those two files; only with
+download=True (`llmpy prepare`, which the user runs to fetch and tokenize data) may tiktoken fetch them
+from the network. `load_tokenizer("bytes")` needs nothing: ids 0..255 are the UTF-8 bytes and 256 is the
+end-of-text token.
 
 `encode_documents(docs)` puts one end-of-text token before each document, as llm.c's data scripts
 do, and returns the token stream as uint16, ready for `llmpy.data.write_shard`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -28,6 +31,9 @@ GPT2_DIR_ENV = "LLMPY_GPT2_DIR"
 # file names of OpenAI's release and their HuggingFace copies (byte-identical)
 _GPT2_FILE_NAMES = (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt"))
 TOKENIZER_NAMES = ("gpt2", "bytes")
+# where tiktoken fetches GPT-2's two files from (encoder.json, vocab.bpe); it caches each under the sha1 of its address
+_TIKTOKEN_GPT2_URLS = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+                       "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe")
 
 
 class Tokenizer:
@@ -225,16 +231,41 @@ def find_gpt2_dir(directory: str | os.PathLike | None = None) -> Path | None:
     return None
 
 
-def load_tokenizer(name: str = "gpt2", directory: str | os.PathLike | None = None) -> Tokenizer:
-    """"gpt2" (local files when a folder is known, else tiktoken) or "bytes"."""
+def tiktoken_cached_gpt2_files() -> tuple[Path, Path] | None:
+    """(encoder.json, vocab.bpe) as tiktoken caches them, or None: its cache folder is $TIKTOKEN_CACHE_DIR, else
+    $DATA_GYM_CACHE_DIR, else <tmp>/data-gym-cache ("" turns caching off), each file named by the sha1 of its
+    address. Read as plain files, so that nothing is fetched when they are absent."""
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        cache = os.environ["TIKTOKEN_CACHE_DIR"]
+    else:
+        cache = os.environ.get("DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache"))
+    if not cache:
+        return None
+    enc, bpe = (Path(cache) / hashlib.sha1(url.encode()).hexdigest() for url in _TIKTOKEN_GPT2_URLS)
+    return (enc, bpe) if enc.is_file() and bpe.is_file() else None
+
+
+def load_tokenizer(name: str = "gpt2", directory: str | os.PathLike | None = None,
+                   download: bool = False) -> Tokenizer:
+    """"gpt2" or "bytes". GPT-2's files come from `directory`, else $LLMPY_GPT2_DIR, else tiktoken's cache; only
+    with download=True may tiktoken fetch them from the network (else a missing file is an LlmpyError)."""
     key = name.strip().lower()
     if key in ("bytes", "byte"):
         return ByteTokenizer()
     if key == "gpt2":
         d = find_gpt2_dir(directory)
-        return GPT2Tokenizer.from_dir(d) if d is not None else GPT2Tokenizer.from_tiktoken()
+        if d is not None:
+            return GPT2Tokenizer.from_dir(d)
+        cached = tiktoken_cached_gpt2_files()
+        if cached is not None:
+            return GPT2Tokenizer.from_files(*cached)
+        if download:
+            return GPT2Tokenizer.from_tiktoken()
+        raise LlmpyError(f"GPT-2's tokenizer files are not on this machine: set {GPT2_DIR_ENV} to a folder holding "
+                         "encoder.json and vocab.bpe, or fetch them once into tiktoken's cache with network access "
+                         "(`llmpy prepare` with the gpt2 tokenizer does)")
     raise LlmpyError(f"unknown tokenizer {name!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
 
 
-__all__ = ["Tokenizer", "ByteTokenizer", "GPT2Tokenizer", "load_tokenizer", "find_gpt2_dir",
-           "find_gpt2_files", "gpt2_mergeable_ranks", "GPT2_EOT", "GPT2_VOCAB_SIZE", "TOKENIZER_NAMES"]
+__all__ = ["Tokenizer", "ByteTokenizer", "GPT2Tokenizer", "load_tokenizer", "find_gpt2_dir", "find_gpt2_files",
+           "gpt2_mergeable_ranks", "tiktoken_cached_gpt2_files", "GPT2_EOT", "GPT2_VOCAB_SIZE", "TOKENIZER_NAMES"]

@@ -418,19 +418,17 @@ def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.T
 
 
 def _tokenizer_for(vocab_size: int, byte_data: bool = False):
-    """A tokenizer to print samples with: bytes for byte-level data or the 257-token vocab, GPT-2's BPE
-    for 50257."""
+    """(the tokenizer to print samples with, None), or (None, why not) when samples print as token ids: bytes for
+    byte-level data or the 257-token vocab, GPT-2's BPE for 50257 from local files only (nothing is fetched)."""
     from .tokenizer import load_tokenizer
+    if vocab_size == 257 or byte_data:
+        return load_tokenizer("bytes"), None
+    if vocab_size != 50257:
+        return None, f"no tokenizer of llmpy's has a vocab of {vocab_size}"
     try:
-        if vocab_size == 257 or byte_data:
-            return load_tokenizer("bytes")
-        if vocab_size == 50257:
-            return load_tokenizer("gpt2")
-    except LlmpyError:
-        return None
-    except Exception:  # no local files and no network: samples are printed as token ids
-        return None
-    return None
+        return load_tokenizer("gpt2"), None
+    except LlmpyError as e:
+        return None, str(e)
 
 
 class RunLog:
@@ -694,7 +692,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 from None
         start_step = state.step
     schedule = LRSchedule(opts.lr_schedule, opts.learning_rate, opts.warmup_steps, steps, opts.final_lr_frac)
-    tokenizer = _tokenizer_for(config.vocab_size, byte_data=embedded)
+    tokenizer, no_tokenizer = _tokenizer_for(config.vocab_size, byte_data=embedded)
     out_dir = None
     if opts.output_dir:  # after every check of the input
         from .checkpoint import writable_dir
@@ -723,6 +721,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         f"| clip {opts.grad_clip}")
     if out_dir:
         log(f"output {out_dir}")
+    if no_tokenizer and opts.gen_tokens:
+        log(f"note: samples print as token ids ({no_tokenizer})")
     if state is not None:
         log(f"resuming from {state.model_file.name} + {state.state_file.name} (step {start_step} of {steps})")
     mfu_of = None
