@@ -186,11 +186,27 @@ def test_resume_with_a_different_run_is_refused(saved, shards, change, needles):
     assert snapshot(saved) == before
 
 
-def test_resume_without_a_checkpoint(tmp_path, shards):
+def test_resume_without_a_checkpoint_starts_the_run(tmp_path, shards):
+    # llm.c's -y 1: with nothing in -o yet the same command starts the run (and would resume it later)
+    fresh = train(options(shards, tmp_path / "fresh", max_steps=4), log=quiet)
     (tmp_path / "empty").mkdir()
     for out in (tmp_path / "empty", tmp_path / "missing"):
-        with pytest.raises(LlmpyError, match="no checkpoint"):
-            train(options(shards, out, resume=1), log=quiet)
+        lines = []
+        res = train(options(shards, out, max_steps=4, resume=1), log=lines.append)
+        assert res.train_losses == fresh.train_losses and res.start_step == 0
+        assert f"-y 1: no checkpoint in {out} yet: starting from step 0" in lines
+        assert latest_complete_step(out) == 4
+
+
+def test_resume_refuses_the_remains_of_a_run(tmp_path, shards):
+    # a model file without its state (a run stopped while writing): resuming from scratch would overwrite it
+    out = tmp_path / "out"
+    train(options(shards, out, max_steps=4), log=quiet)
+    state_path(out, 4).unlink()
+    before = snapshot(out)
+    with pytest.raises(LlmpyError, match=r"no complete checkpoint .*model_00000004\.bin.*move those files away"):
+        train(options(shards, out, max_steps=6, resume=1), log=quiet)
+    assert snapshot(out) == before
 
 
 @pytest.mark.parametrize("damage", ["truncate_state", "flip_state", "truncate_model", "flip_model"])

@@ -170,7 +170,7 @@ FLAGS = [  # (short, long, field, type, help)
     ("-n", "--checkpoint-every", "checkpoint_every", int, "write a checkpoint every N steps (0: only at the end)"),
     ("-nk", "--checkpoints-keep", "checkpoints_keep", int, "keep only the last K checkpoints (0: all)"),
     ("-nm", "--major-checkpoint-every", "major_checkpoint_every", int, "keep every M-th checkpoint for ever"),
-    ("-y", "--resume", "resume", int, "1: resume from the latest checkpoint in -o"),
+    ("-y", "--resume", "resume", int, "1: resume from the latest checkpoint in -o (none there yet: start the run)"),
     ("-b", "--batch-size", "batch_size", int, "micro-batch size B"),
     ("-t", "--seq-len", "seq_len", int, "sequence length T"),
     ("-d", "--total-batch-size", "total_batch_size", int, "tokens per step; sets gradient accumulation (-1: B*T)"),
@@ -624,13 +624,17 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         log = _quiet
 
     state = None
+    found = None
     if opts.resume:
-        from .training_state import latest_complete_step, load_checkpoint
+        from .training_state import checkpoint_files, latest_complete_step, load_checkpoint
         ckpt_dir = Path(opts.output_dir)
         found = latest_complete_step(ckpt_dir) if ckpt_dir.is_dir() else None
-        if found is None:
-            raise LlmpyError(f"-y 1: no checkpoint to resume from in {ckpt_dir} (no model_*.bin with a "
-                             "matching state_*.safetensors)")
+        names = checkpoint_files(ckpt_dir) if found is None else []
+        if names:  # the remains of a run: resuming from scratch would overwrite them
+            raise LlmpyError(f"-y 1: no complete checkpoint to resume from in {ckpt_dir} ({', '.join(names[:4])}"
+                             f"{', ...' if len(names) > 4 else ''}: no model_*.bin with its matching "
+                             "state_*.safetensors); move those files away to start afresh")
+    if found is not None:
         state = load_checkpoint(ckpt_dir, found)
         if opts.model is None:  # no -e: the checkpoint's own model
             opts.model = state.meta.get("options", {}).get("model") or str(state.model_file)
@@ -725,6 +729,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         log(f"note: samples print as token ids ({no_tokenizer})")
     if state is not None:
         log(f"resuming from {state.model_file.name} + {state.state_file.name} (step {start_step} of {steps})")
+    elif opts.resume:  # llm.c's -y 1: the same command line starts a run, then resumes it
+        log(f"-y 1: no checkpoint in {opts.output_dir} yet: starting from step 0")
     mfu_of = None
     if device == "cuda":
         from .mfu import estimate_mfu

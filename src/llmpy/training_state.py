@@ -140,6 +140,14 @@ def _steps(out_dir: Path, pattern) -> set[int]:
     return {int(m.group(1)) for p in out_dir.iterdir() if (m := pattern.match(p.name))}
 
 
+def checkpoint_files(out_dir) -> list[str]:
+    """The names of every model_*.bin and state_*.safetensors in out_dir, complete pairs or not."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    return sorted(p.name for p in out_dir.iterdir() if _MODEL_RE.match(p.name) or _STATE_RE.match(p.name))
+
+
 def checkpoint_steps(out_dir) -> list[int]:
     """Steps that have both a model file and a state file (not yet checked against each other)."""
     out_dir = Path(out_dir)
