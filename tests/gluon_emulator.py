@@ -37,6 +37,8 @@ from triton.experimental.gluon import language as _real_gl
 from triton.experimental.gluon.language.nvidia import hopper as _real_hopper
 from triton.runtime.jit import ConstexprFunction, JITFunction
 
+from llmpy.kernels import gluon_compat as _compat
+
 TMA_MODES = ("at-issue", "at-wait")
 
 
@@ -471,6 +473,7 @@ _TMA = types.SimpleNamespace(async_copy_global_to_shared=_async_copy_global_to_s
                              async_copy_shared_to_global=_async_copy_shared_to_global, store_wait=_store_wait)
 # the real objects a kernel module may hold under any name, and what stands in for them
 _STAND_INS = {id(_real_gl): _GL, id(_real_hopper.mbarrier): _MBARRIER, id(_real_hopper.tma): _TMA,
+              id(_compat.tma_load): _async_copy_global_to_shared, id(_compat.tma_store): _async_copy_shared_to_global,
               id(_real_hopper.warpgroup_mma): _warpgroup_mma, id(_real_hopper.warpgroup_mma_wait): _warpgroup_mma_wait,
               id(_real_hopper.warpgroup_mma_init): lambda x: x,
               id(_real_hopper.fence_async_shared): lambda *a, **k: None}

@@ -14,8 +14,10 @@ require_gluon(GLUON, module_level=True)
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+from llmpy.kernels.gluon_compat import tma_load  # noqa: E402
 
 import gluon_emulator as ge  # noqa: E402
 
@@ -35,8 +37,8 @@ BUGS = {
 def _ring_load(a_desc, b_desc, a_ring, b_ring, bars, j, m0, n0, BK: gl.constexpr, STAGES: gl.constexpr):
     slot = j % STAGES
     mbarrier.expect(bars.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [m0, j * BK], bars.index(slot), a_ring.index(slot))
-    tma.async_copy_global_to_shared(b_desc, [j * BK, n0], bars.index(slot), b_ring.index(slot))
+    tma_load(a_desc, [m0, j * BK], bars.index(slot), a_ring.index(slot))
+    tma_load(b_desc, [j * BK, n0], bars.index(slot), b_ring.index(slot))
 
 
 @gluon.jit

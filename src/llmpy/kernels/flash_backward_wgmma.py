@@ -58,6 +58,7 @@ try:  # Gluon ships with triton >= 3.5; anything missing here just means the tl.
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from .gluon_compat import tma_load, tma_store
     GLUON = True
 except Exception:  # noqa: BLE001 - an import of an experimental module may fail in many ways
     GLUON = False
@@ -86,8 +87,8 @@ if GLUON:
         bar = bars.index(slot)
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         row = row0 + m_first + tile * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [row, col_q], bar, q_ring.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [row, col_q], bar, do_ring.index(slot))
+        tma_load(q_desc, [row, col_q], bar, q_ring.index(slot))
+        tma_load(do_desc, [row, col_q], bar, do_ring.index(slot))
 
     @gluon.jit
     def _dq_tile_loads(kv_desc, k_ring, v_ring, bars, tile, row0, col_k, col_v,
@@ -96,8 +97,8 @@ if GLUON:
         slot = tile % STAGES
         bar = bars.index(slot)
         mbarrier.expect(bar, 2 * kv_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kv_desc, [row0 + tile * BLOCK_N, col_k], bar, k_ring.index(slot))
-        tma.async_copy_global_to_shared(kv_desc, [row0 + tile * BLOCK_N, col_v], bar, v_ring.index(slot))
+        tma_load(kv_desc, [row0 + tile * BLOCK_N, col_k], bar, k_ring.index(slot))
+        tma_load(kv_desc, [row0 + tile * BLOCK_N, col_v], bar, v_ring.index(slot))
 
     @gluon.jit
     def _rings(desc_a, desc_b, STAGES: gl.constexpr):
@@ -241,8 +242,8 @@ if GLUON:
             if s < n_tiles:
                 _dkdv_tile_loads(q_desc, do_desc, q_ring, do_ring, bars1, s, n0, row0, col_q, STAGES1, BLOCK_M)
         mbarrier.expect(one_bar, 2 * kv_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_k], one_bar, k_smem)
-        tma.async_copy_global_to_shared(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
+        tma_load(kv_desc, [row0 + n0, col_k], one_bar, k_smem)
+        tma_load(kv_desc, [row0 + n0, col_v], one_bar, v_smem)
         mbarrier.wait(one_bar, 0)
         dk, dv = _dkdv_loop(k_smem, v_smem, q_ring, do_ring, bars1, q_desc, do_desc, lse_base, delta_base, n0, row0,
                             col_q, n_tiles, scale_log2, dtype, mma_s, mma_d, a_d, BLOCK_M, BLOCK_N, HS, STAGES1, A_REGS)
@@ -255,8 +256,8 @@ if GLUON:
         k_smem.store((dk * sm_scale).to(dtype))
         v_smem.store(dv.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_k], k_smem)
-        tma.async_copy_shared_to_global(dqkv_desc, [row0 + n0, col_v], v_smem)
+        tma_store(dqkv_desc, [row0 + n0, col_k], k_smem)
+        tma_store(dqkv_desc, [row0 + n0, col_v], v_smem)
         tma.store_wait(pendings=0)  # read out of shared memory before the dq half's buffers may reuse it
 
         # ---- dq of query block m0 over the key tiles from 0 to m0 (the last one the diagonal) ---------
@@ -269,8 +270,8 @@ if GLUON:
             if s < n_key_tiles:
                 _dq_tile_loads(kv_desc, k_ring, v_ring, bars2, s, row0, col_k, col_v, STAGES2, BLOCK_N)
         mbarrier.expect(one_bar, kv_desc.block_type.nbytes + do64_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kv_desc, [row0 + m0, col_q], one_bar, q_smem)
-        tma.async_copy_global_to_shared(do64_desc, [row0 + m0, col_q], one_bar, do_smem)
+        tma_load(kv_desc, [row0 + m0, col_q], one_bar, q_smem)
+        tma_load(do64_desc, [row0 + m0, col_q], one_bar, do_smem)
         offs_m = m0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
         lse2 = gl.load(lse_base + offs_m) * 1.4426950408889634
         delta = gl.load(delta_base + offs_m)
@@ -283,7 +284,7 @@ if GLUON:
         dq = dq * sm_scale
         q_smem.store(dq.to(dtype))  # q's buffer, as dk's above
         fence_async_shared()
-        tma.async_copy_shared_to_global(dqkv_desc, [row0 + m0, col_q], q_smem)
+        tma_store(dqkv_desc, [row0 + m0, col_q], q_smem)
         if Q_SUMS:
             # the QKV bias gradient's query part, a 64-row block at a time, under the store
             cols = gl.arange(0, HS, layout=gl.SliceLayout(0, mma_d))

@@ -37,10 +37,9 @@ from .common import register_cap
 try:  # Gluon ships with triton >= 3.5; anything missing here just means the two-pass kernel serves
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-    # a barrier of the CTA's threads: gl.thread_barrier up to triton 3.6, gl.barrier from 3.8 on
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from .gluon_compat import cta_barrier, tma_load
     GLUON = True
 except Exception:  # noqa: BLE001 - an import of an experimental module may fail in many ways
     GLUON = False
@@ -76,7 +75,7 @@ if GLUON:
         bar = bars.index(slot)
         mbarrier.expect(bar, NBOX * x_desc.block_type.nbytes)
         for k in gl.static_range(NBOX):
-            tma.async_copy_global_to_shared(x_desc, [row, k * BOX_R, 0], bar, bufs.index(slot * NBOX + k))
+            tma_load(x_desc, [row, k * BOX_R, 0], bar, bufs.index(slot * NBOX + k))
 
     @gluon.jit
     def _max_pairs(a, b):
@@ -137,7 +136,7 @@ if GLUON:
             mx = gl.max(gl.max(gl.max(m.to(gl.float32), axis=2), axis=1), axis=0)
             # the barriers after passes 1 and 2 keep the compiler from merging the passes' shared-memory
             # reads and holding the row in registers (128 registers a thread, one program an SM)
-            _cta_barrier()
+            cta_barrier()
             # pass 2: sum of exp2(x * log2e - max * log2e); the cross-warp reductions are barriers between
             # every thread's read of xt and pass 3's writes
             mL = mx * LOG2E
@@ -150,7 +149,7 @@ if GLUON:
                     total += gl.where(k * BOX + in_box < V, gl.exp2(x * LOG2E - mL), 0.0)
             lse2 = mL + gl.log2(gl.sum(gl.sum(gl.sum(total, axis=2), axis=1), axis=0))
             gl.store(losses_ptr + row, lse2 * LN2 - xt)
-            _cta_barrier()
+            cta_barrier()
 
             if WRITE_DLOGITS:
                 # pass 3: p * dloss, minus dloss at the target (only in its box), 0 in [V, Vp), written
@@ -168,7 +167,7 @@ if GLUON:
                         gl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < Vp)
 
             # every warp is done with this buffer: it takes the row BUFFERS turns on
-            _cta_barrier()
+            cta_barrier()
             if it + BUFFERS < n_mine:
                 fence_async_shared()
                 _fc_tma_row_load(x_desc, bufs, bars, slot, pid + (it + BUFFERS) * grid, NBOX, BOX_R)
