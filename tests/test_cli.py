@@ -71,6 +71,17 @@ def test_samples_print_as_ids_with_a_note_when_gpt2s_files_are_absent(tmp_path, 
     assert len(ids) == 5 and all(0 <= int(i) < 50257 for i in ids)
 
 
+def test_the_cpu_reference_names_the_gpu_options_it_ignores(shards):
+    import llmpy
+    train, _ = shards
+    for given, note in (({}, None), ({"master_weights": 0, "attention": "flash", "recompute": 2},
+                                     "note: the CPU reference ignores GPU options: -w 0, -r 2, --attention flash")):
+        lines = []
+        llmpy.train(log=lines.append, train_data=str(train), model=TINY, batch_size=2, seq_len=16, max_steps=1,
+                    val_every=0, gen_tokens=0, device="cpu", **given)
+        assert [line for line in lines if line.startswith("note:")] == ([note] if note else []), lines
+
+
 def test_tiny_run_trains_writes_checkpoint_and_log(tmp_path, shards):
     train, val = shards
     out = tmp_path / "out"

@@ -504,6 +504,11 @@ def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts
     prune_checkpoints(out_dir, opts.checkpoints_keep, opts.major_checkpoint_every)
 
 
+# options that only the GPU model reads: (TrainOptions field, flag)
+_GPU_ONLY = (("master_weights", "-w"), ("recompute", "-r"), ("gelu_fusion", "-ge"), ("tf32", "-f"),
+             ("attention", "--attention"), ("cuda_graph", "--cuda-graph"))
+
+
 # what a resumed run must share with its checkpoint: (TrainOptions field, flag, saved-options key)
 _RESUME_MUST_MATCH = (("batch_size", "-b", "batch_size"), ("seq_len", "-t", "seq_len"),
                       ("dtype", "--dtype", "dtype"), ("seed", "--seed", "seed"), ("shuffle", "--shuffle", "shuffle"))
@@ -727,6 +732,12 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         log(f"output {out_dir}")
     if no_tokenizer and opts.gen_tokens:
         log(f"note: samples print as token ids ({no_tokenizer})")
+    if not kernels:
+        defaults = TrainOptions()
+        ignored = [f"{flag} {getattr(opts, name)}" for name, flag in _GPU_ONLY
+                   if getattr(opts, name) != getattr(defaults, name)]
+        if ignored:
+            log(f"note: the CPU reference ignores GPU options: {', '.join(ignored)}")
     if state is not None:
         log(f"resuming from {state.model_file.name} + {state.state_file.name} (step {start_step} of {steps})")
     elif opts.resume:  # llm.c's -y 1: the same command line starts a run, then resumes it
