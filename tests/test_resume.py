@@ -198,6 +198,16 @@ def test_resume_without_a_checkpoint_starts_the_run(tmp_path, shards):
         assert latest_complete_step(out) == 4
 
 
+def test_a_new_run_never_overwrites_a_runs_checkpoints(tmp_path, shards):
+    # without -y 1, an -o holding checkpoints is refused before anything is written (llm.c would overwrite them)
+    out = tmp_path / "out"
+    train(options(shards, out, max_steps=4), log=quiet)
+    before = snapshot(out)
+    with pytest.raises(LlmpyError, match=r"-o .*out holds the checkpoints of a run \(model_00000004\.bin.*-y 1"):
+        train(options(shards, out, max_steps=4, learning_rate=3e-3), log=quiet)
+    assert snapshot(out) == before
+
+
 def test_resume_refuses_the_remains_of_a_run(tmp_path, shards):
     # a model file without its state (a run stopped while writing): resuming from scratch would overwrite it
     out = tmp_path / "out"

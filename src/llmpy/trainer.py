@@ -630,8 +630,13 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
 
     state = None
     found = None
+    from .training_state import checkpoint_files, latest_complete_step, load_checkpoint
+    if not opts.resume and opts.output_dir and checkpoint_files(opts.output_dir):
+        names = checkpoint_files(opts.output_dir)
+        raise LlmpyError(f"-o {opts.output_dir} holds the checkpoints of a run ({', '.join(names[:2])}"
+                         f"{', ...' if len(names) > 2 else ''}), which a new run would overwrite: continue it with "
+                         "-y 1, or give another -o")
     if opts.resume:
-        from .training_state import checkpoint_files, latest_complete_step, load_checkpoint
         ckpt_dir = Path(opts.output_dir)
         found = latest_complete_step(ckpt_dir) if ckpt_dir.is_dir() else None
         names = checkpoint_files(ckpt_dir) if found is None else []
