@@ -99,6 +99,19 @@ def _round_like(x, ptr):
 # GEMM with a fused epilogue: c = epilogue(a @ b + bias)
 
 @triton.jit
+def _dot_acc(a, b, acc, DOT_UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b in fp32."""
+    if DOT_UPCAST:  # the interpreter's tl.dot is wrong on bf16
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:  # fp32 operands: true fp32 products, not tf32
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _tile_offsets(tile, per_group, grid_m, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(row, column) offsets of output tile number `tile` in grouped order: consecutive tiles walk down
     GROUP_M row blocks before moving to the next column block, so a band of A and a band of B stay in L2
@@ -136,13 +149,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, M, N, K,
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        if DOT_UPCAST:  # the interpreter's tl.dot is wrong on bf16
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:  # fp32 operands: true fp32 products, not tf32
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot_acc(a, b, acc, DOT_UPCAST, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -208,13 +215,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, aux_desc, bias_ptr, M, N, K,
                 b = b_desc.load([ks * BLOCK_K, off_n])
             else:
                 b = b_desc.load([off_n, ks * BLOCK_K]).T
-            if DOT_UPCAST:  # the interpreter's tl.dot is wrong on bf16
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:  # fp32 operands: true fp32 products, not tf32
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _dot_acc(a, b, acc, DOT_UPCAST, IEEE)
         tile_out += NUM_PROGRAMS
         off_m, off_n = _tile_offsets(tile_out, per_group, grid_m, GROUP_M, BLOCK_M, BLOCK_N)
         if SUBTILE:
