@@ -106,6 +106,12 @@ def test_classifier_matches_autograd_and_leaves_padding_alone(V, Vp):
     assert rel_err(dlogits, g) < 1e-12
     assert torch.all(dlogits[..., V:] == 0)
     assert ref.fused_classifier(logits, targets, V)[1] is None
+    # llm.c's unfused pair: softmax, then the cross-entropy's backward through it (per-position dlosses)
+    dlosses = torch.rand(B, T, dtype=F64) + 0.5
+    unfused = ref.crossentropy_softmax_backward(dlosses, probs, targets, V)
+    (g,) = autograd_vjp(lambda t: F.cross_entropy(t[..., :V].reshape(-1, V), targets.reshape(-1),
+                                                  reduction="none").view(B, T), [logits], dlosses)
+    assert rel_err(unfused, g) < 1e-12 and torch.all(unfused[..., V:] == 0)
 
 
 def test_encoder_backward_matches_autograd():

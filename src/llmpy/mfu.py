@@ -71,11 +71,3 @@ def estimate_mfu(config: GPT2Config, T: int, tokens_per_second: float, device_na
     if peak is None or tokens_per_second <= 0:
         return -1.0
     return config.flops_per_token(T) * tokens_per_second / peak
-
-
-def cuda_device_name(device=None) -> str:
-    """torch.cuda.get_device_name, or "" without CUDA."""
-    import torch
-    if not torch.cuda.is_available():
-        return ""
-    return torch.cuda.get_device_name(device)

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -582,10 +582,6 @@ class TrainResult:
     start_step: int = 0                    # the step a -y 1 run resumed from (0: a fresh run)
     stopped_by: str | None = None          # "SIGINT"/"SIGTERM" when a signal ended the run early
     last_step: int = 0                     # the last completed step
-
-
-def _fmt_options(opts: TrainOptions) -> str:
-    return " ".join(f"{k}={v}" for k, v in asdict(opts).items() if v is not None)
 
 
 def train(opts: TrainOptions, log=print) -> TrainResult:
