@@ -515,6 +515,13 @@ def test_prepare_bad_inputs(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(LlmpyError, match=r"empty: folder holds no \.txt files"):
         run_prepare([tmp_path / "empty", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+    # empty text: refused, not a shard of one end-of-text token that no run can train on
+    (tmp_path / "empty" / "nothing.txt").write_text("")
+    with pytest.raises(LlmpyError, match=r"nothing\.txt: empty file, no text to tokenize"):
+        run_prepare([tmp_path / "empty" / "nothing.txt", "-o", tmp_path / "o2", "--tokenizer", "bytes"])
+    with pytest.raises(LlmpyError, match=r"empty: every \.txt file in the folder is empty"):
+        run_prepare([tmp_path / "empty", "-o", tmp_path / "o2", "--tokenizer", "bytes"])
+    assert not (tmp_path / "o2").exists()
     with pytest.raises(LlmpyError, match="--shard-size 0"):
         run_prepare([src, "-o", tmp_path / "o", "--tokenizer", "bytes", "--shard-size", 0])
     with pytest.raises(LlmpyError, match="nothing left to train on"):

@@ -121,6 +121,8 @@ def _read_text(path: Path) -> str:
 
 
 def _local_file(path: Path) -> Source:
+    if path.stat().st_size == 0:  # else a shard of one end-of-text token, which no run can train on
+        raise LlmpyError(f"{path}: empty file, no text to tokenize")
     return Source(path.stem, lambda: iter([(False, [_read_text(path)])]))
 
 
@@ -128,6 +130,8 @@ def _local_folder(folder: Path) -> Source:
     files = sorted((p for p in folder.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
     if not files:
         raise LlmpyError(f"{folder}: folder holds no .txt files")
+    if all(p.stat().st_size == 0 for p in files):
+        raise LlmpyError(f"{folder}: every .txt file in the folder is empty, no text to tokenize")
 
     def groups():
         batch: list[str] = []
