@@ -79,10 +79,19 @@ def test_read_log_sorted_and_last_record_wins(tmp_path):
     assert pl.series(out, "train", "mfu") == ([], [])
 
 
+def test_read_log_leaves_out_a_last_line_still_being_written(tmp_path):
+    # a live run's record half written, or a killed run's cut off: the records before it are the log
+    path = tmp_path / "main.jsonl"
+    done = [{"step": 1, "kind": "train", "loss": 1.0}, {"step": 1, "kind": "val", "loss": 2.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in done) + '{"step": 2, "kind": "tr')
+    assert pl.read_log(path) == done
+
+
 @pytest.mark.parametrize("content, message", [
     ("", "empty log"),
     ('{"step": 1, "kind": "train", "loss": 1}\n\n', ":2: empty line"),
-    ('{"step": 1, "kind": "train", "loss": 1}\n{"step": 2, "kind": "tr', ":2: not valid JSON"),
+    ('{"step": 1, "kind": "train", "loss": 1}\n{"step": 2, "kind": "tr\n{"step": 3, "kind": "val"}\n',
+     ":2: not valid JSON"),  # a line cut off inside the log, not at its end
     ('[1, 2]\n', ":1: expected a JSON object"),
     ('{"kind": "train", "loss": 1}\n', ":1: 'step' must be an integer"),
     ('{"step": 1.5, "kind": "train"}\n', ":1: 'step' must be an integer"),

@@ -208,6 +208,22 @@ def test_a_new_run_never_overwrites_a_runs_checkpoints(tmp_path, shards):
     assert snapshot(out) == before
 
 
+def test_resume_after_a_record_cut_off_keeps_the_logs_readable(tmp_path, shards):
+    # killed while writing a record: the resumed run drops the partial line instead of gluing its first record to it
+    from llmpy.plot import read_log
+    out = tmp_path / "out"
+    train(options(shards, out, max_steps=4), log=quiet)
+    for name, partial in (("main.jsonl", '{"step": 5, "kind": "tr'), ("main.log", "s:5 trl:5.4")):
+        with open(out / name, "a") as f:
+            f.write(partial)
+    train(options(shards, out, max_steps=6, resume=1), log=quiet)
+    steps = [(r["step"], r["kind"]) for r in read_log(out / "main.jsonl")]
+    assert [s for s, kind in steps if kind == "train"] == [1, 2, 3, 4, 5, 6]
+    lines = (out / "main.log").read_text().splitlines()
+    assert all(re.fullmatch(r"s:\d+ (trl|tel):\d+\.\d{6}", line) for line in lines), lines
+    assert lines[-1].startswith("s:6 ")
+
+
 def test_resume_refuses_the_remains_of_a_run(tmp_path, shards):
     # a model file without its state (a run stopped while writing): resuming from scratch would overwrite it
     out = tmp_path / "out"

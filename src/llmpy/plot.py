@@ -40,7 +40,8 @@ def read_log(path) -> list[dict]:
     """The records of a main.jsonl; a bad line is an LlmpyError naming its line number.
 
     A run appends to its log, so a resumed or repeated run logs some steps again: the last record of
-    each (kind, step) wins, and the result is sorted by step.
+    each (kind, step) wins, and the result is sorted by step. A last line without its newline that does not
+    parse is a record still being written (a live run) or cut off (a killed one): it is left out.
     """
     path = Path(path)
     if not path.is_file():
@@ -54,6 +55,8 @@ def read_log(path) -> list[dict]:
             try:
                 rec = json.loads(line)
             except ValueError as e:
+                if not line.endswith("\n"):  # only the last line can lack it
+                    break
                 raise LlmpyError(f"{where}: not valid JSON ({e})") from None
             if not isinstance(rec, dict):
                 raise LlmpyError(f"{where}: expected a JSON object, got {type(rec).__name__}")

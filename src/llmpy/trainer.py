@@ -431,6 +431,28 @@ def _tokenizer_for(vocab_size: int, byte_data: bool = False):
         return None, str(e)
 
 
+def _open_to_append(path: Path):
+    """`path` opened to append lines to, after dropping a last line without its newline: the partial record of a
+    run killed while writing it, which the next record would otherwise join into one unreadable line."""
+    with open(path, "ab+") as f:
+        end = f.seek(0, os.SEEK_END)
+        keep = end
+        while keep > 0:  # back to just after the last newline, a block at a time
+            start = max(0, keep - 4096)
+            f.seek(start)
+            block = f.read(keep - start)
+            if keep == end and block.endswith(b"\n"):
+                break
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            keep = start
+        if keep < end:
+            f.truncate(keep)
+    return open(path, "a")
+
+
 class RunLog:
     """llm.c's main.log lines (`s:STEP trl:LOSS`, `s:STEP tel:LOSS`, `s:STEP eval:ACC`), a JSONL twin with
     every field, and TensorBoard events under tensorboard/ when torch's TensorBoard writer (the
@@ -442,8 +464,8 @@ class RunLog:
                   "val": {"loss": "val/loss"}, "eval": {"accuracy": "eval/hellaswag"}}
 
     def __init__(self, out_dir: Path | None):
-        self.text = open(out_dir / "main.log", "a") if out_dir else None
-        self.jsonl = open(out_dir / "main.jsonl", "a") if out_dir else None
+        self.text = _open_to_append(out_dir / "main.log") if out_dir else None
+        self.jsonl = _open_to_append(out_dir / "main.jsonl") if out_dir else None
         self.tb = None
         if out_dir:
             try:
