@@ -226,6 +226,21 @@ def test_sample_command_refuses_impossible_options(tmp_path):
     assert res.returncode == 0, res.stderr
 
 
+def test_sample_of_a_gpt2_model_reads_the_tokenizer_locally(tmp_path, shared_data):
+    # GPT-2's BPE from --tokenizer-dir; without it (no $LLMPY_GPT2_DIR, an empty tiktoken cache) one line, no fetch
+    from llmpy.checkpoint import save_llmc
+    from llmpy.config import parse_descriptor
+    gpt2_dir = shared_data("gpt2/encoder.json", "gpt2/vocab.bpe") / "gpt2"
+    cfg = parse_descriptor("layers=1,channels=16,heads=2,seq=32")
+    assert cfg.vocab_size == 50257
+    model = tmp_path / "gpt2_tiny.bin"
+    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    env = {"LLMPY_GPT2_DIR": "", "TIKTOKEN_CACHE_DIR": str(tmp_path / "cache")}
+    assert_one_line_error(llmpy("sample", model, "-g", 4, env=env), "GPT-2's tokenizer files are not on this machine")
+    res = llmpy("sample", model, "-g", 4, "--prompt", "Hello", "--tokenizer-dir", gpt2_dir, env=env)
+    assert res.returncode == 0 and res.stdout.startswith("Hello"), res.stderr
+
+
 def test_sampling_from_non_finite_logits_is_one_clear_error():
     from llmpy.errors import LlmpyError
     from llmpy.sampler import sample_next

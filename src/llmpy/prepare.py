@@ -388,7 +388,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gpt2 (BPE, 50257 tokens) or bytes (257 tokens, offline); default gpt2")
     parser.add_argument("--tokenizer-dir", default=None, metavar="DIR",
                         help="folder with GPT-2's encoder.json and vocab.bpe (default: $LLMPY_GPT2_DIR, "
-                             "else tiktoken's cache or download)")
+                             "else tiktoken's cache, else tiktoken downloads them)")
     val = parser.add_mutually_exclusive_group()
     val.add_argument("--val-fraction", type=float, default=None,
                      help=f"fraction of the tokens (from the start) for validation (default {DEFAULT_VAL_FRACTION}, "

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
     parser.add_argument("--tokenizer", choices=("auto", "gpt2", "bytes"), default="auto",
                         help="auto: bytes for a 257-token vocab, else gpt2")
+    parser.add_argument("--tokenizer-dir", default=None, metavar="DIR",
+                        help="folder with GPT-2's encoder.json and vocab.bpe (default: $LLMPY_GPT2_DIR, else "
+                             "tiktoken's cache; nothing is downloaded)")
 
 
 def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.tokenizer
     if name == "auto":
         name = "bytes" if config.vocab_size == 257 else "gpt2"
-    tokenizer = load_tokenizer(name)
+    tokenizer = load_tokenizer(name, args.tokenizer_dir)
     if tokenizer.vocab_size != config.vocab_size:
         raise LlmpyError(f"{args.model}: vocab {config.vocab_size} does not match the {name} tokenizer's "
                          f"{tokenizer.vocab_size}")
