@@ -67,10 +67,13 @@ TRAIN_STEPS = 10
 
 
 @pytest.fixture(autouse=True)
-def _setup(monkeypatch):
-    # fp32 must mean fp32 in torch's GEMMs too
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+def _setup():
+    # fp32 must mean fp32 in torch's GEMMs too. Saved and restored by hand: cuBLAS's flag lives behind the
+    # module's __getattr__, which pytest >= 9.2's monkeypatch records as absent and then cannot undo
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def trained_like(config: GPT2Config, seed: int = 0) -> torch.Tensor:
