@@ -5,9 +5,9 @@ Gluon's operations and so cannot see an API change, and compiled on the GPU agai
 (test_fused_classifier.py, test_flash_backward_wgmma.py). Gluon's API still moves between triton releases (3.8
 renamed `gl.thread_barrier` to `gl.barrier`, which broke the TMA classifier on a GPU with 3.8 while every CPU test
 passed; 3.9 removed the TMA copies' old names, which this test caught; kernels/gluon_compat.py serves both). Here
-each launcher runs on CPU tensors with its kernel's launch replaced by an ahead-of-time compile for an H100/H200 (triton.compile with an sm_90 target and the launch's alignment
-specialization: the frontend, the Gluon and LLVM passes and ptxas), so an API change fails in CI, whose
-triton is the newest.
+each launcher runs on CPU tensors with its kernel's launch replaced by an ahead-of-time compile for an H100/H200
+(triton.compile with an sm_90 target and the launch's alignment specialization: the frontend, the Gluon and LLVM
+passes and ptxas), so an API change fails in CI, whose triton is the newest.
 
 The compiles run in a child process without TRITON_INTERPRET: under the interpreter, the reductions Gluon
 borrows from triton.language (gl.max, gl.sum) are interpreter objects that the compiler refuses.
