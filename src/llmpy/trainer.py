@@ -435,21 +435,12 @@ def _open_to_append(path: Path):
     """`path` opened to append lines to, after dropping a last line without its newline: the partial record of a
     run killed while writing it, which the next record would otherwise join into one unreadable line."""
     with open(path, "ab+") as f:
-        end = f.seek(0, os.SEEK_END)
-        keep = end
-        while keep > 0:  # back to just after the last newline, a block at a time
-            start = max(0, keep - 4096)
-            f.seek(start)
-            block = f.read(keep - start)
-            if keep == end and block.endswith(b"\n"):
-                break
-            newline = block.rfind(b"\n")
-            if newline >= 0:
-                keep = start + newline + 1
-                break
-            keep = start
-        if keep < end:
-            f.truncate(keep)
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":  # only after a hard kill: then the log is read once, whole
+                f.seek(0)
+                f.truncate(f.read().rfind(b"\n") + 1)
     return open(path, "a")
 
 
@@ -647,23 +638,20 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         log = _quiet
 
     state = None
-    found = None
     from .training_state import checkpoint_files, latest_complete_step, load_checkpoint
-    if not opts.resume and opts.output_dir and checkpoint_files(opts.output_dir):
-        names = checkpoint_files(opts.output_dir)
-        raise LlmpyError(f"-o {opts.output_dir} holds the checkpoints of a run ({', '.join(names[:2])}"
-                         f"{', ...' if len(names) > 2 else ''}), which a new run would overwrite: continue it with "
-                         "-y 1, or give another -o")
-    if opts.resume:
-        ckpt_dir = Path(opts.output_dir)
-        found = latest_complete_step(ckpt_dir) if ckpt_dir.is_dir() else None
-        names = checkpoint_files(ckpt_dir) if found is None else []
-        if names:  # the remains of a run: resuming from scratch would overwrite them
-            raise LlmpyError(f"-y 1: no complete checkpoint to resume from in {ckpt_dir} ({', '.join(names[:4])}"
-                             f"{', ...' if len(names) > 4 else ''}: no model_*.bin with its matching "
-                             "state_*.safetensors); move those files away to start afresh")
+    # checkpoints in -o are resumed (-y 1) and never overwritten: a run from step 0 needs an -o without any
+    names = checkpoint_files(opts.output_dir) if opts.output_dir else []
+    found = latest_complete_step(opts.output_dir) if opts.resume and names else None
+    if names and found is None:
+        listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        if opts.resume:
+            raise LlmpyError(f"-y 1: no complete checkpoint to resume from in {opts.output_dir} ({listed}: no "
+                             "model_*.bin with its matching state_*.safetensors); move those files away to start "
+                             "afresh")
+        raise LlmpyError(f"-o {opts.output_dir} holds the checkpoints of a run ({listed}), which a new run would "
+                         "overwrite: continue it with -y 1, or give another -o")
     if found is not None:
-        state = load_checkpoint(ckpt_dir, found)
+        state = load_checkpoint(Path(opts.output_dir), found)
         if opts.model is None:  # no -e: the checkpoint's own model
             opts.model = state.meta.get("options", {}).get("model") or str(state.model_file)
             config = state.config
