@@ -97,9 +97,19 @@ def test_tiny_run_trains_writes_checkpoint_and_log(tmp_path, shards):
     log = (out / "main.log").read_text().splitlines()
     assert "s:6 trl:" in log[-2] or any(l.startswith("s:6 trl:") for l in log)
     # the checkpoint samples through `llmpy sample`
-    res = llmpy("sample", out / "model_00000006.bin", "--prompt", "def ", "-g", 5)
+    res = llmpy("sample", out / "model_00000006.bin", "--prompt", "def\a ", "-g", 5)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("def ")
+    assert res.stdout.startswith("def\\x07 ")  # a control character prints escaped, as the sample's own would
+
+
+def test_samples_print_control_characters_escaped():
+    from llmpy.sampler import printable
+
+    raw = "ab\x1b[2J\rcd\n\te\x00\x7f\x9bf\u00e9\u4e2d"
+    assert printable(raw) == "ab\\x1b[2J\\x0dcd\n\te\\x00\\x7f\\x9bf\u00e9\u4e2d"
+    # every byte a young byte-level model can draw comes out without a control character but tab and newline
+    shown = printable(bytes(range(256)).decode("latin-1"))
+    assert not [c for c in shown if c not in "\t\n" and (ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0)]
 
 
 def test_bad_shard_magic(tmp_path, shards):

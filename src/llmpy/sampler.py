@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 import torch
 
@@ -18,6 +19,16 @@ def check_sampling_options(gen_tokens: int, temperature: float, top_k: int) -> N
                               (top_k, "--top-k", " (0: all)")):
         if value < 0:
             raise LlmpyError(f"{flag} {value}: must be >= 0{zero}")
+
+
+# C0 controls but tab and newline, DEL and C1: a sample from a young model holds any byte, and an escape or carriage
+# return printed raw would rewrite the terminal rather than show what the model wrote
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """text as a terminal or log should show it: control characters (but tab and newline) escaped as \\xNN."""
+    return _CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def sample_next(logits: torch.Tensor, vocab_size: int, generator: torch.Generator, temperature: float = 1.0,
@@ -100,5 +111,5 @@ def run(args: argparse.Namespace) -> int:
                          f"{tokenizer.vocab_size}")
     model = GPT2Reference(config, flat.float())
     text = sample_text(model, tokenizer, args.prompt, args.gen_tokens, args.temperature, args.top_k, args.seed)
-    print(args.prompt + text)
+    print(printable(args.prompt + text))
     return 0

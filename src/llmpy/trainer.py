@@ -600,7 +600,7 @@ class TrainResult:
 def train(opts: TrainOptions, log=print) -> TrainResult:
     """Run one training as the options say; returns the losses and the trained model."""
     from .data import DataLoader, EvalLoader, default_dataset
-    from .sampler import generate
+    from .sampler import generate, printable
 
     embedded = opts.train_data is None
     if embedded:
@@ -805,7 +805,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             text = tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
         else:
             text = " ".join(map(str, ids))
-        log(f"--- sample at step {step} ---\n{text}\n---")
+        log(f"--- sample at step {step} ---\n{printable(text)}\n---")
         return text
 
     last_z = [float("nan"), float("nan")]
