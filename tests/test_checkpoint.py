@@ -1,6 +1,7 @@
 """Model files: llm.c .bin (v3/v5), HF safetensors, llm.c debug state, format detection, atomicity."""
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -212,6 +213,31 @@ def test_hf_round_trip(tmp_path, config):
     assert loaded.dtype == torch.float32
     assert torch.equal(loaded, zero_pad_rows(config, flat))
     assert not parameter_views(loaded, config)["wte"][config.vocab_size:].any()
+
+
+def test_hf_export_on_a_full_disk_keeps_the_old_files_and_says_so(tmp_path, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+    old = ck.save_hf(tmp_path, SMALL, rand_params(SMALL)).read_bytes()
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)  # half a file, then safetensors' error on ENOSPC
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError) as e:
+        ck.save_hf(tmp_path, SMALL, rand_params(SMALL))
+    assert e.value.strerror == "No space left on device" and e.value.filename == str(tmp_path / "model.safetensors")
+    assert (tmp_path / "model.safetensors").read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_safetensors_files_take_the_umask_mode(tmp_path):
+    mask = os.umask(0o022)
+    try:
+        weights = ck.save_hf(tmp_path, SMALL, rand_params(SMALL))
+    finally:
+        os.umask(mask)
+    assert weights.stat().st_mode & 0o777 == 0o644  # safetensors alone creates 0600
 
 
 @CONFIGS

@@ -249,6 +249,24 @@ def test_damaged_checkpoint_is_named(saved, shards, damage):
     assert target.name in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("key, value", [("checksums", [1]), ("options", None), ("rng", 5), ("data", "x"),
+                                        ("outliers", []), ("total_steps", "12"), ("step", 4.0)])
+def test_state_metadata_of_the_wrong_shape_is_named(saved, shards, key, value):
+    """Valid JSON of the wrong shape (an edited file): one line naming the file and the entry."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    spath = state_path(saved, 4)
+    with safe_open(str(spath), framework="pt") as f:
+        meta = json.loads(f.metadata()[training_state.META_KEY])
+    meta[key] = value
+    save_file(load_file(str(spath)), str(spath), metadata={training_state.META_KEY: json.dumps(meta)})
+    before = snapshot(saved)
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert f"{spath}: malformed training-state metadata ('{key}' should be" in str(e.value)
+    assert "\n" not in str(e.value) and snapshot(saved) == before
+
+
 def _assert_previous_checkpoint_intact(out, shards):
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     assert not model_path(out, 4).exists() and not state_path(out, 4).exists()
@@ -259,22 +277,31 @@ def _assert_previous_checkpoint_intact(out, shards):
 
 
 def test_disk_full_while_writing_the_state(tmp_path, shards, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
     out = tmp_path / "o"
-    real = training_state._write_state_file
+    real = safetensors.torch.save_file
     calls = []
 
-    def full_disk(path, tensors, metadata):
-        calls.append(path)
-        if len(calls) == 2:  # the second checkpoint: half a file, then ENOSPC
-            Path(path).write_bytes(b"\0" * 1000)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(path, tensors, metadata)
-    monkeypatch.setattr(training_state, "_write_state_file", full_disk)
+    def full_disk(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:  # the second checkpoint: half a file, then safetensors' own error, as on a full disk
+            Path(filename).write_bytes(b"\0" * 1000)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        real(tensors, filename, metadata=metadata)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     with pytest.raises(LlmpyError, match="No space left") as e:
         train(options(shards, out, max_steps=4, checkpoint_every=2), log=quiet)
-    assert "\n" not in str(e.value)
-    monkeypatch.setattr(training_state, "_write_state_file", real)
+    assert "\n" not in str(e.value) and "step 4" in str(e.value)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
     _assert_previous_checkpoint_intact(out, shards)
+    assert all(oct(p.stat().st_mode & 0o777) == oct(0o666 & ~_umask()) for p in out.glob("state_*"))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_disk_full_while_writing_the_model_file(tmp_path, shards, monkeypatch):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import sys
 import warnings
@@ -104,8 +105,10 @@ def atomic_path(path):
     # Not mkstemp: its 0600 mode would stick to the final file; 0666 lets the umask decide.
     tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    mode = os.stat(tmp).st_mode & 0o777
     try:
         yield Path(tmp)
+        os.chmod(tmp, mode)  # a writer that recreates the file (safetensors does, as 0600) keeps the umask's mode
         with open(tmp, "rb+") as f:  # the writer may have closed it without syncing
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -122,6 +125,20 @@ def atomic_write(path, writer: Callable) -> None:
         with open(tmp, "wb") as f:
             writer(f)
             f.flush()
+
+
+def save_safetensors(path, tensors: dict, metadata: dict) -> None:
+    """safetensors' save_file, atomically, its errors (a full disk) raised as OSError like every other write's."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+    with atomic_path(path) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as e:
+            # its message ends "(os error N)" where the system refused the write
+            code = re.search(r"os error (\d+)", str(e))
+            reason = os.strerror(int(code.group(1))) if code else str(e)
+            raise OSError(int(code.group(1)) if code else None, reason, str(path)) from None
 
 
 def writable_dir(folder, what: str, name: str | None = None) -> Path:
@@ -386,14 +403,11 @@ def save_hf(dir_or_file, config: GPT2Config, flat_params: torch.Tensor) -> Path:
     `*.safetensors` path (config.json goes beside it). Names carry the `transformer.` prefix and
     lm_head is left out (tied to wte), as GPT2LMHeadModel.save_pretrained writes them.
     """
-    from safetensors.torch import save_file
-
     weights, cfg_path = _hf_target(dir_or_file)
     _check_flat(weights, config, flat_params)
     weights.parent.mkdir(parents=True, exist_ok=True)
     tensors = {HF_PREFIX + k: v for k, v in hf_tensors(config, flat_params).items()}
-    with atomic_path(weights) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})  # transformers requires format=pt
+    save_safetensors(weights, tensors, metadata={"format": "pt"})  # transformers requires format=pt
     text = json.dumps(hf_config_dict(config), indent=2) + "\n"
     atomic_write(cfg_path, lambda f: f.write(text.encode()))
     return weights
@@ -681,7 +695,7 @@ def load_model_file(path) -> tuple[GPT2Config, torch.Tensor, str]:
 
 __all__ = [
     "MODEL_MAGIC", "DEBUG_STATE_MAGIC", "TOKEN_SHARD_MAGIC", "VERSION_FP32", "VERSION_BF16",
-    "LlmcHeader", "atomic_path", "atomic_write", "normalize_dtype", "read_llmc_header",
+    "LlmcHeader", "atomic_path", "atomic_write", "save_safetensors", "normalize_dtype", "read_llmc_header",
     "save_llmc", "load_llmc", "check_precision", "hf_tensors", "hf_config_dict", "save_hf",
     "load_hf", "save_debug_state", "load_debug_state", "load_model_file",
 ]

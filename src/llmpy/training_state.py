@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_path, load_llmc, save_llmc
+from .checkpoint import load_llmc, save_llmc, save_safetensors
 from .config import GPT2Config
 from .errors import LlmpyError
 
@@ -36,6 +36,11 @@ _CRC_CHUNK = 1 << 24
 
 # config fields a resumed run must share with its checkpoint, with how the user names them
 CONFIG_FIELDS = ("num_layers", "channels", "num_heads", "max_seq_len", "vocab_size", "padded_vocab_size")
+
+
+# the metadata's entries read as tables (JSON objects) and as integers
+_META_TABLES = ("options", "checksums", "rng", "data", "outliers")
+_META_INTS = ("step", "total_steps")
 
 
 def model_path(out_dir, step: int) -> Path:
@@ -69,12 +74,6 @@ def _file_crc(path: Path) -> int:
     return crc
 
 
-def _write_state_file(path: Path, tensors: dict, metadata: dict) -> None:
-    """The one place the state's bytes are written (tests patch it to simulate a full disk)."""
-    from safetensors.torch import save_file
-    save_file(tensors, str(path), metadata=metadata)
-
-
 @dataclass
 class TrainingState:
     step: int
@@ -100,8 +99,7 @@ def save_checkpoint(out_dir, step: int, config: GPT2Config, params_fp32: torch.T
         full = {**meta, "format": STATE_FORMAT, "format_version": STATE_FORMAT_VERSION, "step": int(step),
                 "model_file": mpath.name, "checksums": crcs}
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-        with atomic_path(spath) as tmp:
-            _write_state_file(tmp, cpu, {META_KEY: json.dumps(full)})
+        save_safetensors(spath, cpu, {META_KEY: json.dumps(full)})
     except OSError as e:
         # the step's new model file alone would be an orphan (or mismatch an older state of the same
         # step): remove both so the folder holds whole pairs only. A failed model write replaced nothing.
@@ -133,6 +131,12 @@ def _read_meta(spath: Path) -> dict:
     if meta.get("format_version") != STATE_FORMAT_VERSION:
         raise LlmpyError(f"{spath}: training-state format version {meta.get('format_version')}; this llmpy "
                          f"reads version {STATE_FORMAT_VERSION}")
+    # an edited or damaged file can hold valid JSON of the wrong shape: refuse it here, in one line
+    for key, kinds, what in [(k, dict, "a table") for k in _META_TABLES] + [(k, int, "an integer") for k in _META_INTS]:
+        value = meta.get(key)
+        if key in meta and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise LlmpyError(f"{spath}: malformed training-state metadata ('{key}' should be {what}, not "
+                             f"{json.dumps(value)[:40]})")
     return meta
 
 
