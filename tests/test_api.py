@@ -1,7 +1,9 @@
 """The Python API: create, train, sample, on a tiny model and random shards."""
 import numpy as np
+import pytest
 
 import llmpy
+from llmpy.errors import LlmpyError
 from llmpy.data import write_shard
 
 
@@ -36,3 +38,41 @@ def test_sample_with_the_kernel_model_matches_the_reference(device):
     want = llmpy.sample(ref_model, "ab", gen_tokens=12, temperature=0)
     got = llmpy.sample(kernel_model, "ab", gen_tokens=12, temperature=0)
     assert got == want
+
+
+TINY = "layers=1,channels=16,heads=2,seq=16,vocab=257"
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: llmpy.train(batchsize=4), "train(): no option 'batchsize'; did you mean 'batch_size'?"),
+    (lambda m: llmpy.train(colour=1), "train(): no option 'colour'"),
+    (lambda m: llmpy.create_model(None), "descriptor None: must be a descriptor or a model file's path"),
+    (lambda m: llmpy.create_model(TINY, seed=1.5), "seed 1.5: must be an integer"),
+    (lambda m: llmpy.create_model(TINY, seed=2**32), "seed 4294967296: must be an integer from 0 to 4294967295"),
+    (lambda m: llmpy.load_model(None), "path None: must be a descriptor or a model file's path"),
+    (lambda m: llmpy.load_model("d6"), "d6: no such file"),
+    (lambda m: llmpy.sample("model.bin", "hi"), "sample(): model 'model.bin': must be a model"),
+    (lambda m: llmpy.sample(m, 123), "prompt 123: must be text"),
+    (lambda m: llmpy.sample(m, "hi", temperature=float("nan")), "--temperature nan: must be a finite number"),
+    (lambda m: llmpy.sample(m, "hi", temperature=-1), "--temperature -1: must be >= 0"),
+    (lambda m: llmpy.sample(m, "hi", top_k=-3), "--top-k -3: must be >= 0"),
+    (lambda m: llmpy.sample(m, "hi", gen_tokens=-1), "-g -1: must be >= 0"),
+    (lambda m: llmpy.sample(m, "hi", gen_tokens=2.5), "-g 2.5: must be an integer"),
+    (lambda m: llmpy.sample(m, "hi", seed=2**64), "--seed 18446744073709551616: must be an integer from 0"),
+    (lambda m: llmpy.sample(m, tokenizer=None), "tokenizer None: must be 'auto', 'bytes' or 'gpt2'"),
+])
+def test_api_refuses_wrong_values_by_name(call, message):
+    """The API's callers pass values the command line's parser never sees: each wrong one is an LlmpyError
+    naming the parameter, as the flag's would be, not a TypeError from deep inside."""
+    model = llmpy.create_model(TINY)
+    with pytest.raises(LlmpyError) as e:
+        call(model)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_load_model_reads_files_only(tmp_path):
+    from llmpy.checkpoint import save_llmc
+    model = llmpy.create_model(TINY, seed=5)
+    save_llmc(tmp_path / "m.bin", model.config, model.params_flat)
+    loaded = llmpy.load_model(tmp_path / "m.bin")
+    assert loaded.config == model.config and (loaded.params_flat == model.params_flat).all()

@@ -167,6 +167,15 @@ def test_unknown_descriptor_and_flag(shards):
     ("progress", 2, "--progress 2: must be one of -1, 0, 1"),
     ("shuffle", 3, "--shuffle 3: must be one of 0, 1"),
     ("cuda_graph", -1, "--cuda-graph -1: must be one of 0, 1"),
+    ("seed", -1, "--seed -1: must be an integer from 0 to 4294967295"),
+    ("seed", 2**64 - 1, "--seed 18446744073709551615: must be an integer from 0"),
+    # the API's values, which argparse never sees
+    ("batch_size", "2", "-b (batch_size='2'): must be an integer"),
+    ("batch_size", 2.5, "-b (batch_size=2.5): must be an integer"),
+    ("batch_size", True, "-b (batch_size=True): must be an integer"),
+    ("model", 123, "-e (model=123): must be text (a str)"),
+    ("learning_rate", "abc", "-l (learning_rate='abc'): must be a number"),
+    ("seed", 1.5, "--seed (seed=1.5): must be an integer"),
 ])
 def test_impossible_values_are_refused_before_anything_runs(field, value, message):
     """A NaN passes every `< 0` check unnoticed and an infinite rate trains NaN weights: each such value is
@@ -179,6 +188,44 @@ def test_impossible_values_are_refused_before_anything_runs(field, value, messag
     TrainOptions().validate()  # the defaults pass
     with pytest.raises(LlmpyError, match=re.escape(message)):
         TrainOptions(**{field: value}).validate()
+
+
+def test_api_paths_may_be_path_objects(tmp_path):
+    from llmpy.trainer import TrainOptions
+    opts = TrainOptions(output_dir=tmp_path / "o", train_data=tmp_path / "x_*.bin")
+    opts.validate()
+    assert opts.output_dir == str(tmp_path / "o") and opts.train_data == str(tmp_path / "x_*.bin")
+
+
+def test_arguments_that_are_not_utf8_are_one_line(tmp_path, shards):
+    """Bytes a terminal passes that are not UTF-8 reach Python as surrogates: a prompt or an output folder
+    holding them is refused up front (TensorBoard's writer and the tokenizer cannot take them)."""
+    import os
+    train, _ = shards
+    out = os.fsdecode(bytes(tmp_path) + b"/out_\xff")
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-o", out)
+    assert_one_line_error(res, "-o", "UTF-8")
+    assert not os.path.exists(out)
+    from llmpy.checkpoint import save_llmc
+    from llmpy.config import parse_descriptor
+    cfg = parse_descriptor(TINY)
+    model = tmp_path / "tiny.bin"
+    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    assert_one_line_error(llmpy("sample", model, "--prompt", os.fsdecode(b"ab\xff\xfe")), "--prompt",
+                          "UTF-8", "\\xff")
+
+
+def test_a_total_batch_beyond_the_hosts_memory_is_refused(shards, monkeypatch):
+    """-d with a few zeros too many would hold millions of micro-batches on the host before the first step."""
+    from llmpy import trainer
+    from llmpy.errors import LlmpyError
+    train, _ = shards
+    monkeypatch.setattr(trainer, "_host_memory_available", lambda: 10**9)
+    opts = trainer.TrainOptions(train_data=str(train), model=TINY, batch_size=2, seq_len=16, max_steps=1,
+                                total_batch_size=2 * 16 * 10**7, val_every=0, gen_tokens=0, progress=0)
+    with pytest.raises(LlmpyError, match="-d 320000000: a step of 10,000,000 micro-batches of B=2, T=16 needs "
+                                         r"[0-9.]+ GB of host memory .* the 1.0 GB available"):
+        trainer.train(opts, log=lambda *_: None)
 
 
 def test_impossible_flag_on_the_command_line(shards):
@@ -230,7 +277,8 @@ def test_sample_command_refuses_impossible_options(tmp_path):
     cfg = parse_descriptor(TINY)
     model = tmp_path / "tiny.bin"
     save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
-    for flag, value in (("-g", "-3"), ("--temperature", "nan"), ("--temperature", "-1"), ("--top-k", "-1")):
+    for flag, value in (("-g", "-3"), ("--temperature", "nan"), ("--temperature", "-1"), ("--top-k", "-1"),
+                        ("--seed", "-1"), ("--seed", str(2**64))):
         assert_one_line_error(llmpy("sample", model, flag, value), f"{flag} {value}")
     res = llmpy("sample", model, "-g", 5, "--temperature", 0)
     assert res.returncode == 0, res.stderr

@@ -7,24 +7,48 @@
 """
 from __future__ import annotations
 
+import difflib
+import os
+from dataclasses import fields
+
+from .errors import LlmpyError
+from .rand import check_seed
 from .reference import GPT2Reference
 from .trainer import TrainOptions, TrainResult, load_or_create_model
 from .trainer import train as _train
 
 
+def _check_path_or_descriptor(value, name: str) -> str:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, str):
+        raise LlmpyError(f"{name} {value!r}: must be a descriptor or a model file's path (a str)")
+    return value
+
+
 def create_model(descriptor: str = "d12", seed: int = 42) -> GPT2Reference:
     """A model from an `-e` descriptor with llm.c's random init (or from a model file's path)."""
+    descriptor = _check_path_or_descriptor(descriptor, "descriptor")
+    check_seed(seed, "seed")
     config, params = load_or_create_model(descriptor, seed)
     return GPT2Reference(config, params)
 
 
 def load_model(path: str) -> GPT2Reference:
     """A model from an llm.c .bin file or a HuggingFace model.safetensors (file or folder)."""
-    return create_model(path)
+    from .checkpoint import load_model_file
+    config, flat, _dtype = load_model_file(_check_path_or_descriptor(path, "path"))  # a descriptor is no file
+    return GPT2Reference(config, flat.float())
 
 
 def train(log=print, **options) -> TrainResult:
     """Train as `llmpy train` does; keyword names are TrainOptions' fields (batch_size=..., max_steps=...)."""
+    known = [f.name for f in fields(TrainOptions)]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise LlmpyError(f"train(): no option {name!r}" + (f"; did you mean {close[0]!r}?" if close else
+                                                                 "; the options are TrainOptions' fields"))
     return _train(TrainOptions(**options), log=log)
 
 
@@ -32,7 +56,13 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
            temperature: float = 1.0, top_k: int = 0, seed: int = 1337) -> str:
     """Continue `prompt` with a GPT2Reference (create_model, load_model; train on the CPU) or the GPU
     model train returns on a GPU; tokenizer "auto" picks bytes for a 257-token vocab and GPT-2's BPE otherwise."""
-    from .sampler import sample_text
+    from .sampler import check_sampling_options, sample_text
     from .tokenizer import load_tokenizer
+    if not hasattr(model, "config") or not (hasattr(model, "forward") or hasattr(model, "logits_last")):
+        raise LlmpyError(f"sample(): model {model!r:.60}: must be a model (create_model, load_model, or "
+                         "train(...).model), not a path")
+    check_sampling_options(gen_tokens, temperature, top_k, seed)
+    if not isinstance(tokenizer, str):
+        raise LlmpyError(f"tokenizer {tokenizer!r}: must be 'auto', 'bytes' or 'gpt2'")
     name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")
     return sample_text(model, load_tokenizer(name), prompt, gen_tokens, temperature, top_k, seed)

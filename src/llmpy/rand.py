@@ -28,6 +28,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from .errors import LlmpyError
+
 _N = 624
 _F32 = np.float32
 _F64 = np.float64
@@ -234,6 +236,16 @@ def _pool() -> ThreadPoolExecutor | None:
             return None
         _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="llmpy-rand")
     return _POOL
+
+
+SEED_LIMIT = 1 << 32  # llm.c's seeds are unsigned 32-bit, and mt19937 keeps only those bits
+
+
+def check_seed(seed, flag: str = "--seed") -> None:
+    """One LlmpyError naming `flag` unless seed is an integer in [0, 2**32): a larger one would seed the same
+    weights as its low 32 bits, and seed + step (each sample's generator) must stay within 64 bits."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
+        raise LlmpyError(f"{flag} {seed!r}: must be an integer from 0 to {SEED_LIMIT - 1}")
 
 
 def init_genrand(seed: int) -> np.ndarray:

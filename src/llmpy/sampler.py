@@ -9,10 +9,19 @@ import re
 import torch
 
 from .errors import LlmpyError
+from .rand import check_seed
 
 
-def check_sampling_options(gen_tokens: int, temperature: float, top_k: int) -> None:
-    """-g, --temperature and --top-k as `llmpy train` and `llmpy sample` take them: one line naming a bad one."""
+def check_sampling_options(gen_tokens: int, temperature: float, top_k: int, seed: int | None = None) -> None:
+    """-g, --temperature, --top-k (and --seed) as `llmpy train`, `llmpy sample` and the API take them: one line
+    naming a bad one."""
+    for value, flag in ((gen_tokens, "-g"), (top_k, "--top-k")):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LlmpyError(f"{flag} {value!r}: must be an integer")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise LlmpyError(f"--temperature {temperature!r}: must be a number")
+    if seed is not None:
+        check_seed(seed)
     if not math.isfinite(temperature):  # a NaN passes the comparison below
         raise LlmpyError(f"--temperature {temperature}: must be a finite number")
     for value, flag, zero in ((gen_tokens, "-g", ""), (temperature, "--temperature", " (0: greedy)"),
@@ -83,6 +92,14 @@ def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temper
                 seed: int = 1337) -> str:
     """Continue `prompt` with the CPU reference model (forward(inputs), then .logits) or the GPU model
     (logits_last(tokens): its fixed (B, T) batch, the context cropped to its last T tokens)."""
+    check_sampling_options(gen_tokens, temperature, top_k)  # the seed is the caller's (train's is seed + step)
+    if not isinstance(prompt, str):
+        raise LlmpyError(f"prompt {prompt!r}: must be text (a str)")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes the terminal passed that are not UTF-8 (Python keeps them as surrogates)
+        bad = e.object[e.start:e.end].encode("utf-8", "surrogateescape")
+        raise LlmpyError(f"--prompt: not UTF-8 text (the bytes {bad!r} at character {e.start})") from None
     config = model.config
     start = [tokenizer.eot] + (tokenizer.encode(prompt) if prompt else [])
 
@@ -100,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_model_file
     from .reference import GPT2Reference
     from .tokenizer import load_tokenizer
-    check_sampling_options(args.gen_tokens, args.temperature, args.top_k)
+    check_sampling_options(args.gen_tokens, args.temperature, args.top_k, args.seed)
     config, flat, _ = load_model_file(args.model)
     name = args.tokenizer
     if name == "auto":

@@ -23,6 +23,7 @@ import torch
 from .config import ATTENTION_IMPLS, GPT2Config, parse_descriptor
 from .errors import LlmpyError
 from .outliers import OutlierDetector
+from .rand import check_seed
 from .sampler import check_sampling_options
 from .schedulers import SCHEDULES, LRSchedule
 
@@ -100,10 +101,34 @@ class TrainOptions:
             if getattr(self, name) is None:
                 setattr(self, name, values[column])
 
+    def _check_types(self):
+        """The API passes values argparse never sees: each must have its flag's type (a float flag takes an int;
+        None stands for "unset" where the field's default is None)."""
+        unset_ok = {f.name for f in fields(self) if f.default is None}
+        for flag, name, typ in [(f[0], f[2], f[3]) for f in FLAGS] + [(f[0], f[1], f[2]) for f in EXTRA_FLAGS]:
+            value = getattr(self, name)
+            if value is None and name in unset_ok:
+                continue
+            if typ is str and isinstance(value, os.PathLike):  # train_data=Path(...), output_dir=Path(...)
+                setattr(self, name, os.fspath(value))
+                continue
+            allowed = (int, float) if typ is float else typ
+            if isinstance(value, bool) or not isinstance(value, allowed):
+                kind = {int: "an integer", float: "a number", str: "text (a str)"}[typ]
+                raise LlmpyError(f"{flag} ({name}={value!r}): must be {kind}")
+
     def validate(self):
         """One LlmpyError naming the flag for the first impossible value (RUN_DEFAULTS fields still unset take
         their default first)."""
         self.fill_run_defaults()
+        self._check_types()
+        check_seed(self.seed)
+        if self.output_dir is not None:
+            try:
+                self.output_dir.encode("utf-8")
+            except UnicodeEncodeError:  # TensorBoard's writer and the JSON log need the name as text
+                raise LlmpyError(f"-o {os.fsencode(self.output_dir)!r}: the output directory's name must be UTF-8 "
+                                 "text") from None
         for name, flag in (("batch_size", "-b"), ("seq_len", "-t")):
             if getattr(self, name) <= 0:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be positive")
@@ -542,6 +567,30 @@ def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str
             "device": device, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
 
 
+def _host_memory_available() -> int | None:
+    """Bytes the kernel says a process can still take (MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
+    """A step holds all its micro-batches on the host at once (the GPU model stages them for its CUDA graph):
+    a -d with a few zeros too many would take the machine's memory before the first step and die unexplained."""
+    B, T = opts.batch_size, opts.seq_len
+    per_micro = 8 * (B * T + 1) + 1536 + 16 * B * T  # the loader's int64 window and its two tensors, the staging
+    free = _host_memory_available()
+    if free is not None and accum * per_micro > free:
+        raise LlmpyError(f"-d {opts.total_batch_size}: a step of {accum:,} micro-batches of B={B}, T={T} needs "
+                         f"{accum * per_micro / 1e9:,.1f} GB of host memory for its batches, more than the "
+                         f"{free / 1e9:.1f} GB available")
+
+
 def _model_config(desc: str) -> GPT2Config:
     """The configuration -e names, without building its weights (a resume replaces them)."""
     if os.path.exists(desc):
@@ -675,6 +724,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                          + (f"*processes = {B}*{T}*{world}" if world > 1 else "") + f" = {tokens_per_micro}")
     else:
         accum = opts.total_batch_size // tokens_per_micro
+    _check_step_fits_in_memory(opts, accum)
 
     train_loader = DataLoader(opts.train_data, B, T, rank=rank, world_size=world, shuffle=bool(opts.shuffle),
                               seed=opts.seed, vocab_size=config.vocab_size)
