@@ -526,5 +526,81 @@ def test_prepare_bad_inputs(tmp_path):
         run_prepare([src, "-o", tmp_path / "o", "--tokenizer", "bytes", "--shard-size", 0])
     with pytest.raises(LlmpyError, match="nothing left to train on"):
         run_prepare([src, "-o", tmp_path / "o", "--tokenizer", "bytes", "--val-tokens", 1000])
+    assert not (tmp_path / "o").exists()  # each failed prepare removed the folder it had made
     with pytest.raises(SystemExit):  # argparse: the two val options exclude each other
         run_prepare([src, "--val-tokens", 5, "--val-fraction", "0.1"])
+    # a path that exists but holds no text of its own: not reported as missing
+    with pytest.raises(LlmpyError, match=rf"^{os.devnull}: not a regular file or folder"):
+        run_prepare([os.devnull, "-o", tmp_path / "o", "--tokenizer", "bytes"])
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(LlmpyError, match=r"pipe\.txt: not a regular file or folder"):
+        run_prepare([tmp_path / "pipe.txt", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_failed_prepare_leaves_earlier_shards_unchanged(tmp_path, monkeypatch):
+    src = tmp_path / "corpus.txt"
+    src.write_text("hello world, some text here.\n" * 200)
+    out = tmp_path / "pp" / "X"
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--shard-size", 1000])
+    before = _snapshot(out)
+    assert "corpus_val_000000.bin" in before and "corpus_train_000005.bin" in before
+    # fails after writing its only (val) shard: the old val shard is not replaced beside the old train shards
+    with pytest.raises(LlmpyError, match="all 5801 tokens went to the val split"):
+        run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 999999999, "--shard-size", 10**6])
+    assert _snapshot(out) == before  # same files, same bytes, no temporaries
+
+    # interrupted (Ctrl-C) after some shards of the new run are written: likewise
+    real_write, calls = prep.write_shard, []
+
+    def write_then_interrupt(path, tokens):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_write(path, tokens)
+    monkeypatch.setattr(prep, "write_shard", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 10, "--shard-size", 700])
+    assert len(calls) == 3 and all(p.parent == out and p.name.startswith(".") for p in calls)
+    assert _snapshot(out) == before
+
+
+def test_failed_prepare_removes_only_the_folders_it_made(tmp_path):
+    src = tmp_path / "corpus.txt"
+    src.write_text("some text")
+    huge_val = ["--tokenizer", "bytes", "--val-tokens", 10**6]
+    # a fresh folder: no lone val shard, no empty folders (nested ones included)
+    with pytest.raises(LlmpyError, match="nothing left to train on"):
+        run_prepare([src, "-o", tmp_path / "new" / "a" / "b", *huge_val])
+    assert sorted(os.listdir(tmp_path)) == ["corpus.txt"]
+    with pytest.raises(LlmpyError, match="GPT-2 tokenizer folder not found"):
+        run_prepare([src, "-o", tmp_path / "o", "--tokenizer-dir", tmp_path / "no_gpt2"])
+    assert not (tmp_path / "o").exists()
+    # a folder that was there before stays, even empty, and so does what it holds
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.md").write_text("mine")
+    for folder in ("empty", "full"):
+        with pytest.raises(LlmpyError, match="nothing left to train on"):
+            run_prepare([src, "-o", tmp_path / folder / "sub", *huge_val])
+        with pytest.raises(LlmpyError, match="nothing left to train on"):
+            run_prepare([src, "-o", tmp_path / folder, *huge_val])
+    assert os.listdir(tmp_path / "empty") == [] and os.listdir(tmp_path / "full") == ["notes.md"]
+
+
+def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
+    from llmpy import cli
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    out = tmp_path / "o"
+    assert cli.main(["prepare", str(tmp_path / "latin1.txt"), "-o", str(out), "--tokenizer", "bytes"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"llmpy prepare: error: {tmp_path / 'latin1.txt'}: not UTF-8 text "
+                                "(byte 3: invalid continuation byte)"]
+    assert not out.exists()
+    assert cli.main(["prepare", os.devnull, "-o", str(out), "--tokenizer", "bytes"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"llmpy prepare: error: {os.devnull}: not a regular file or folder "
+        "(give a text file or a folder of .txt files)"]

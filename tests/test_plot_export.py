@@ -132,6 +132,20 @@ def test_plot_errors(tmp_path):
         pl.plot_run(tmp_path / "run", tmp_path / "afile" / "charts")  # a file where a parent folder must be
 
 
+def test_plot_log_with_nothing_to_chart_is_an_error(tmp_path):
+    # records, but none with a value any chart draws (like an empty main.jsonl: an error, not silence)
+    recs = [{"step": 1, "kind": "train", "ms": 90.0, "loss": None}, {"step": 2, "kind": "val", "lr": 0.1}]
+    (tmp_path / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(LlmpyError, match=r"main\.jsonl: 2 record\(s\) but none with a loss, .*nothing to plot"):
+        pl.plot_run(tmp_path)
+    assert not (tmp_path / "plots").exists()  # no empty plot folder left behind
+    r = run_cli("plot", tmp_path)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"llmpy plot: error: {tmp_path / 'main.jsonl'}: 2 record(s) but none with a loss, learning rate, "
+        "gradient norm, tok_s, mfu or accuracy: nothing to plot"]
+
+
 def test_plot_without_matplotlib_is_one_clear_error(tmp_path, monkeypatch):
     write_log(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
@@ -175,6 +189,18 @@ def test_plot_run_skips_what_the_log_lacks(tmp_path):
     only_val.mkdir()
     (only_val / "main.jsonl").write_text(json.dumps({"step": 0, "kind": "val", "loss": 4.0}) + "\n")
     assert [p.name for p in pl.plot_run(only_val)] == ["loss.png"]
+
+
+@needs_mpl
+def test_plot_log_without_loss_says_so(tmp_path):
+    (tmp_path / "main.jsonl").write_text(json.dumps({"step": 1, "kind": "train", "lr": 1e-4}) + "\n")
+    notes = []
+    assert [p.name for p in pl.plot_run(tmp_path, warn=notes.append)] == ["lr.png"]
+    assert notes == [f"{tmp_path / 'main.jsonl'}: no loss values in it, so no loss chart"]
+    r = run_cli("plot", tmp_path, "-o", tmp_path / "out")
+    assert r.returncode == 0 and r.stdout.split() == [str(tmp_path / "out" / "lr.png")]
+    assert r.stderr.strip().splitlines() == [
+        f"llmpy plot: note: {tmp_path / 'main.jsonl'}: no loss values in it, so no loss chart"]
 
 
 @needs_mpl

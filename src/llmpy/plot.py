@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from .errors import LlmpyError
@@ -16,6 +17,8 @@ from .errors import LlmpyError
 LOG_NAME = "main.jsonl"
 NUMERIC_KEYS = ("loss", "norm", "lr", "ms", "skipped", "tok_s", "mfu", "accuracy")
 KINDS = ("train", "val", "eval")  # eval: HellaSwag accuracy (-h 1)
+# what the charts draw, by kind: a log without any of it has nothing to plot
+CHARTED = {"train": ("loss", "lr", "norm", "tok_s", "mfu"), "val": ("loss",), "eval": ("accuracy",)}
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -27,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args: argparse.Namespace) -> int:
-    paths = plot_run(args.run_dir, args.output, smooth=args.smooth)
+    paths = plot_run(args.run_dir, args.output, smooth=args.smooth,
+                     warn=lambda msg: print(f"llmpy plot: note: {msg}", file=sys.stderr))
     for p in paths:
         print(p)
     return 0
@@ -116,8 +120,11 @@ def _pyplot():
     return plt
 
 
-def plot_run(run_dir, out_dir=None, smooth: float = 0.9) -> list[Path]:
-    """Write the charts of run_dir/main.jsonl as PNGs into out_dir (default run_dir/plots); returns their paths."""
+def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path]:
+    """Write the charts of run_dir/main.jsonl as PNGs into out_dir (default run_dir/plots); returns their paths.
+
+    A log with nothing to chart is an LlmpyError; one without any loss gets a line through `warn`, if given.
+    """
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise LlmpyError(f"{run_dir}: no such directory")
@@ -129,6 +136,12 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9) -> list[Path]:
     records = read_log(log)
     if not 0.0 <= smooth < 1.0:
         raise LlmpyError(f"--smooth {smooth}: must be in [0, 1)")
+    if not any(series(records, kind, key)[0] for kind, keys in CHARTED.items() for key in keys):
+        # checked before the plot folder is made, so a failed plot leaves none behind
+        raise LlmpyError(f"{log}: {len(records)} record(s) but none with a loss, learning rate, gradient norm, "
+                         "tok_s, mfu or accuracy: nothing to plot")
+    if warn is not None and not any(series(records, kind, "loss")[0] for kind in ("train", "val")):
+        warn(f"{log}: no loss values in it, so no loss chart")
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")

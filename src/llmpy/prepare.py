@@ -12,7 +12,8 @@ path), or a named dataset fetched like llm.c's dev/data scripts:
                    (for `llmpy train -h 1`; not token shards)
 
 Named datasets take precedence over a local path of the same name (write ./NAME for the path).
-Every document is preceded by one end-of-text token. Downloads are kept in --cache-dir.
+Every document is preceded by one end-of-text token. Downloads are kept in --cache-dir. The new shards
+replace an earlier prepare's in OUTDIR only once all of them are written: a failed one leaves those as they were.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import sys
 import tempfile
 import urllib.error
@@ -247,6 +249,8 @@ def resolve_source(source: str, cache: Path, shard_size: int) -> Source:
         return _local_file(path)
     if path.is_dir():
         return _local_folder(path)
+    if path.exists():  # a device, pipe or socket: no text of a known size to split
+        raise LlmpyError(f"{source}: not a regular file or folder (give a text file or a folder of .txt files)")
     raise LlmpyError(f"{source}: no such file or folder, and not a named dataset "
                      f"({', '.join(NAMED_DATASETS)})")
 
@@ -254,11 +258,42 @@ def resolve_source(source: str, cache: Path, shard_size: int) -> Source:
 # ----------------------------------------------------------------------------------------------
 # writing
 
-class ShardWriter:
-    """Cuts one split's token stream into shards of exactly `shard_size` tokens (the last shorter)."""
+class Staging:
+    """Shards written under temporary names in the output folder and renamed into place together once the
+    whole prepare succeeded, so that a failed or interrupted one leaves an earlier dataset as it was."""
 
-    def __init__(self, outdir: Path, name: str, split: str, shard_size: int):
+    def __init__(self):
+        self.tag = f"{os.getpid()}.{secrets.token_hex(4)}"  # two prepares into one folder do not collide
+        self.pending: list[tuple[Path, Path]] = []  # (temporary, final)
+
+    def temporary(self, final: Path) -> Path:
+        # hidden and not ending in .bin: neither a shard glob nor _remove_stale picks it up
+        tmp = final.with_name(f".{final.name}.{self.tag}.part")
+        self.pending.append((tmp, final))
+        return tmp
+
+    def commit(self) -> None:
+        while self.pending:
+            tmp, final = self.pending[0]
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                raise LlmpyError(f"{final}: cannot move the new shard into place ({e.strerror or e})") from None
+            self.pending.pop(0)
+
+    def discard(self) -> None:
+        for tmp, _ in self.pending:
+            _unlink(tmp)
+        self.pending = []
+
+
+class ShardWriter:
+    """Cuts one split's token stream into shards of exactly `shard_size` tokens (the last shorter); with a
+    `staging`, each shard is written under its temporary name until staging.commit()."""
+
+    def __init__(self, outdir: Path, name: str, split: str, shard_size: int, staging: Staging | None = None):
         self.outdir, self.name, self.split, self.shard_size = outdir, name, split, shard_size
+        self.staging = staging
         self.buf = np.empty(min(shard_size, 1 << 24), dtype=np.uint16)
         self.fill = 0
         self.written: list[tuple[Path, int]] = []
@@ -276,7 +311,7 @@ class ShardWriter:
 
     def _flush(self) -> None:
         path = self.outdir / shard_name(self.name, self.split, len(self.written))
-        write_shard(path, self.buf[:self.fill])
+        write_shard(self.staging.temporary(path) if self.staging else path, self.buf[:self.fill])
         self.written.append((path, self.fill))
         self.fill = 0
 
@@ -319,42 +354,46 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
         raise LlmpyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
     name = name or re.sub(r"[^A-Za-z0-9._-]+", "_", src.name) or "data"
     out = Path(outdir).expanduser() if outdir is not None else Path("data") / name
-    writable_dir(out, "output folder")
-    tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # the user asked for data: tiktoken may fetch
-
-    chunks: Iterable[tuple[bool, np.ndarray]] = _token_chunks(src, tok)
     use_hints = src.hinted_split and val_fraction is None and val_tokens is None
-    n_val = None
-    if not use_hints:
-        if val_tokens is not None:
-            n_val = val_tokens
-        elif val_fraction is None and src.default_val_tokens is not None:
-            n_val = src.default_val_tokens
-        else:
-            if src.streaming:
-                raise LlmpyError(f"--val-fraction needs the whole token count, which {src.name} is too large "
-                                 "to hold; use --val-tokens")
+    # val tokens from the start of the stream; None: a fraction of the total, counted below
+    n_val = val_tokens if val_tokens is not None or val_fraction is not None else src.default_val_tokens
+    if not use_hints and n_val is None and src.streaming:
+        raise LlmpyError(f"--val-fraction needs the whole token count, which {src.name} is too large "
+                         "to hold; use --val-tokens")
+
+    created = _missing_folders(out)
+    staging = Staging()
+    try:
+        writable_dir(out, "output folder")
+        tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # the user asked for data: tiktoken may fetch
+        chunks: Iterable[tuple[bool, np.ndarray]] = _token_chunks(src, tok)
+        if not use_hints and n_val is None:
             chunks = list(chunks)  # small enough to count before splitting
             total = sum(len(c) for _, c in chunks)
             frac = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
             n_val = int(round(total * frac))
 
-    writers = {s: ShardWriter(out, name, s, shard_size) for s in ("val", "train")}
-    seen = 0
-    with tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {src.name}", disable=None) as bar:
-        for hint, tokens in chunks:
-            if use_hints:
-                writers["val" if hint else "train"].add(tokens)
-            else:
-                k = max(0, min(len(tokens), n_val - seen))
-                writers["val"].add(tokens[:k])
-                writers["train"].add(tokens[k:])
-            seen += len(tokens)
-            bar.update(len(tokens))
-    result = {s: w.close() for s, w in writers.items()}
-    if not result["train"]:
-        raise LlmpyError(f"{source}: all {seen} tokens went to the val split; nothing left to train on "
-                         "(lower --val-tokens / --val-fraction)")
+        writers = {s: ShardWriter(out, name, s, shard_size, staging) for s in ("val", "train")}
+        seen = 0
+        with tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {src.name}", disable=None) as bar:
+            for hint, tokens in chunks:
+                if use_hints:
+                    writers["val" if hint else "train"].add(tokens)
+                else:
+                    k = max(0, min(len(tokens), n_val - seen))
+                    writers["val"].add(tokens[:k])
+                    writers["train"].add(tokens[k:])
+                seen += len(tokens)
+                bar.update(len(tokens))
+        result = {s: w.close() for s, w in writers.items()}
+        if not result["train"]:
+            raise LlmpyError(f"{source}: all {seen} tokens went to the val split; nothing left to train on "
+                             "(lower --val-tokens / --val-fraction)")
+        staging.commit()
+    except BaseException:  # KeyboardInterrupt too: no temporaries, no empty folder of ours left behind
+        staging.discard()
+        _remove_empty(created)
+        raise
     _remove_stale(out, name, result)
     for split in ("val", "train"):
         files = result[split]
@@ -363,6 +402,25 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     log(f"tokenizer {tok.name} (vocab {tok.vocab_size}); train on {out / (name + '_train_*.bin')}"
         + (f", validate on {out / (name + '_val_*.bin')}" if result["val"] else ""))
     return result
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """The folders that creating `folder` would make, deepest first."""
+    missing = []
+    path = Path(os.path.abspath(folder))
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed prepare created, deepest first, as far as they are still empty."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)  # refuses a folder that holds anything
+        except OSError:
+            return
 
 
 def _remove_stale(out: Path, name: str, result) -> None:
@@ -408,5 +466,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "run", "prepare", "download", "resolve_source", "ShardWriter",
+__all__ = ["add_arguments", "run", "prepare", "download", "resolve_source", "ShardWriter", "Staging",
            "NAMED_DATASETS", "DEFAULT_SHARD_SIZE"]
