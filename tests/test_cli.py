@@ -144,6 +144,8 @@ def test_sequence_longer_than_the_context(shards):
 def test_unknown_descriptor_and_flag(shards):
     train, _ = shards
     assert_one_line_error(llmpy("train", "-i", train, "-e", "d13", "-x", 1), "d13")
+    assert_one_line_error(llmpy("train", "-i", train, "-e", "no/such.bin", "-x", 1), "no/such.bin: no such model file")
+    assert_one_line_error(llmpy("train", "-i", train, "-e", TINY + ",layers=3", "-x", 1), "layers is given twice")
     assert_one_line_error(llmpy("train", "--no-such-flag", "3"), "--no-such-flag")
     assert_one_line_error(llmpy("train", "-zz", "3"), "-z")  # llm.c-style: -zz reads as -z with value z
     assert_one_line_error(llmpy("train", "-w", "7", "-i", train, "-e", TINY), "-w 7")
@@ -418,3 +420,20 @@ def test_tensorboard_events_match_the_jsonl_log(tmp_path, shards):
         assert abs(table[r["step"]] - r["loss"]) < 1e-6 * max(1.0, abs(r["loss"]))
     assert sorted(train_loss) == [1, 2, 3, 4] and sorted(val_loss) == [0, 2, 4]
     assert {e.step for e in acc.Scalars("train/lr")} == {1, 2, 3, 4}
+
+
+def test_llmpys_warnings_print_as_one_note_line(tmp_path):
+    """A model file's unusual setting is worth a word, in llmpy's one-line form, not Python's file:line and
+    source line."""
+    import json
+
+    from llmpy.checkpoint import save_hf
+    from llmpy.config import parse_descriptor
+    cfg = parse_descriptor(TINY)
+    save_hf(tmp_path / "hf", cfg, torch.randn(cfg.num_parameters) * 0.02)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 1e-6}))
+    res = llmpy("sample", tmp_path / "hf", "-g", 3, "--temperature", 0)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.strip().splitlines() == [f"llmpy sample: note: {tmp_path / 'hf' / 'config.json'}: "
+                                               "layer_norm_epsilon 1e-06 differs from llm.c's 1e-5"]

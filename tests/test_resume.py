@@ -141,8 +141,12 @@ def test_resume_ignores_an_incomplete_pair(tmp_path, shards):
     shutil.copy(model_path(out, 6), model_path(out, 8))
     shutil.copy(state_path(out, 6), state_path(out, 8))
     assert latest_complete_step(out) == 6
-    res = train(options(shards, out, max_steps=7, resume=1), log=quiet)
+    lines = []
+    res = train(options(shards, out, max_steps=7, resume=1), log=lines.append)
     assert res.start_step == 6 and len(res.train_losses) == 1
+    assert ("note: -y 1 resumes from step 6, the latest complete checkpoint; the newer model_00000008.bin, "
+            "model_00000009.bin, state_00000008.safetensors (no matching pair) will be replaced if the run "
+            "checkpoints those steps") in lines
 
 
 def test_nothing_to_do_when_the_checkpoint_reaches_x(tmp_path, shards):
@@ -184,6 +188,22 @@ def test_resume_with_a_different_run_is_refused(saved, shards, change, needles):
     for n in needles:
         assert n in msg, (n, msg)
     assert snapshot(saved) == before
+
+
+def test_resume_with_changed_settings_says_which(saved, shards):
+    # a schedule's or the outlier detectors' settings may change on resume (llm.c allows it), but not unsaid
+    lines = []
+    train(options(shards, saved, max_steps=6, resume=1, learning_rate=5e-3, skip_loss_z=3.0, overfit_single_batch=1),
+          log=lines.append)
+    assert "note: resuming with changed settings (-l 0.01 -> 0.005, -a 0 -> 1, -sl 0.0 -> 3.0)" in lines
+
+
+def test_a_full_disk_while_logging_names_the_log(saved, shards, monkeypatch):
+    def full_disk(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(trainer.RunLog, "_write", full_disk)
+    with pytest.raises(LlmpyError, match=f"cannot write the log in {re.escape(str(saved))}: No space left"):
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
 
 
 def test_resume_without_a_checkpoint_starts_the_run(tmp_path, shards):

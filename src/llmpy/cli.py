@@ -3,7 +3,9 @@ exit status 1; an interrupt exits with 130 after the subcommand has cleaned up."
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 
 from .errors import LlmpyError
 
@@ -41,12 +43,26 @@ def _dist_error():
     return getattr(dist, "DistError", LlmpyError) if dist.is_available() else LlmpyError
 
 
+def _warnings_as_notes(command: str) -> None:
+    """llmpy's own warnings (a model file's unusual setting, ...) print as one note line, not as Python's two lines
+    of file, line number and source; other libraries' keep Python's format."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    python_format = warnings.formatwarning
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if os.path.abspath(filename).startswith(here + os.sep):
+            return f"llmpy {command}: note: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+    warnings.formatwarning = format_warning
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    _warnings_as_notes(args.command)
     try:
         return args.func(args) or 0
     except LlmpyError as e:

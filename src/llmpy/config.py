@@ -156,6 +156,8 @@ def _explicit(desc: str) -> GPT2Config:
         if not sep or key not in _EXPLICIT_KEYS:
             raise ConfigError(f"bad model descriptor part {part!r} in {desc!r}: expected "
                               "layers=N,channels=N,heads=N[,seq=N,vocab=N]")
+        if _EXPLICIT_KEYS[key] in values:
+            raise ConfigError(f"model descriptor {desc!r}: {key} is given twice")
         try:
             values[_EXPLICIT_KEYS[key]] = int(val)
         except ValueError:
@@ -184,6 +186,8 @@ def parse_descriptor(desc: str) -> GPT2Config:
             return _gpt3_channels(int(low[1:]))
     except ValueError:
         pass
+    if "/" in d or d.endswith((".bin", ".safetensors")):  # meant as a model file's path
+        raise ConfigError(f"{desc}: no such model file")
     raise ConfigError(f"unknown model descriptor {desc!r}: expected dN, gpt2:dN, gpt3:cN, gpt2, gpt2-medium, "
                       "gpt2-large, gpt2-xl, layers=..,channels=..,heads=.. or a checkpoint file")
 

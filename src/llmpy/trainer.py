@@ -494,6 +494,12 @@ class RunLog:
     def write(self, step: int, kind: str, **values):
         if self.text is None:
             return
+        try:
+            self._write(step, kind, **values)
+        except OSError as e:  # a full disk: say which file, as a checkpoint's failure does
+            raise LlmpyError(f"cannot write the log in {Path(self.text.name).parent}: {e.strerror or e}") from None
+
+    def _write(self, step: int, kind: str, **values):
         if kind == "train":
             self.text.write(f"s:{step} trl:{values['loss']:.6f}\n")
         elif kind == "val":
@@ -552,7 +558,8 @@ _RESUME_MUST_MATCH = (("batch_size", "-b", "batch_size"), ("seq_len", "-t", "seq
                       ("dtype", "--dtype", "dtype"), ("seed", "--seed", "seed"), ("shuffle", "--shuffle", "shuffle"))
 # what may change on resume (with a note): the schedule and the optimizer's knobs
 _RESUME_MAY_CHANGE = (("learning_rate", "-l"), ("lr_schedule", "-k"), ("warmup_steps", "-u"),
-                      ("final_lr_frac", "-q"), ("weight_decay", "-c"), ("grad_clip", "--grad-clip"))
+                      ("final_lr_frac", "-q"), ("weight_decay", "-c"), ("grad_clip", "--grad-clip"),
+                      ("overfit_single_batch", "-a"), ("skip_loss_z", "-sl"), ("skip_grad_z", "-sg"))
 
 
 def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str) -> dict:
@@ -701,6 +708,11 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                          "overwrite: continue it with -y 1, or give another -o")
     if found is not None:
         state = load_checkpoint(Path(opts.output_dir), found)
+        newer = [n for n in names if int(n.split("_")[1].split(".")[0]) > found]
+        if newer:  # a run stopped while writing, or files copied in: say so before they may be written over
+            log(f"note: -y 1 resumes from step {found}, the latest complete checkpoint; the newer "
+                f"{', '.join(newer[:3])}{', ...' if len(newer) > 3 else ''} (no matching pair) will be replaced "
+                "if the run checkpoints those steps")
         if opts.model is None:  # no -e: the checkpoint's own model
             opts.model = state.meta.get("options", {}).get("model") or str(state.model_file)
             config = state.config
