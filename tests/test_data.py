@@ -169,6 +169,13 @@ def test_no_files_match(tmp_path):
         DataLoader(tmp_path / "missing.bin", 2, 2)
 
 
+def test_a_pipe_is_no_shard(tmp_path):
+    # reading a FIFO's header would wait for a writer for ever
+    os.mkfifo(tmp_path / "x_train_000000.bin")
+    with pytest.raises(LlmpyError, match=r"x_train_000000\.bin: not a regular file, so not a token shard"):
+        DataLoader(str(tmp_path / "x_train_*.bin"), 2, 2)
+
+
 # ----------------------------------------------------------------------------------------------
 # loader order
 

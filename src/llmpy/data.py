@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,10 @@ def shard_num_tokens(path: str | os.PathLike) -> int:
     """Validate a shard's header and size; return its token count (reads only the header)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # a pipe would block the read for ever
+            raise LlmpyError(f"{path}: not a regular file, so not a token shard")
+        size = st.st_size
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
     except FileNotFoundError:
