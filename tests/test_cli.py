@@ -367,8 +367,12 @@ def test_model_file_of_the_wrong_precision(tmp_path, shards):
     cfg = parse_descriptor(TINY)
     model = tmp_path / "tiny_bf16.bin"
     save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02, dtype="bfloat16")
-    assert_one_line_error(llmpy("train", "-i", train, "-e", model, "-b", 2, "-t", 16, "-x", 1, "--device", "cpu"),
-                          "tiny_bf16.bin", "bf16")
+    res = llmpy("train", "-i", train, "-e", model, "-b", 2, "-t", 16, "-x", 1, "--device", "cpu")
+    assert_one_line_error(res, "tiny_bf16.bin is a bf16 model file and the CPU reference trains in fp32", "export")
+    # the way out it names: the fp32 HuggingFace export trains
+    assert llmpy("export", model, tmp_path / "hf").returncode == 0
+    res = llmpy("train", "-i", train, "-e", tmp_path / "hf", "-b", 2, "-t", 16, "-x", 1, "--device", "cpu", "-v", 0)
+    assert res.returncode == 0, res.stderr
 
 
 def test_out_of_memory_is_one_line(monkeypatch, capsys):

@@ -421,14 +421,18 @@ class GPUBackend:
             md.load_seed_state(seeds)
 
 
-def _check_model_precision(path: str, run_dtype: str):
+def _check_model_precision(path: str, run_dtype: str, cpu_reference: bool = False):
     """An llm.c model file must be in the run's precision, as llm.c requires (v3 fp32 for fp32 runs,
     v5 bf16 for bf16 runs); HuggingFace files carry no such contract and are converted."""
-    from .checkpoint import MODEL_MAGIC, check_precision
+    from .checkpoint import MODEL_MAGIC, VERSION_FP32, check_precision, read_llmc_header
     with open(path, "rb") as f:
         head = f.read(4)
-    if len(head) == 4 and int.from_bytes(head, "little") == MODEL_MAGIC:
-        check_precision(path, run_dtype)
+    if len(head) != 4 or int.from_bytes(head, "little") != MODEL_MAGIC:
+        return
+    if cpu_reference and read_llmc_header(path).version != VERSION_FP32:  # "run in bf16" is no option here
+        raise LlmpyError(f"{path} is a bf16 model file and the CPU reference trains in fp32: load an fp32 (version "
+                         f"3) file, or its fp32 HuggingFace export (llmpy export {path} DIR, then -e DIR)")
+    check_precision(path, run_dtype)
 
 
 def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.Tensor]:
@@ -723,7 +727,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         if opts.model is None:
             opts.model = "d12"
         if os.path.isfile(opts.model):
-            _check_model_precision(opts.model, opts.dtype)
+            _check_model_precision(opts.model, opts.dtype, cpu_reference=not kernels)
         config, params = load_or_create_model(opts.model, seed=opts.seed)
     B, T = opts.batch_size, opts.seq_len
     if T > config.max_seq_len:
