@@ -76,3 +76,16 @@ def test_load_model_reads_files_only(tmp_path):
     save_llmc(tmp_path / "m.bin", model.config, model.params_flat)
     loaded = llmpy.load_model(tmp_path / "m.bin")
     assert loaded.config == model.config and (loaded.params_flat == model.params_flat).all()
+
+
+def test_api_takes_numpys_numbers(tmp_path):
+    # values from a numpy sweep are numbers too; the state's JSON gets them as Python's
+    write_shard(tmp_path / "t_train_000000.bin", np.random.default_rng().integers(0, 257, 400))
+    result = llmpy.train(log=lambda *_: None, train_data=str(tmp_path / "t_train_*.bin"), model=TINY,
+                         batch_size=np.int64(2), seq_len=np.int32(8), max_steps=np.int64(2),
+                         learning_rate=np.float32(1e-3), seed=np.uint32(7), gen_tokens=0, progress=0,
+                         output_dir=tmp_path / "out")
+    assert len(result.train_losses) == 2 and (tmp_path / "out" / "state_00000002.safetensors").exists()
+    model = llmpy.create_model(TINY, seed=np.int64(3))
+    assert llmpy.sample(model, "a", gen_tokens=np.int64(3), temperature=np.float32(0), seed=np.uint32(7)) == \
+        llmpy.sample(model, "a", gen_tokens=3, temperature=0.0, seed=7)

@@ -30,7 +30,7 @@ def create_model(descriptor: str = "d12", seed: int = 42) -> GPT2Reference:
     """A model from an `-e` descriptor with llm.c's random init (or from a model file's path)."""
     descriptor = _check_path_or_descriptor(descriptor, "descriptor")
     check_seed(seed, "seed")
-    config, params = load_or_create_model(descriptor, seed)
+    config, params = load_or_create_model(descriptor, int(seed))
     return GPT2Reference(config, params)
 
 
@@ -62,6 +62,7 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
         raise LlmpyError(f"sample(): model {model!r:.60}: must be a model (create_model, load_model, or "
                          "train(...).model), not a path")
     check_sampling_options(gen_tokens, temperature, top_k, seed)
+    gen_tokens, temperature, top_k, seed = int(gen_tokens), float(temperature), int(top_k), int(seed)
     if not isinstance(tokenizer, str):
         raise LlmpyError(f"tokenizer {tokenizer!r}: must be 'auto', 'bytes' or 'gpt2'")
     name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")

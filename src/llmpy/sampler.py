@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import re
 
 import torch
@@ -16,9 +17,9 @@ def check_sampling_options(gen_tokens: int, temperature: float, top_k: int, seed
     """-g, --temperature, --top-k (and --seed) as `llmpy train`, `llmpy sample` and the API take them: one line
     naming a bad one."""
     for value, flag in ((gen_tokens, "-g"), (top_k, "--top-k")):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy's integers too
             raise LlmpyError(f"{flag} {value!r}: must be an integer")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise LlmpyError(f"--temperature {temperature!r}: must be a number")
     if seed is not None:
         check_seed(seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
 import os
 import signal
 import sys
@@ -112,10 +113,11 @@ class TrainOptions:
             if typ is str and isinstance(value, os.PathLike):  # train_data=Path(...), output_dir=Path(...)
                 setattr(self, name, os.fspath(value))
                 continue
-            allowed = (int, float) if typ is float else typ
+            allowed = {int: numbers.Integral, float: numbers.Real, str: str}[typ]  # numpy's numbers too
             if isinstance(value, bool) or not isinstance(value, allowed):
                 kind = {int: "an integer", float: "a number", str: "text (a str)"}[typ]
                 raise LlmpyError(f"{flag} ({name}={value!r}): must be {kind}")
+            setattr(self, name, typ(value))  # numpy's numbers as Python's: the state's JSON takes only those
 
     def validate(self):
         """One LlmpyError naming the flag for the first impossible value (RUN_DEFAULTS fields still unset take
