@@ -441,3 +441,13 @@ def test_llmpys_warnings_print_as_one_note_line(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stderr.strip().splitlines() == [f"llmpy sample: note: {tmp_path / 'hf' / 'config.json'}: "
                                                "layer_norm_epsilon 1e-06 differs from llm.c's 1e-5"]
+
+
+def test_ctrl_c_while_the_parser_loads_torch_is_one_line(monkeypatch, capsys):
+    from llmpy import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["prepare", "x.txt"]) == 130
+    assert capsys.readouterr().err == "llmpy: interrupted\n"

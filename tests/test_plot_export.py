@@ -276,6 +276,10 @@ def test_export_errors(tmp_path):
     export_hf(tmp_path / "m.bin", tmp_path / "hf")
     with pytest.raises(LlmpyError, match="onto itself"):
         export_hf(tmp_path / "hf", tmp_path / "hf")
+    # a folder named like the weights file would be taken for the file's path: refused, nothing made
+    with pytest.raises(LlmpyError, match=r"new/x\.safetensors: the export is a folder .* without the \.safetensors"):
+        export_hf(tmp_path / "m.bin", tmp_path / "new" / "x.safetensors")
+    assert not (tmp_path / "new").exists()
 
 
 def test_cli_export(tmp_path):

@@ -57,7 +57,11 @@ def _warnings_as_notes(command: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports torch: a second or so in which Ctrl-C may land
+    except KeyboardInterrupt:
+        sys.stderr.write("llmpy: interrupted\n")
+        return 130
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -66,7 +70,8 @@ def main(argv=None) -> int:
     try:
         return args.func(args) or 0
     except LlmpyError as e:
-        print(f"llmpy {args.command}: error: {e}", file=sys.stderr)
+        # one write: under torchrun every rank says the same line, and two half-written lines would run together
+        sys.stderr.write(f"llmpy {args.command}: error: {e}\n")
         return 1
     except (MemoryError, _torch_oom()) as e:
         detail = str(e).splitlines()[0] if str(e) else "host memory exhausted"

@@ -36,6 +36,9 @@ def export_hf(model_path, out_dir) -> Path:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
+    if out.suffix == ".safetensors":  # save_hf would read it as the weights file's own path, inside a new folder
+        raise LlmpyError(f"{out}: the export is a folder (it gets model.safetensors, config.json, "
+                         f"{GENERATION_CONFIG_NAME}); name one without the .safetensors suffix")
     src = Path(model_path)
     if src.exists() and out.exists() and src.resolve() == out.resolve():
         raise LlmpyError(f"{out}: exporting a folder onto itself")
