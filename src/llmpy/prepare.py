@@ -288,10 +288,10 @@ class Staging:
 
 
 class ShardWriter:
-    """Cuts one split's token stream into shards of exactly `shard_size` tokens (the last shorter); with a
-    `staging`, each shard is written under its temporary name until staging.commit()."""
+    """Cuts one split's token stream into shards of exactly `shard_size` tokens (the last shorter), each written
+    under its temporary name until staging.commit()."""
 
-    def __init__(self, outdir: Path, name: str, split: str, shard_size: int, staging: Staging | None = None):
+    def __init__(self, outdir: Path, name: str, split: str, shard_size: int, staging: Staging):
         self.outdir, self.name, self.split, self.shard_size = outdir, name, split, shard_size
         self.staging = staging
         self.buf = np.empty(min(shard_size, 1 << 24), dtype=np.uint16)
@@ -311,7 +311,7 @@ class ShardWriter:
 
     def _flush(self) -> None:
         path = self.outdir / shard_name(self.name, self.split, len(self.written))
-        write_shard(self.staging.temporary(path) if self.staging else path, self.buf[:self.fill])
+        write_shard(self.staging.temporary(path), self.buf[:self.fill])
         self.written.append((path, self.fill))
         self.fill = 0
 

@@ -714,7 +714,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                          "overwrite: continue it with -y 1, or give another -o")
     if found is not None:
         state = load_checkpoint(Path(opts.output_dir), found)
-        newer = [n for n in names if int(n.split("_")[1].split(".")[0]) > found]
+        newer = checkpoint_files(opts.output_dir, after=found)
         if newer:  # a run stopped while writing, or files copied in: say so before they may be written over
             log(f"note: -y 1 resumes from step {found}, the latest complete checkpoint; the newer "
                 f"{', '.join(newer[:3])}{', ...' if len(newer) > 3 else ''} (no matching pair) will be replaced "

@@ -144,12 +144,18 @@ def _steps(out_dir: Path, pattern) -> set[int]:
     return {int(m.group(1)) for p in out_dir.iterdir() if (m := pattern.match(p.name))}
 
 
-def checkpoint_files(out_dir) -> list[str]:
-    """The names of every model_*.bin and state_*.safetensors in out_dir, complete pairs or not."""
+def checkpoint_files(out_dir, after: int | None = None) -> list[str]:
+    """The names of every model_*.bin and state_*.safetensors in out_dir, complete pairs or not; with `after`,
+    only those of later steps."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    return sorted(p.name for p in out_dir.iterdir() if _MODEL_RE.match(p.name) or _STATE_RE.match(p.name))
+    names = []
+    for p in out_dir.iterdir():
+        m = _MODEL_RE.match(p.name) or _STATE_RE.match(p.name)
+        if m and (after is None or int(m.group(1)) > after):
+            names.append(p.name)
+    return sorted(names)
 
 
 def checkpoint_steps(out_dir) -> list[int]:
