@@ -219,15 +219,29 @@ def test_hf_export_on_a_full_disk_keeps_the_old_files_and_says_so(tmp_path, monk
     import safetensors.torch
     from safetensors import SafetensorError
     old = ck.save_hf(tmp_path, SMALL, rand_params(SMALL)).read_bytes()
+    old_config = (tmp_path / "config.json").read_bytes()
 
     def full_disk(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * 100)  # half a file, then safetensors' error on ENOSPC
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    with pytest.raises(OSError) as e:
-        ck.save_hf(tmp_path, SMALL, rand_params(SMALL))
+    with pytest.raises(OSError) as e:  # another model's export: its config.json must not land without its weights
+        ck.save_hf(tmp_path, ODD, rand_params(ODD))
     assert e.value.strerror == "No space left on device" and e.value.filename == str(tmp_path / "model.safetensors")
     assert (tmp_path / "model.safetensors").read_bytes() == old
+    assert (tmp_path / "config.json").read_bytes() == old_config
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_hf_export_interrupted_at_its_config_keeps_the_old_weights(tmp_path, monkeypatch):
+    old = ck.save_hf(tmp_path, SMALL, rand_params(SMALL)).read_bytes()
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ck, "hf_config_dict", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_hf(tmp_path, ODD, rand_params(ODD))
+    assert (tmp_path / "model.safetensors").read_bytes() == old  # not ODD's weights beside SMALL's config
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
 
 

@@ -82,6 +82,16 @@ def test_the_cpu_reference_names_the_gpu_options_it_ignores(shards):
         assert [line for line in lines if line.startswith("note:")] == ([note] if note else []), lines
 
 
+def test_hellaswag_with_validation_off_says_it_never_runs(shards):
+    import llmpy
+    train, _ = shards
+    lines = []
+    llmpy.train(log=lines.append, train_data=str(train), model=TINY, batch_size=4, seq_len=16, max_steps=1,
+                val_every=0, hellaswag=1, hellaswag_file="no/such/hellaswag.bin", gen_tokens=0, device="cpu")
+    assert [line for line in lines if line.startswith("note:")] == [
+        "note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs"]
+
+
 def test_tiny_run_trains_writes_checkpoint_and_log(tmp_path, shards):
     train, val = shards
     out = tmp_path / "out"

@@ -286,7 +286,10 @@ def test_cli_export(tmp_path):
     save_llmc(tmp_path / "m.bin", TINY, rand_params(TINY))
     r = run_cli("export", tmp_path / "m.bin", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "hf" / "model.safetensors").is_file() and "wrote" in r.stdout
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and "wrote" in r.stdout and "replaced" not in r.stdout
+    r = run_cli("export", tmp_path / "m.bin", tmp_path / "hf")  # again: says it replaced the first export
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("; replaced the earlier model.safetensors, config.json, generation_config.json")
     r = run_cli("export", tmp_path / "nope.bin", tmp_path / "hf2")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("llmpy export: error:") and not (tmp_path / "hf2").exists()

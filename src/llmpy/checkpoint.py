@@ -407,9 +407,12 @@ def save_hf(dir_or_file, config: GPT2Config, flat_params: torch.Tensor) -> Path:
     _check_flat(weights, config, flat_params)
     weights.parent.mkdir(parents=True, exist_ok=True)
     tensors = {HF_PREFIX + k: v for k, v in hf_tensors(config, flat_params).items()}
-    save_safetensors(weights, tensors, metadata={"format": "pt"})  # transformers requires format=pt
     text = json.dumps(hf_config_dict(config), indent=2) + "\n"
-    atomic_write(cfg_path, lambda f: f.write(text.encode()))
+    # both files are written under temp names first, then renamed one after the other, so an interrupted
+    # save leaves the old pair (or, in the moment between the renames, new weights with the old config)
+    with atomic_path(cfg_path) as cfg_tmp:
+        cfg_tmp.write_bytes(text.encode())
+        save_safetensors(weights, tensors, metadata={"format": "pt"})  # transformers requires format=pt
     return weights
 
 

@@ -19,8 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args: argparse.Namespace) -> int:
+    from .checkpoint import HF_CONFIG_NAME, HF_WEIGHTS_NAME
+    names = (HF_WEIGHTS_NAME, HF_CONFIG_NAME, GENERATION_CONFIG_NAME)
+    replaced = [name for name in names if (Path(args.out_dir) / name).exists()]
     out = export_hf(args.model, args.out_dir)
-    print(f"wrote {out}/ (model.safetensors, config.json, {GENERATION_CONFIG_NAME})")
+    print(f"wrote {out}/ ({', '.join(names)})" + (f"; replaced the earlier {', '.join(replaced)}" if replaced else ""))
     return 0
 
 

@@ -817,6 +817,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                    if getattr(opts, name) != getattr(defaults, name)]
         if ignored:
             log(f"note: the CPU reference ignores GPU options: {', '.join(ignored)}")
+    if opts.hellaswag and opts.val_every == 0:  # HellaSwag is scored at the validation steps
+        log("note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs")
     if state is not None:
         log(f"resuming from {state.model_file.name} + {state.state_file.name} (step {start_step} of {steps})")
     elif opts.resume:  # llm.c's -y 1: the same command line starts a run, then resumes it
