@@ -14,7 +14,7 @@ KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_encoder.py tests/test_layernorm.py test
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-summary=()
+summary=(); worst=0
 for stage in $stages; do
   t0=$(date +%s)
   case $stage in
@@ -187,9 +187,14 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
         n=$(basename "$f" .py)
         echo "$n: $(grep -E "ERROR SUMMARY" "$OUT/sanitize_$n.log" | tail -1) | $(grep -E "[0-9]+ (passed|failed)" "$OUT/sanitize_$n.log" | tail -1)"
       done | tee "$OUT/sanitize.log" ;;
+    *)
+      echo "unknown stage: $stage (see the usage line at the top of bench/gpu_check.sh)" >&2
+      rc=2 ;;
   esac
   summary+=("$stage rc=$rc $(( $(date +%s) - t0 ))s")
+  [ "$rc" -ne 0 ] && worst=$rc
 done
 echo "=== summary"; printf '%s\n' "${summary[@]}"
 grep -E "passed|failed" "$OUT/tests.log" "$OUT/model.log" "$OUT/suite.log" 2>/dev/null | tail -3
 grep -E "ERROR SUMMARY" "$OUT/sanitize.log" 2>/dev/null | tail -1
+exit "$worst"  # a failed stage's status, not that of the greps above (2 where a stage's log is absent)
