@@ -89,3 +89,19 @@ def test_api_takes_numpys_numbers(tmp_path):
     model = llmpy.create_model(TINY, seed=np.int64(3))
     assert llmpy.sample(model, "a", gen_tokens=np.int64(3), temperature=np.float32(0), seed=np.uint32(7)) == \
         llmpy.sample(model, "a", gen_tokens=3, temperature=0.0, seed=7)
+
+
+def test_sample_reads_gpt2_files_from_tokenizer_dir(shared_data, monkeypatch, tmp_path):
+    """sample(tokenizer_dir=...) as `llmpy sample --tokenizer-dir`: no environment variable, no tiktoken cache."""
+    gpt2_dir = shared_data("gpt2/encoder.json", "gpt2/vocab.bpe") / "gpt2"
+    monkeypatch.delenv("LLMPY_GPT2_DIR", raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: tiktoken's copies are not there
+    model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16", seed=5)
+    with pytest.raises(LlmpyError, match=r"not on this machine: set LLMPY_GPT2_DIR \(or give --tokenizer-dir, the "
+                                         r"API's tokenizer_dir\)"):
+        llmpy.sample(model, "Hello", gen_tokens=3)
+    text = llmpy.sample(model, "Hello", gen_tokens=6, temperature=0, tokenizer_dir=gpt2_dir)
+    assert isinstance(text, str) and text
+    assert text == llmpy.sample(model, "Hello", gen_tokens=6, temperature=0, tokenizer_dir=str(gpt2_dir))
+    with pytest.raises(LlmpyError, match="tokenizer_dir 3: must be a folder's path"):
+        llmpy.sample(model, "Hello", tokenizer_dir=3)

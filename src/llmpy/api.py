@@ -53,9 +53,11 @@ def train(log=print, **options) -> TrainResult:
 
 
 def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 64,
-           temperature: float = 1.0, top_k: int = 0, seed: int = 1337) -> str:
+           temperature: float = 1.0, top_k: int = 0, seed: int = 1337, tokenizer_dir=None) -> str:
     """Continue `prompt` with a GPT2Reference (create_model, load_model; train on the CPU) or the GPU
-    model train returns on a GPU; tokenizer "auto" picks bytes for a 257-token vocab and GPT-2's BPE otherwise."""
+    model train returns on a GPU; returns the continuation, without the prompt. tokenizer "auto" picks bytes for a
+    257-token vocab and GPT-2's BPE otherwise, whose files come from tokenizer_dir, else $LLMPY_GPT2_DIR, else
+    tiktoken's cache."""
     from .sampler import check_sampling_options, sample_text
     from .tokenizer import load_tokenizer
     if not hasattr(model, "config") or not (hasattr(model, "forward") or hasattr(model, "logits_last")):
@@ -65,5 +67,7 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
     gen_tokens, temperature, top_k, seed = int(gen_tokens), float(temperature), int(top_k), int(seed)
     if not isinstance(tokenizer, str):
         raise LlmpyError(f"tokenizer {tokenizer!r}: must be 'auto', 'bytes' or 'gpt2'")
+    if tokenizer_dir is not None and not isinstance(tokenizer_dir, (str, os.PathLike)):
+        raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: must be a folder's path")
     name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")
-    return sample_text(model, load_tokenizer(name), prompt, gen_tokens, temperature, top_k, seed)
+    return sample_text(model, load_tokenizer(name, tokenizer_dir), prompt, gen_tokens, temperature, top_k, seed)
