@@ -215,6 +215,64 @@ def test_hf_round_trip(tmp_path, config):
     assert not parameter_views(loaded, config)["wte"][config.vocab_size:].any()
 
 
+def test_hf_sharded_index_loads_and_a_malformed_one_is_one_line(tmp_path):
+    flat = rand_params(SMALL, seed=4)
+    single = tmp_path / "single"
+    ck.save_hf(single, SMALL, flat)
+    tensors = load_file(single / "model.safetensors")
+    names = sorted(tensors)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_bytes((single / "config.json").read_bytes())
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, sharded / file, metadata={"format": "pt"})
+    index = sharded / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}}))
+    config, loaded = ck.load_hf(sharded)
+    assert config == SMALL and torch.equal(loaded, ck.load_hf(single)[1])
+    for weight_map in (["x"], {"a": 5}, {"a": "model-00001-of-00002.safetensors", "b": None}, {"a": ""}, "x"):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(LlmpyError, match=r"model\.safetensors\.index\.json: not a safetensors index"):
+            ck.load_hf(sharded)
+        with pytest.raises(LlmpyError, match=r"not a safetensors index"):
+            ck.load_model_file(sharded)
+
+
+def test_a_pipe_or_a_broken_link_as_a_model_file_is_one_line(tmp_path):
+    os.mkfifo(tmp_path / "pipe.bin")  # reading it would block for ever
+    with pytest.raises(LlmpyError, match=r"pipe\.bin: not a regular file"):
+        ck.load_model_file(tmp_path / "pipe.bin")
+    with pytest.raises(LlmpyError, match=r"null: not a regular file"):
+        ck.load_model_file(os.devnull)
+    os.symlink(tmp_path / "loop2", tmp_path / "loop1")
+    os.symlink(tmp_path / "loop1", tmp_path / "loop2")
+    with pytest.raises(LlmpyError, match=r"loop1: a link to nothing \(or a loop of links\)"):
+        ck.load_model_file(tmp_path / "loop1")
+    with pytest.raises(LlmpyError, match=r"absent\.bin: no such file or directory"):
+        ck.load_model_file(tmp_path / "absent.bin")
+
+
+def test_orphaned_temporaries_of_a_killed_process_are_removed_and_nothing_else(tmp_path):
+    import subprocess
+    import sys
+    import time
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a process id that no longer runs
+    names = {f".model_00000004.bin.{dead}.0a1b2c3d.tmp": False, f".x_train_000001.bin.{dead}.deadbeef.part": False,
+             f".model_00000004.bin.{os.getpid()}.0a1b2c3d.tmp": True,  # a live process's write
+             f".model.bin.{dead}.0A1B2C3D.tmp": True, "model_00000004.bin": True, f"model.{dead}.0a1b2c3d.tmp": True}
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (time.time() - ck.ORPHAN_MIN_AGE_S - 5,) * 2)
+    young = tmp_path / f".state_00000008.safetensors.{dead}.00000000.tmp"
+    young.write_bytes(b"x")  # just written: maybe another host's write into a shared folder, so kept for now
+    assert ck.remove_orphaned_temporaries(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([n for n, kept in names.items() if kept] +
+                                                                [young.name])
+    assert ck.remove_orphaned_temporaries(tmp_path / "absent") == 0
+
+
 def test_hf_export_on_a_full_disk_keeps_the_old_files_and_says_so(tmp_path, monkeypatch):
     import safetensors.torch
     from safetensors import SafetensorError

@@ -323,6 +323,35 @@ def test_sampling_from_non_finite_logits_is_one_clear_error():
             sample_next(logits, 257, torch.Generator().manual_seed(1), temperature=temperature)
 
 
+def test_a_tiny_temperature_samples_among_the_largest_logits():
+    """logits / 1e-45 overflow float32: the sample is then greedy's limit, one of the tied largest, never NaN."""
+    from llmpy.sampler import sample_next
+
+    logits = torch.randn(300)
+    top = int(logits[:257].argmax())
+    for temperature in (1e-45, 1e-320, 5e-324):
+        for top_k in (0, 3):
+            assert sample_next(logits, 257, torch.Generator().manual_seed(1), temperature, top_k) == top
+    logits[[7, 11]] = logits.max() + 1  # two tied maxima: each drawn, nothing else
+    drawn = {sample_next(logits, 257, torch.Generator().manual_seed(s), 1e-45) for s in range(40)}
+    assert drawn == {7, 11}
+
+
+def test_final_checkpoint_is_written_before_the_final_sample(tmp_path, shards, monkeypatch):
+    import llmpy
+    from llmpy import sampler
+    train, _ = shards
+
+    def broken_sampler(*args, **kwargs):
+        raise RuntimeError("the sampler failed")
+    monkeypatch.setattr(sampler, "generate", broken_sampler)
+    with pytest.raises(RuntimeError, match="the sampler failed"):
+        llmpy.train(log=lambda *_: None, train_data=str(train), model=TINY, batch_size=2, seq_len=16, max_steps=2,
+                    val_every=0, gen_tokens=4, output_dir=str(tmp_path / "out"), device="cpu")
+    assert sorted(p.name for p in (tmp_path / "out").glob("*_00000002*")) == [
+        "DONE_00000002", "model_00000002.bin", "state_00000002.safetensors"]
+
+
 def test_attention_flag_takes_every_path(shards):
     """--attention accepts each of the model's paths (the flag's check and the dispatcher share one list);
     a GPU-only path on the CPU ends in one line from the model, an unknown name in one line from the flag."""

@@ -575,6 +575,30 @@ def test_failed_prepare_leaves_earlier_shards_unchanged(tmp_path, monkeypatch):
     assert _snapshot(out) == before
 
 
+def test_sigterm_during_prepare_cleans_up_as_ctrl_c_does(tmp_path):
+    """`kill` (SIGTERM) mid-prepare: one line, exit 143, the earlier shards as they were, no temporaries."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    src = tmp_path / "big.txt"
+    rng = np.random.default_rng()
+    src.write_bytes(rng.integers(32, 127, 4_000_000, dtype=np.uint8).tobytes())
+    out = tmp_path / "out"
+    run_prepare([tmp_path / "big.txt", "-o", out, "--tokenizer", "bytes", "--val-tokens", 10, "--shard-size", 10**6])
+    before = _snapshot(out)
+    proc = subprocess.Popen([sys.executable, "-m", "llmpy", "prepare", str(src), "-o", str(out), "--tokenizer", "bytes",
+                             "--shard-size", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.name.endswith(".part") for p in out.iterdir()):  # its staged shards: mid-write
+        assert proc.poll() is None and time.monotonic() < deadline, "prepare ended before it was signalled"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and err == "llmpy prepare: terminated (SIGTERM)\n", err
+    assert _snapshot(out) == before
+
+
 def test_failed_prepare_removes_only_the_folders_it_made(tmp_path):
     src = tmp_path / "corpus.txt"
     src.write_text("some text")

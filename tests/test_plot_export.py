@@ -179,6 +179,23 @@ def test_plot_run_writes_all_charts(tmp_path):
 
 
 @needs_mpl
+def test_plot_on_a_full_disk_keeps_the_earlier_charts_and_names_the_file(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+    write_log(tmp_path)
+    pl.plot_run(tmp_path)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "plots").iterdir()}
+
+    def full_disk(self, fname, **kwargs):
+        Path(fname).write_bytes(PNG_MAGIC)  # a chart cut short, then PIL's error, which names no file
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(OSError) as e:
+        pl.plot_run(tmp_path)
+    assert e.value.strerror == "No space left on device" and e.value.filename == str(tmp_path / "plots" / "loss.png")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "plots").iterdir()} == before
+
+
+@needs_mpl
 def test_plot_run_skips_what_the_log_lacks(tmp_path):
     write_log(tmp_path, extra=False)
     out = tmp_path / "elsewhere" / "charts"

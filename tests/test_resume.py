@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import time
 import signal
 import subprocess
 import sys
@@ -196,6 +197,26 @@ def test_resume_with_changed_settings_says_which(saved, shards):
     train(options(shards, saved, max_steps=6, resume=1, learning_rate=5e-3, skip_loss_z=3.0, overfit_single_batch=1),
           log=lines.append)
     assert "note: resuming with changed settings (-l 0.01 -> 0.005, -a 0 -> 1, -sl 0.0 -> 3.0)" in lines
+
+
+def test_resume_given_another_model_file_says_it_keeps_the_checkpoints_weights(saved, shards, tmp_path):
+    other = tmp_path / "other.bin"
+    shutil.copyfile(saved / "model_00000004.bin", other)  # the same shape, so the resume is allowed
+    lines = []
+    res = train(options(shards, saved, max_steps=6, resume=1, model=str(other)), log=lines.append)
+    assert res.start_step == 4
+    assert f"note: -y 1 continues from the weights of model_00000004.bin; -e {other} is not read for them" in lines
+
+
+def test_resume_removes_the_temporaries_of_a_killed_run(saved, shards):
+    from llmpy.checkpoint import ORPHAN_MIN_AGE_S
+    orphan = saved / ".state_00000005.safetensors.999999999.0123abcd.tmp"  # pid beyond any kernel's pid_max
+    orphan.write_bytes(b"half a state file")
+    os.utime(orphan, (time.time() - ORPHAN_MIN_AGE_S - 1,) * 2)
+    lines = []
+    train(options(shards, saved, max_steps=6, resume=1), log=lines.append)
+    assert f"note: removed 1 temporary file(s) in {saved} left by a killed llmpy process" in lines
+    assert not orphan.exists()
 
 
 def test_a_full_disk_while_logging_names_the_log(saved, shards, monkeypatch):

@@ -155,6 +155,44 @@ def writable_dir(folder, what: str, name: str | None = None) -> Path:
     return folder
 
 
+# atomic_path's `.NAME.PID.TAG.tmp` and prepare's staged `.NAME.PID.TAG.part`
+_TEMPORARY_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part)$")
+ORPHAN_MIN_AGE_S = 600  # untouched this long: not a write still going on (on another host of a shared folder, say)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process
+        return True
+    return True
+
+
+def remove_orphaned_temporaries(folder) -> int:
+    """Remove the temporaries llmpy's writers leave where their process was killed mid-write (SIGKILL, the OOM
+    killer, a power cut): a name of atomic_path's or prepare's pattern, a process id no process has, and no
+    change for ORPHAN_MIN_AGE_S. Returns how many it removed."""
+    import time
+    removed = 0
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        match = _TEMPORARY_NAME.match(entry.name)
+        try:
+            if (not match or not entry.is_file(follow_symlinks=False) or _process_exists(int(match.group(1)))
+                    or time.time() - entry.stat(follow_symlinks=False).st_mtime < ORPHAN_MIN_AGE_S):
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed += 1
+    return removed
+
+
 def _fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable; not all filesystems allow opening a directory.
     try:
@@ -427,6 +465,9 @@ def _hf_files(path: Path) -> tuple[list[Path], Path]:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
                 raise LlmpyError(f"{index}: not a safetensors index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+                raise LlmpyError(f"{index}: not a safetensors index (its weight_map must map tensor names to file "
+                                 "names)")
             return [path / s for s in sorted(set(weight_map.values()))], path / HF_CONFIG_NAME
         raise LlmpyError(f"{path} is a directory without {HF_WEIGHTS_NAME}")
     if not path.is_file():
@@ -678,7 +719,10 @@ def load_model_file(path) -> tuple[GPT2Config, torch.Tensor, str]:
         config, flat = load_hf(p)
         return config, flat, "float32"
     if not p.exists():
-        raise LlmpyError(f"{p}: no such file or directory")
+        raise LlmpyError(f"{p}: " + ("a link to nothing (or a loop of links)" if os.path.lexists(p) else
+                                     "no such file or directory"))
+    if not p.is_file():  # a pipe or a device would block or read forever
+        raise LlmpyError(f"{p}: not a regular file (a model file, or a folder holding {HF_WEIGHTS_NAME})")
     with open(p, "rb") as f:
         head = f.read(16)
     if len(head) >= 4:
@@ -698,7 +742,8 @@ def load_model_file(path) -> tuple[GPT2Config, torch.Tensor, str]:
 
 __all__ = [
     "MODEL_MAGIC", "DEBUG_STATE_MAGIC", "TOKEN_SHARD_MAGIC", "VERSION_FP32", "VERSION_BF16",
-    "LlmcHeader", "atomic_path", "atomic_write", "save_safetensors", "normalize_dtype", "read_llmc_header",
+    "LlmcHeader", "atomic_path", "atomic_write", "remove_orphaned_temporaries", "save_safetensors",
+    "normalize_dtype", "read_llmc_header",
     "save_llmc", "load_llmc", "check_precision", "hf_tensors", "hf_config_dict", "save_hf",
     "load_hf", "save_debug_state", "load_debug_state", "load_model_file",
 ]

@@ -1,10 +1,12 @@
-"""`llmpy` command line: train, prepare, sample. A user's mistake (LlmpyError) is one line on stderr and
-exit status 1; an interrupt exits with 130 after the subcommand has cleaned up."""
+"""`llmpy` command line: train, prepare, sample, plot, export. A user's mistake (LlmpyError) is one line on stderr
+and exit status 1; an interrupt exits with 130, SIGTERM with 143, after the subcommand has cleaned up."""
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from .errors import LlmpyError
@@ -56,6 +58,15 @@ def _warnings_as_notes(command: str) -> None:
     warnings.formatwarning = format_warning
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is, so that its cleanup runs as for Ctrl-C (train's loop takes SIGTERM
+    itself: it saves a checkpoint and stops)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv=None) -> int:
     try:
         parser = build_parser()  # imports torch: a second or so in which Ctrl-C may land
@@ -67,6 +78,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     _warnings_as_notes(args.command)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         return args.func(args) or 0
     except LlmpyError as e:
@@ -90,6 +103,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"llmpy {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"llmpy {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, old_sigterm)
 
 
 if __name__ == "__main__":

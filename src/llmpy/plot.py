@@ -146,15 +146,20 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
     plt = _pyplot()
-    from .checkpoint import writable_dir
+    from .checkpoint import atomic_path, writable_dir
     writable_dir(out, "plot folder")
     title = run_dir.resolve().name
     written = []
 
     def save(fig, name):
         path = out / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        try:  # under a temp name, renamed when whole: a full disk leaves the earlier chart as it was
+            with atomic_path(path) as tmp:
+                fig.savefig(tmp, dpi=110, format="png")
+        except OSError as e:  # matplotlib's and PIL's errors name no file
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        finally:
+            plt.close(fig)
         written.append(path)
 
     def new(ylabel, what):

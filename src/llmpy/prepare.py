@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .checkpoint import writable_dir
+from .checkpoint import remove_orphaned_temporaries, writable_dir
 from .data import shard_name, write_shard
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
@@ -365,6 +365,8 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     staging = Staging()
     try:
         writable_dir(out, "output folder")
+        if orphans := remove_orphaned_temporaries(out):
+            log(f"note: removed {orphans} temporary file(s) in {out} left by a killed llmpy process")
         tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # the user asked for data: tiktoken may fetch
         chunks: Iterable[tuple[bool, np.ndarray]] = _token_chunks(src, tok)
         if not use_hints and n_val is None:

@@ -52,7 +52,12 @@ def sample_next(logits: torch.Tensor, vocab_size: int, generator: torch.Generato
         raise LlmpyError("sampling: the model's logits are not finite (its weights have diverged)")
     if temperature <= 0:
         return int(row.argmax())
-    row = row / temperature
+    scaled = row / temperature
+    if not torch.isfinite(scaled).all():  # a temperature so small that logits over it overflow: shift them first
+        # in float64, where a temperature below float32's range stays > 0; the largest is 0, the others 0 (ties)
+        # or -inf: greedy's limit
+        scaled = (row.double() - row.max()) / temperature
+    row = scaled
     if 0 < top_k < vocab_size:
         kth = torch.topk(row, top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

@@ -640,6 +640,9 @@ def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log
                if fld in saved and saved[fld] != getattr(opts, fld)]
     if changed:
         log(f"note: resuming with changed settings ({', '.join(changed)})")
+    if opts.model and os.path.exists(opts.model) and saved.get("model") != opts.model:
+        # a model file gives a new run its weights; a resumed run has the checkpoint's (its shape is checked above)
+        log(f"note: -y 1 continues from the weights of {name}; -e {opts.model} is not read for them")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -782,10 +785,12 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     schedule = LRSchedule(opts.lr_schedule, opts.learning_rate, opts.warmup_steps, steps, opts.final_lr_frac)
     tokenizer, no_tokenizer = _tokenizer_for(config.vocab_size, byte_data=embedded)
     out_dir = None
-    if opts.output_dir:  # after every check of the input
-        from .checkpoint import writable_dir
-        out_dir = writable_dir(opts.output_dir, "output directory", name=f"-o {opts.output_dir}")
     writer = rank == 0  # the one rank that writes checkpoints and logs
+    if opts.output_dir:  # after every check of the input
+        from .checkpoint import remove_orphaned_temporaries, writable_dir
+        out_dir = writable_dir(opts.output_dir, "output directory", name=f"-o {opts.output_dir}")
+        if writer and (orphans := remove_orphaned_temporaries(out_dir)):
+            log(f"note: removed {orphans} temporary file(s) in {out_dir} left by a killed llmpy process")
 
     if kernels:
         backend = GPUBackend(config, params, opts, device=device, data_parallel=dp)
@@ -963,9 +968,9 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 break
         if result.stopped_by is None:
             validate(steps)
-            result.sample = sample(steps)
-            if out_dir:
+            if out_dir:  # before the sample, so that nothing in sampling can cost the run its last checkpoint
                 checkpoint(steps, final=True)
+            result.sample = sample(steps)
     finally:
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
