@@ -104,9 +104,9 @@ def atomic_path(path):
         raise LlmpyError(f"cannot write {path}: directory {directory} does not exist")
     # Not mkstemp: its 0600 mode would stick to the final file; 0666 lets the umask decide.
     tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    mode = os.stat(tmp).st_mode & 0o777
-    try:
+    try:  # from the file's creation on: a signal in the next lines must not leave it behind
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = os.stat(tmp).st_mode & 0o777
         yield Path(tmp)
         os.chmod(tmp, mode)  # a writer that recreates the file (safetensors does, as 0600) keeps the umask's mode
         with open(tmp, "rb+") as f:  # the writer may have closed it without syncing
