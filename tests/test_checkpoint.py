@@ -251,6 +251,8 @@ def test_a_pipe_or_a_broken_link_as_a_model_file_is_one_line(tmp_path):
         ck.load_model_file(tmp_path / "loop1")
     with pytest.raises(LlmpyError, match=r"absent\.bin: no such file or directory"):
         ck.load_model_file(tmp_path / "absent.bin")
+    with pytest.raises(LlmpyError, match=r"^an empty model file name$"):
+        ck.load_model_file("")
 
 
 def test_orphaned_temporaries_of_a_killed_process_are_removed_and_nothing_else(tmp_path):

@@ -542,6 +542,9 @@ def test_prepare_bad_inputs(tmp_path):
     os.mkfifo(tmp_path / "pipe.txt")
     with pytest.raises(LlmpyError, match=r"pipe\.txt: not a regular file or folder"):
         run_prepare([tmp_path / "pipe.txt", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(LlmpyError, match=r"^-o '': an empty output folder name"):
+        run_prepare([tmp_path / "a.txt", "-o", "", "--tokenizer", "bytes"])
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:

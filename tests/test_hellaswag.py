@@ -213,3 +213,18 @@ def test_prepare_hellaswag_with_fake_download(tmp_path, monkeypatch):
     enc = lambda s: list(s.encode())  # noqa: E731  the byte tokenizer's ids
     assert got == [Example(i, r["label"], enc(r["ctx"]), [enc(" " + e) for e in r["endings"]])
                    for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("record, needle", [
+    ({"ctx": "A man", "label": 7, "endings": ["a", "b", "c", "d"]}, "label 7, not one of 0..3"),
+    ({"ctx": "A man", "label": 1, "endings": ["a", "b"]}, "endings 4 texts"),
+    ({"ctx": "A man", "endings": ["a", "b", "c", "d"]}, "'label'"),
+])
+def test_a_bad_jsonl_record_names_the_jsonl_and_its_line(tmp_path, record, needle):
+    from llmpy.tokenizer import ByteTokenizer
+    good = {"ctx": "A woman", "label": 2, "endings": ["w", "x", "y", "z"]}
+    jsonl = tmp_path / "hellaswag_val.jsonl"
+    jsonl.write_text(json.dumps(good) + "\n\n" + json.dumps(record) + "\n")
+    with pytest.raises(LlmpyError) as e:
+        hs.examples_from_jsonl(jsonl, ByteTokenizer())
+    assert str(e.value).startswith(f"{jsonl}: line 3 is not a HellaSwag example") and needle in str(e.value)

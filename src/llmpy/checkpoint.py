@@ -714,6 +714,8 @@ def load_model_file(path) -> tuple[GPT2Config, torch.Tensor, str]:
     An llm.c .bin (by magic) keeps its dtype; a .safetensors file, or a directory holding
     model.safetensors, loads as float32. Other llm.c files and anything else are refused.
     """
+    if not str(path).strip():  # Path("") is the current folder: not what was meant
+        raise LlmpyError("an empty model file name")
     p = Path(path)
     if p.is_dir():
         config, flat = load_hf(p)

@@ -231,6 +231,8 @@ def examples_from_jsonl(path: Path, tokenizer) -> list[Example]:
             ctx, label, endings = d["ctx"], int(d["label"]), d["endings"]
             if not isinstance(ctx, str) or len(endings) != NUM_COMPLETIONS or not all(isinstance(s, str) for s in endings):
                 raise ValueError("ctx must be text and endings 4 texts")
+            if not 0 <= label < NUM_COMPLETIONS:
+                raise ValueError(f"label {label}, not one of 0..{NUM_COMPLETIONS - 1}")
         except (ValueError, KeyError, TypeError) as e:
             raise LlmpyError(f"{path}: line {lineno} is not a HellaSwag example ({e})") from None
         examples.append(Example(len(examples), label, tokenizer.encode(ctx),

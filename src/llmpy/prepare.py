@@ -353,6 +353,8 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     if name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise LlmpyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
     name = name or re.sub(r"[^A-Za-z0-9._-]+", "_", src.name) or "data"
+    if outdir is not None and not str(outdir).strip():  # Path("") is the current folder: not what was meant
+        raise LlmpyError("-o '': an empty output folder name (leave -o out for data/NAME)")
     out = Path(outdir).expanduser() if outdir is not None else Path("data") / name
     use_hints = src.hinted_split and val_fraction is None and val_tokens is None
     # val tokens from the start of the stream; None: a fraction of the total, counted below
