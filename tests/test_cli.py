@@ -337,6 +337,30 @@ def test_a_tiny_temperature_samples_among_the_largest_logits():
     assert drawn == {7, 11}
 
 
+def test_sample_streams_whole_characters_as_they_come():
+    """sample_text's on_text pieces: whole UTF-8 characters although their bytes come one token at a time, joined
+    equal to the continuation it returns; bytes that cannot complete a character are let out, after four tokens at
+    the most, and an incomplete character at the end with the last piece."""
+    from types import SimpleNamespace
+    from llmpy.sampler import sample_text
+    from llmpy.tokenizer import ByteTokenizer
+
+    script = list("héllo, wörld € 𝄞!".encode()) + [0xE2, 0x41] + [0xF0] * 4 + [0x42, 0xF0, 0x9D]
+
+    class Scripted:  # logits that make greedy sampling follow the script
+        config = SimpleNamespace(vocab_size=257, max_seq_len=64)
+
+        def logits_last(self, contexts):
+            row = torch.randn(257)
+            row[script[len(contexts[0]) - 1]] = 100.0  # context = end-of-text + what came so far
+            return row[None]
+    pieces = []
+    text = sample_text(Scripted(), ByteTokenizer(), "", gen_tokens=len(script), temperature=0, on_text=pieces.append)
+    assert text == bytes(script).decode("utf-8", errors="replace") and "".join(pieces) == text
+    assert [p for p in pieces if "\ufffd" in p] == ["\ufffdA", "\ufffd" * 4, "\ufffd"]
+    assert "€" in pieces and "𝄞" in pieces  # three and four bytes, one piece each
+
+
 def test_final_checkpoint_is_written_before_the_final_sample(tmp_path, shards, monkeypatch):
     import llmpy
     from llmpy import sampler

@@ -6,6 +6,8 @@ import argparse
 import math
 import numbers
 import re
+import sys
+from typing import Callable
 
 import torch
 
@@ -66,15 +68,18 @@ def sample_next(logits: torch.Tensor, vocab_size: int, generator: torch.Generato
 
 
 def generate(next_logits, prompt: list[int], steps: int, vocab_size: int, max_seq_len: int, seed: int = 1337,
-             temperature: float = 1.0, top_k: int = 0, stop_token: int | None = None) -> list[int]:
+             temperature: float = 1.0, top_k: int = 0, stop_token: int | None = None,
+             on_token: Callable[[int], None] | None = None) -> list[int]:
     """Extend prompt by up to `steps` tokens. next_logits(tokens) returns the logits row that follows
-    the given token list (the caller crops the context to max_seq_len; so do we)."""
+    the given token list (the caller crops the context to max_seq_len; so do we); on_token(id) sees each new one."""
     gen = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     for _ in range(steps):
         context = tokens[-max_seq_len:]
         tok = sample_next(next_logits(context), vocab_size, gen, temperature, top_k)
         tokens.append(tok)
+        if on_token is not None:
+            on_token(tok)
         if stop_token is not None and tok == stop_token:
             break
     return tokens[len(prompt):]
@@ -94,11 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                              "tiktoken's cache; nothing is downloaded)")
 
 
-def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
-                seed: int = 1337) -> str:
-    """Continue `prompt` with the CPU reference model (forward(inputs), then .logits) or the GPU model
-    (logits_last(tokens): its fixed (B, T) batch, the context cropped to its last T tokens)."""
-    check_sampling_options(gen_tokens, temperature, top_k)  # the seed is the caller's (train's is seed + step)
+def check_prompt(prompt) -> None:
     if not isinstance(prompt, str):
         raise LlmpyError(f"prompt {prompt!r}: must be text (a str)")
     try:
@@ -106,6 +107,15 @@ def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temper
     except UnicodeEncodeError as e:  # bytes the terminal passed that are not UTF-8 (Python keeps them as surrogates)
         bad = e.object[e.start:e.end].encode("utf-8", "surrogateescape")
         raise LlmpyError(f"--prompt: not UTF-8 text (the bytes {bad!r} at character {e.start})") from None
+
+
+def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
+                seed: int = 1337, on_text: Callable[[str], None] | None = None) -> str:
+    """Continue `prompt` with the CPU reference model (forward(inputs), then .logits) or the GPU model
+    (logits_last(tokens): its fixed (B, T) batch, the context cropped to its last T tokens). on_text, if given, gets
+    the continuation piece by piece as it is generated, each piece whole UTF-8 characters where the tokens allow."""
+    check_sampling_options(gen_tokens, temperature, top_k)  # the seed is the caller's (train's is seed + step)
+    check_prompt(prompt)
     config = model.config
     start = [tokenizer.eot] + (tokenizer.encode(prompt) if prompt else [])
 
@@ -114,8 +124,19 @@ def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temper
             return model.logits_last([ctx])[0]
         model.forward(torch.tensor([ctx]))
         return model.logits[0, -1]
+    pending: list[int] = []
+
+    def stream(token: int):
+        pending.append(token)
+        piece = tokenizer.decode(pending)
+        # a character's bytes may span tokens: hold a piece that ends in a partial one, up to its 4 bytes' worth
+        if not piece.endswith("\ufffd") or len(pending) >= 4:
+            on_text(piece)
+            pending.clear()
     ids = generate(next_logits, start, gen_tokens, config.vocab_size, config.max_seq_len, seed=seed,
-                   temperature=temperature, top_k=top_k)
+                   temperature=temperature, top_k=top_k, on_token=stream if on_text is not None else None)
+    if pending:
+        on_text(tokenizer.decode(pending))
     return tokenizer.decode(ids)
 
 
@@ -133,6 +154,15 @@ def run(args: argparse.Namespace) -> int:
         raise LlmpyError(f"{args.model}: vocab {config.vocab_size} does not match the {name} tokenizer's "
                          f"{tokenizer.vocab_size}")
     model = GPT2Reference(config, flat.float())
-    text = sample_text(model, tokenizer, args.prompt, args.gen_tokens, args.temperature, args.top_k, args.seed)
-    print(printable(args.prompt + text))
+
+    def show(piece: str):  # as it comes: a long sample is not silent until its end
+        sys.stdout.write(printable(piece))
+        sys.stdout.flush()
+    check_prompt(args.prompt)  # before it is shown
+    show(args.prompt)
+    try:
+        sample_text(model, tokenizer, args.prompt, args.gen_tokens, args.temperature, args.top_k, args.seed,
+                    on_text=show)
+    finally:  # an error's line, or the shell's prompt, starts on a line of its own
+        show("\n")
     return 0
