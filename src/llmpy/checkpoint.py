@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -91,6 +92,16 @@ def normalize_dtype(dtype) -> str:
 # atomic writes
 
 
+# a writer's temporary beside its file: hidden, named by the writing process, matched by _TEMPORARY_NAME
+_TEMPORARY_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part)$")
+
+
+def temporary_sibling(path: Path, suffix: str) -> Path:
+    """`.NAME.PID.TAG.SUFFIX` beside `path` (suffix "tmp": atomic_path's; "part": prepare's staged shards), so
+    that remove_orphaned_temporaries can tell a killed writer's leftovers by the process id."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}")
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """Yield a temp path next to `path`; on success fsync it and rename it over `path`.
@@ -103,7 +114,7 @@ def atomic_path(path):
     if not directory.is_dir():
         raise LlmpyError(f"cannot write {path}: directory {directory} does not exist")
     # Not mkstemp: its 0600 mode would stick to the final file; 0666 lets the umask decide.
-    tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = temporary_sibling(path, "tmp")
     try:  # from the file's creation on: a signal in the next lines must not leave it behind
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         mode = os.stat(tmp).st_mode & 0o777
@@ -155,8 +166,6 @@ def writable_dir(folder, what: str, name: str | None = None) -> Path:
     return folder
 
 
-# atomic_path's `.NAME.PID.TAG.tmp` and prepare's staged `.NAME.PID.TAG.part`
-_TEMPORARY_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part)$")
 ORPHAN_MIN_AGE_S = 600  # untouched this long: not a write still going on (on another host of a shared folder, say)
 
 
@@ -174,7 +183,6 @@ def remove_orphaned_temporaries(folder) -> int:
     """Remove the temporaries llmpy's writers leave where their process was killed mid-write (SIGKILL, the OOM
     killer, a power cut): a name of atomic_path's or prepare's pattern, a process id no process has, and no
     change for ORPHAN_MIN_AGE_S. Returns how many it removed."""
-    import time
     removed = 0
     try:
         entries = list(os.scandir(folder))
@@ -744,7 +752,7 @@ def load_model_file(path) -> tuple[GPT2Config, torch.Tensor, str]:
 
 __all__ = [
     "MODEL_MAGIC", "DEBUG_STATE_MAGIC", "TOKEN_SHARD_MAGIC", "VERSION_FP32", "VERSION_BF16",
-    "LlmcHeader", "atomic_path", "atomic_write", "remove_orphaned_temporaries", "save_safetensors",
+    "LlmcHeader", "atomic_path", "atomic_write", "remove_orphaned_temporaries", "temporary_sibling", "save_safetensors",
     "normalize_dtype", "read_llmc_header",
     "save_llmc", "load_llmc", "check_precision", "hf_tensors", "hf_config_dict", "save_hf",
     "load_hf", "save_debug_state", "load_debug_state", "load_model_file",

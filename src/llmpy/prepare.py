@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import sys
 import tempfile
 import urllib.error
@@ -33,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .checkpoint import remove_orphaned_temporaries, writable_dir
+from .checkpoint import remove_orphaned_temporaries, temporary_sibling, writable_dir
 from .data import shard_name, write_shard
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
@@ -263,12 +262,12 @@ class Staging:
     whole prepare succeeded, so that a failed or interrupted one leaves an earlier dataset as it was."""
 
     def __init__(self):
-        self.tag = f"{os.getpid()}.{secrets.token_hex(4)}"  # two prepares into one folder do not collide
         self.pending: list[tuple[Path, Path]] = []  # (temporary, final)
 
     def temporary(self, final: Path) -> Path:
-        # hidden and not ending in .bin: neither a shard glob nor _remove_stale picks it up
-        tmp = final.with_name(f".{final.name}.{self.tag}.part")
+        # hidden and not ending in .bin: neither a shard glob nor _remove_stale picks it up; named by this process,
+        # so that two prepares into one folder do not collide
+        tmp = temporary_sibling(final, "part")
         self.pending.append((tmp, final))
         return tmp
 

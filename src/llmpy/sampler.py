@@ -100,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def check_prompt(prompt) -> None:
+    """A prompt must be text that encodes as UTF-8: one line naming the bytes that do not."""
     if not isinstance(prompt, str):
         raise LlmpyError(f"prompt {prompt!r}: must be text (a str)")
     try:
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from .reference import GPT2Reference
     from .tokenizer import load_tokenizer
     check_sampling_options(args.gen_tokens, args.temperature, args.top_k, args.seed)
+    check_prompt(args.prompt)  # before the model loads and the prompt is shown
     config, flat, _ = load_model_file(args.model)
     name = args.tokenizer
     if name == "auto":
@@ -158,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
     def show(piece: str):  # as it comes: a long sample is not silent until its end
         sys.stdout.write(printable(piece))
         sys.stdout.flush()
-    check_prompt(args.prompt)  # before it is shown
     show(args.prompt)
     try:
         sample_text(model, tokenizer, args.prompt, args.gen_tokens, args.temperature, args.top_k, args.seed,
