@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmpy import checkpoint as ck
+from llmpy import files
 from llmpy.config import GPT2Config, parameter_views
 from llmpy.errors import LlmpyError
 
@@ -266,13 +267,13 @@ def test_orphaned_temporaries_of_a_killed_process_are_removed_and_nothing_else(t
              f".model.bin.{dead}.0A1B2C3D.tmp": True, "model_00000004.bin": True, f"model.{dead}.0a1b2c3d.tmp": True}
     for name in names:
         (tmp_path / name).write_bytes(b"x")
-        os.utime(tmp_path / name, (time.time() - ck.ORPHAN_MIN_AGE_S - 5,) * 2)
+        os.utime(tmp_path / name, (time.time() - files.ORPHAN_MIN_AGE_S - 5,) * 2)
     young = tmp_path / f".state_00000008.safetensors.{dead}.00000000.tmp"
     young.write_bytes(b"x")  # just written: maybe another host's write into a shared folder, so kept for now
-    assert ck.remove_orphaned_temporaries(tmp_path) == 2
+    assert files.remove_orphaned_temporaries(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([n for n, kept in names.items() if kept] +
                                                                 [young.name])
-    assert ck.remove_orphaned_temporaries(tmp_path / "absent") == 0
+    assert files.remove_orphaned_temporaries(tmp_path / "absent") == 0
 
 
 def test_hf_export_on_a_full_disk_keeps_the_old_files_and_says_so(tmp_path, monkeypatch):

@@ -1,5 +1,9 @@
 """The command line: bad input gets one line naming the file or flag, a non-zero exit and no traceback;
 nothing already saved is touched. And a tiny end-to-end run with a checkpoint and a sample."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -7,7 +11,7 @@ import torch
 from llmpy.checkpoint import load_llmc
 from llmpy.data import write_shard
 
-from cli_helpers import assert_one_line_error, llmpy
+from cli_helpers import SRC, assert_one_line_error, llmpy
 
 TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
 
@@ -506,10 +510,39 @@ def test_llmpys_warnings_print_as_one_note_line(tmp_path):
                                                "layer_norm_epsilon 1e-06 differs from llm.c's 1e-5"]
 
 
+def test_commands_that_need_no_torch_do_not_load_it(tmp_path):
+    # plot, prepare and the help load only their own module: no half a GB and second of torch import
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "main.jsonl").write_text('{"step": 1, "kind": "train", "loss": 3.5, "lr": 0.001}\n')
+    (tmp_path / "text.txt").write_text("some text to tokenize, twice over. " * 20)
+    script = (
+        "import sys\n"
+        "from llmpy import cli\n"
+        "from importlib.util import find_spec\n"
+        "for argv in [[], ['--help'], ['plot', '--help'], ['prepare', sys.argv[2], '-o', sys.argv[3],"
+        " '--tokenizer', 'bytes', '--val-tokens', '100']]"
+        " + ([['plot', sys.argv[1]]] if find_spec('matplotlib') else []):\n"
+        "    try:\n"
+        "        rc = cli.main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        rc = e.code\n"
+        "    assert rc in (0, 2), (argv, rc)\n"
+        "    assert 'torch' not in sys.modules, argv\n"
+        "print('torch-free')\n")
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run"), str(tmp_path / "text.txt"),
+                        str(tmp_path / "shards")], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "torch-free", r.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir())  # prepare did write its shards
+    # and a command that needs torch still gets it, with every subcommand's flags when no command is named
+    from llmpy.cli import build_parser
+    assert build_parser().parse_args(["train", "-b", "2"]).batch_size == 2
+
+
 def test_ctrl_c_while_the_parser_loads_torch_is_one_line(monkeypatch, capsys):
     from llmpy import cli
 
-    def interrupted():
+    def interrupted(command=None):
         raise KeyboardInterrupt
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["prepare", "x.txt"]) == 130

@@ -75,8 +75,58 @@ def test_read_log_sorted_and_last_record_wins(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = pl.read_log(path)
     assert [(r["step"], r["kind"], r["loss"]) for r in out] == [(1, "train", 1.0), (2, "train", 3.0), (2, "val", 9.0)]
-    assert pl.series(out, "train", "loss") == ([1, 2], [1.0, 3.0])
-    assert pl.series(out, "train", "mfu") == ([], [])
+    columns = pl.read_columns(path)
+    assert columns.records == 3
+    xs, ys = columns.series("train", "loss")
+    assert xs.tolist() == [1, 2] and ys.tolist() == [1.0, 3.0]
+    assert columns.series("val", "loss")[1].tolist() == [9.0]
+    assert [len(a) for a in columns.series("train", "mfu")] == [0, 0]
+    assert [len(a) for a in columns.series("eval", "accuracy")] == [0, 0]
+
+
+def test_read_columns_hold_read_logs_numbers(tmp_path):
+    # the columns plot_run draws from against read_log's whole records: the same values, NaN and null told apart
+    path = write_log(tmp_path, steps=57, val_every=7)
+    with open(path, "a") as f:  # a resumed run logs steps 50-52 again, the first without its norm
+        f.write(json.dumps({"step": 50, "kind": "train", "loss": 7.5, "norm": None, "lr": 1e-4}) + "\n")
+        f.write(json.dumps({"step": 51, "kind": "train", "loss": 7.0, "norm": 0.5, "lr": 1e-4, "mfu": 0.3}) + "\n")
+    records = pl.read_log(path)
+    columns = pl.read_columns(path)
+    assert columns.records == len(records)
+    for kind in pl.KINDS:
+        for key in pl.NUMERIC_KEYS:
+            have = [r for r in records if r["kind"] == kind and r.get(key) is not None]
+            xs, ys = columns.series(kind, key)
+            assert xs.tolist() == [r["step"] for r in have], (kind, key)
+            want = [float(r[key]) for r in have]
+            assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(ys.tolist(), want)), (kind, key)
+    xs, ys = columns.series("train", "norm")
+    assert 50 not in xs.tolist() and 49 in xs.tolist()  # the later record of step 50 has none: it wins
+    assert math.isnan(columns.series("train", "loss")[1][39])  # step 40's logged NaN is a value, not a gap
+    assert columns.series("train", "tok_s")[0].tolist() == [s for s in range(1, 58) if s not in (50, 51)]
+
+
+def test_thin_keeps_each_runs_extremes_in_order():
+    rng = torch.Generator().manual_seed(7)
+    n = 10_007  # not a multiple of the runs
+    xs = torch.arange(n).numpy() * 3
+    ys = torch.randn(n, generator=rng, dtype=torch.float64).numpy()
+    ys[5000] = 40.0  # a spike every-k-th sampling would likely miss
+    tx, ty = pl.thin(xs, ys, max_points=100)
+    assert len(tx) <= 100 + 2 and (tx[1:] >= tx[:-1]).all()
+    assert 40.0 in ty.tolist() and ty.min() == ys.min()
+    assert set(zip(tx.tolist(), ty.tolist())) <= set(zip(xs.tolist(), ys.tolist()))  # real points only
+    short_x, short_y = pl.thin(xs[:50], ys[:50], max_points=100)
+    assert short_x.tolist() == xs[:50].tolist() and short_y.tolist() == ys[:50].tolist()
+
+
+def test_thin_keeps_a_run_of_nan_as_a_gap():
+    ys = [float(i % 5) for i in range(1000)]
+    ys[400:600] = [float("nan")] * 200  # a diverged stretch: all NaN over whole runs of 10
+    tx, ty = pl.thin(list(range(1000)), ys, max_points=200)
+    gaps = [x for x, y in zip(tx.tolist(), ty.tolist()) if math.isnan(y)]
+    assert gaps and all(400 <= x < 600 for x in gaps)
+    assert not math.isnan(ty[0]) and not math.isnan(ty[-1])
 
 
 def test_read_log_leaves_out_a_last_line_still_being_written(tmp_path):
@@ -229,6 +279,23 @@ def test_plot_run_draws_hellaswag_accuracy(tmp_path):
     names = [p.name for p in pl.plot_run(tmp_path)]
     assert "hellaswag.png" in names
     assert_pngs(tmp_path / "plots", ["loss.png", "lr.png", "grad_norm.png", "hellaswag.png"])
+
+
+@needs_mpl
+def test_plot_run_thins_a_long_log_and_marks_skipped_steps(tmp_path, monkeypatch):
+    # 30,000 steps: every line drawn with at most pl.MAX_POINTS points, the skipped update still marked
+    from matplotlib.axes import Axes
+    write_log(tmp_path, steps=30_000, val_every=1000)
+    drawn, marked = [], []
+    plot, scatter = Axes.plot, Axes.scatter
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **k: drawn.append((len(a[0]), k.get("label"))) or
+                        plot(self, *a, **k))
+    monkeypatch.setattr(Axes, "scatter", lambda self, x, y, **k: marked.append((list(x), list(y))) or
+                        scatter(self, x, y, **k))
+    assert sorted(p.name for p in pl.plot_run(tmp_path)) == sorted(ALL_CHARTS)
+    assert len(drawn) == 7 and all(0 < n <= pl.MAX_POINTS for n, _ in drawn), drawn
+    assert (30, "val") in drawn
+    assert marked == [([25], [pytest.approx(5.0 * math.exp(-25 / 30) + 0.1 * math.sin(25))])]
 
 
 @needs_mpl

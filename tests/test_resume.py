@@ -209,7 +209,7 @@ def test_resume_given_another_model_file_says_it_keeps_the_checkpoints_weights(s
 
 
 def test_resume_removes_the_temporaries_of_a_killed_run(saved, shards):
-    from llmpy.checkpoint import ORPHAN_MIN_AGE_S
+    from llmpy.files import ORPHAN_MIN_AGE_S
     orphan = saved / ".state_00000005.safetensors.999999999.0123abcd.tmp"  # pid beyond any kernel's pid_max
     orphan.write_bytes(b"half a state file")
     os.utime(orphan, (time.time() - ORPHAN_MIN_AGE_S - 1,) * 2)

@@ -12,35 +12,50 @@ import warnings
 from .errors import LlmpyError
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import export, plot, prepare, sampler, trainer
-    from .trainer import OneLineParser
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line, without the usage block."""
 
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# name, module, help; every subcommand module has add_arguments(parser) and run(args)
+COMMANDS = (
+    ("train", "trainer", "train a model (no arguments: the embedded default)"),
+    ("prepare", "prepare", "tokenize text into llm.c token shards"),
+    ("sample", "sampler", "generate text from a model file"),
+    ("plot", "plot", "draw PNG charts of a run from its main.jsonl"),
+    ("export", "export", "export a model to a HuggingFace transformers folder"))
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `llmpy` parser. With `command`, only that subcommand's module is imported and its flags added (the
+    others are listed for --help): `llmpy plot` then never loads torch, half a GB and a second."""
+    import importlib
     parser = OneLineParser(prog="llmpy", description="GPT-2-family training from Python, llm.c's design.",
                            allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    # every subcommand module has add_arguments(parser) and run(args); train's -h is llm.c's HellaSwag
-    # flag, so its help is --help only
-    for name, module, help_ in (
-            ("train", trainer, "train a model (no arguments: the embedded default)"),
-            ("prepare", prepare, "tokenize text into llm.c token shards"),
-            ("sample", sampler, "generate text from a model file"),
-            ("plot", plot, "draw PNG charts of a run from its main.jsonl"),
-            ("export", export, "export a model to a HuggingFace transformers folder")):
+    for name, module_name, help_ in COMMANDS:
+        # train's -h is llm.c's HellaSwag flag, so its help is --help only
         cmd = sub.add_parser(name, help=help_, add_help=name != "train", allow_abbrev=False)
-        module.add_arguments(cmd)
-        cmd.set_defaults(func=module.run)
+        if command is None or command == name:
+            module = importlib.import_module(f".{module_name}", __package__)
+            module.add_arguments(cmd)
+            cmd.set_defaults(func=module.run)
     return parser
 
 
 def _torch_oom():
-    """torch's out-of-memory exception (a RuntimeError, not a MemoryError), or MemoryError without torch."""
-    import torch
-    return getattr(torch, "OutOfMemoryError", MemoryError)
+    """torch's out-of-memory exception (a RuntimeError, not a MemoryError), or MemoryError where torch was never
+    loaded (nothing could have raised its exception)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "OutOfMemoryError", MemoryError) if torch is not None else MemoryError
 
 
 def _dist_error():
     """torch.distributed's error base class (a peer that died, a timeout), or a class nothing raises."""
+    if "torch" not in sys.modules:
+        return LlmpyError  # already caught before this clause
     import torch.distributed as dist
     return getattr(dist, "DistError", LlmpyError) if dist.is_available() else LlmpyError
 
@@ -68,8 +83,10 @@ def _raise_terminated(signum, frame):
 
 
 def main(argv=None) -> int:
-    try:
-        parser = build_parser()  # imports torch: a second or so in which Ctrl-C may land
+    argv = sys.argv[1:] if argv is None else list(argv)
+    names = [name for name, _, _ in COMMANDS]
+    try:  # the command's module may import torch: a second or so in which Ctrl-C may land
+        parser = build_parser(argv[0] if argv and argv[0] in names else "")
     except KeyboardInterrupt:
         sys.stderr.write("llmpy: interrupted\n")
         return 130

@@ -26,12 +26,14 @@ import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
-import torch
 
 from .errors import LlmpyError
+
+if TYPE_CHECKING:  # torch loads with the first batch: `llmpy prepare` writes shards without it
+    import torch
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -73,9 +75,9 @@ def write_shard(path: str | os.PathLike, tokens) -> Path:
 
 
 def _atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
-    """Write the chunks to `path` atomically (checkpoint.atomic_write: temp file, fsync, rename), making
+    """Write the chunks to `path` atomically (files.atomic_write: temp file, fsync, rename), making
     the folder first; an OS error becomes one line naming the file."""
-    from .checkpoint import atomic_write
+    from .files import atomic_write
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda f: [f.write(chunk) for chunk in chunks])
@@ -260,6 +262,7 @@ class DataLoader:
             self._set_position(self.epoch, self.shard_pos + 1, 0)
         else:
             self._set_position(self.epoch + 1, 0, 0)
+        import torch
         t = torch.from_numpy(buf)
         return t[:-1].view(self.B, self.T), t[1:].view(self.B, self.T)
 

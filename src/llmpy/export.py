@@ -34,7 +34,8 @@ def generation_config_dict(eos: int) -> dict:
 
 def export_hf(model_path, out_dir) -> Path:
     """Write the HF folder for `model_path` into out_dir; returns out_dir."""
-    from .checkpoint import atomic_write, hf_config_dict, load_model_file, save_hf, writable_dir
+    from .checkpoint import hf_config_dict, load_model_file, save_hf
+    from .files import atomic_write, writable_dir
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+from array import array
 from pathlib import Path
 
 from .errors import LlmpyError
@@ -40,17 +41,12 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------
 # reading the log
 
-def read_log(path) -> list[dict]:
-    """The records of a main.jsonl; a bad line is an LlmpyError naming its line number.
-
-    A run appends to its log, so a resumed or repeated run logs some steps again: the last record of
-    each (kind, step) wins, and the result is sorted by step. A last line without its newline that does not
-    parse is a record still being written (a live run) or cut off (a killed one): it is left out.
-    """
-    path = Path(path)
+def _validated_records(path: Path):
+    """The records of a main.jsonl in file order, each checked; a bad line is an LlmpyError naming its line.
+    A last line without its newline that does not parse is a record still being written (a live run) or cut
+    off (a killed one): it is left out."""
     if not path.is_file():
         raise LlmpyError(f"{path}: no such file")
-    latest: dict[tuple[str, int], dict] = {}
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -60,7 +56,7 @@ def read_log(path) -> list[dict]:
                 rec = json.loads(line)
             except ValueError as e:
                 if not line.endswith("\n"):  # only the last line can lack it
-                    break
+                    return
                 raise LlmpyError(f"{where}: not valid JSON ({e})") from None
             if not isinstance(rec, dict):
                 raise LlmpyError(f"{where}: expected a JSON object, got {type(rec).__name__}")
@@ -72,7 +68,18 @@ def read_log(path) -> list[dict]:
             for key in NUMERIC_KEYS:  # other keys a later trainer adds are carried, not checked
                 if key in rec and not _is_number(rec[key]):
                     raise LlmpyError(f"{where}: '{key}' must be a number, got {rec[key]!r}")
-            latest[(kind, step)] = rec
+            yield rec
+
+
+def read_log(path) -> list[dict]:
+    """The records of a main.jsonl, whole; a bad line is an LlmpyError naming its line number.
+
+    A run appends to its log, so a resumed or repeated run logs some steps again: the last record of
+    each (kind, step) wins, and the result is sorted by step. (plot_run reads through read_columns, which
+    keeps only the numbers it draws: a long run's log holds millions of records.)
+    """
+    path = Path(path)
+    latest = {(rec["kind"], rec["step"]): rec for rec in _validated_records(path)}
     if not latest:
         raise LlmpyError(f"{path}: empty log (no steps yet)")
     return sorted(latest.values(), key=lambda r: (r["step"], r["kind"] != "train"))
@@ -83,14 +90,53 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) or v is None
 
 
-def series(records: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `key` over the records of `kind` that have it (None and missing left out)."""
-    xs, ys = [], []
-    for r in records:
-        if r["kind"] == kind and r.get(key) is not None:
-            xs.append(r["step"])
-            ys.append(float(r[key]))
-    return xs, ys
+class LogColumns:
+    """A main.jsonl's numbers by kind, as numpy columns: for each kind the steps (sorted, the last record of a
+    step winning as in read_log) and, for each of NUMERIC_KEYS, the values (float64) and whether the record
+    had one (a missing key or null is absent; a logged NaN is present). Eight bytes and a flag a number where
+    read_log's dicts take some hundreds, so a log of millions of records plots in a few hundred MB."""
+
+    def __init__(self, steps: dict, values: dict, present: dict):
+        self.steps, self.values, self.present = steps, values, present  # by kind; values, present by (kind, key)
+        self.records = sum(len(s) for s in steps.values())
+
+    def series(self, kind: str, key: str):
+        """(steps, values) of `key` over the records of `kind` that have it, as numpy arrays."""
+        import numpy as np
+        if kind not in self.steps:
+            return np.zeros(0, np.int64), np.zeros(0)
+        have = self.present[kind, key]
+        return self.steps[kind][have], self.values[kind, key][have]
+
+
+def read_columns(path) -> LogColumns:
+    """A main.jsonl as LogColumns; the same checks and the same errors as read_log."""
+    import numpy as np
+    path = Path(path)
+    steps = {kind: array("q") for kind in KINDS}
+    values = {(kind, key): array("d") for kind in KINDS for key in NUMERIC_KEYS}
+    present = {(kind, key): bytearray() for kind in KINDS for key in NUMERIC_KEYS}
+    for rec in _validated_records(path):
+        kind = rec["kind"]
+        steps[kind].append(rec["step"])
+        for key in NUMERIC_KEYS:
+            v = rec.get(key)
+            values[kind, key].append(math.nan if v is None else float(v))
+            present[kind, key].append(v is not None)
+    if not any(steps.values()):
+        raise LlmpyError(f"{path}: empty log (no steps yet)")
+    out_steps, out_values, out_present = {}, {}, {}
+    for kind in KINDS:
+        kind_steps = np.frombuffer(steps[kind], np.int64) if steps[kind] else np.zeros(0, np.int64)
+        # the last record of each step: the first of the reversed column, kept in step order
+        unique, first_reversed = np.unique(kind_steps[::-1], return_index=True)
+        rows = len(kind_steps) - 1 - first_reversed
+        out_steps[kind] = unique
+        for key in NUMERIC_KEYS:
+            column = np.frombuffer(values[kind, key], np.float64) if steps[kind] else np.zeros(0)
+            out_values[kind, key] = column[rows]
+            out_present[kind, key] = np.frombuffer(bytes(present[kind, key]), np.uint8)[rows].astype(bool)
+    return LogColumns(out_steps, out_values, out_present)
 
 
 def ema(values: list[float], weight: float) -> list[float]:
@@ -109,6 +155,34 @@ def ema(values: list[float], weight: float) -> list[float]:
 
 # ---------------------------------------------------------------------------------------------------
 # drawing
+
+MAX_POINTS = 4000  # a line's points drawn at most: a chart is ~900 pixels wide
+
+
+def thin(xs, ys, max_points: int = MAX_POINTS):
+    """At most ~max_points of a line (xs ascending) that look the same drawn: in equal runs of points, the
+    lowest and the highest of each, in order, so spikes and the noise's band survive where every k-th point
+    would lose them. A run of NaN only stays as one NaN (a gap in the line); lines short enough are as they
+    are."""
+    import numpy as np
+    xs, ys = np.asarray(xs), np.asarray(ys, dtype=np.float64)
+    if len(xs) <= max_points:
+        return xs, ys
+    per_run = -(-len(xs) // (max_points // 2))
+    runs = -(-len(xs) // per_run)
+    padded = np.full(runs * per_run, np.nan)
+    padded[:len(ys)] = ys
+    blocks = padded.reshape(runs, per_run)
+    all_nan = np.isnan(blocks).all(axis=1)
+    filled = np.where(all_nan[:, None], 0.0, blocks)  # nanargmin/nanargmax refuse an all-NaN row
+    lows, highs = np.nanargmin(filled, axis=1), np.nanargmax(filled, axis=1)
+    picks = np.sort(np.stack([lows, highs], axis=1), axis=1) + (np.arange(runs) * per_run)[:, None]
+    picks = np.minimum(picks, len(xs) - 1)  # the last run's padding: never picked unless the run is all NaN
+    out_x, out_y = xs[picks].ravel(), ys[picks].ravel()
+    gap = np.repeat(all_nan, 2)
+    out_y[gap] = np.nan
+    return out_x, out_y
+
 
 def _pyplot():
     try:
@@ -133,20 +207,21 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     log = run_dir / LOG_NAME
     if not log.is_file():
         raise LlmpyError(f"{run_dir}: no {LOG_NAME} in it (was it written by `llmpy train -o`?)")
-    records = read_log(log)
+    columns = read_columns(log)
     if not 0.0 <= smooth < 1.0:
         raise LlmpyError(f"--smooth {smooth}: must be in [0, 1)")
-    if not any(series(records, kind, key)[0] for kind, keys in CHARTED.items() for key in keys):
+    if not any(len(columns.series(kind, key)[0]) for kind, keys in CHARTED.items() for key in keys):
         # checked before the plot folder is made, so a failed plot leaves none behind
-        raise LlmpyError(f"{log}: {len(records)} record(s) but none with a loss, learning rate, gradient norm, "
+        raise LlmpyError(f"{log}: {columns.records} record(s) but none with a loss, learning rate, gradient norm, "
                          "tok_s, mfu or accuracy: nothing to plot")
-    if warn is not None and not any(series(records, kind, "loss")[0] for kind in ("train", "val")):
+    if warn is not None and not any(len(columns.series(kind, "loss")[0]) for kind in ("train", "val")):
         warn(f"{log}: no loss values in it, so no loss chart")
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
     plt = _pyplot()
-    from .checkpoint import atomic_path, writable_dir
+    import numpy as np
+    from .files import atomic_path, writable_dir
     writable_dir(out, "plot folder")
     title = run_dir.resolve().name
     written = []
@@ -170,21 +245,22 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
         ax.grid(True, alpha=0.3)
         return fig, ax
 
-    # loss: raw train faint, smoothed train, validation as markers + line
-    tx, ty = series(records, "train", "loss")
-    vx, vy = series(records, "val", "loss")
-    if tx or vx:
+    # loss: raw train faint, smoothed train (over every step, then thinned), validation as markers + line
+    tx, ty = columns.series("train", "loss")
+    vx, vy = columns.series("val", "loss")
+    if len(tx) or len(vx):
         fig, ax = new("loss", "loss")
-        if tx:
-            ax.plot(tx, ty, color="C0", alpha=0.25, linewidth=0.8, label="train")
+        if len(tx):
+            ax.plot(*thin(tx, ty), color="C0", alpha=0.25, linewidth=0.8, label="train")
             if len(tx) > 1 and smooth > 0:
-                ax.plot(tx, ema(ty, smooth), color="C0", linewidth=1.6, label=f"train (EMA {smooth:g})")
-            skipped = [(r["step"], r["loss"]) for r in records
-                       if r["kind"] == "train" and r.get("skipped") and r.get("loss") is not None]
-            if skipped:
-                ax.scatter(*zip(*skipped), color="C3", marker="x", zorder=3, label="skipped update")
-        if vx:
-            ax.plot(vx, vy, color="C1", marker="o", markersize=3, linewidth=1.4, label="val")
+                ax.plot(*thin(tx, ema(ty, smooth)), color="C0", linewidth=1.6, label=f"train (EMA {smooth:g})")
+            skipped = (columns.values["train", "skipped"] != 0) & columns.present["train", "skipped"] \
+                & columns.present["train", "loss"]
+            if skipped.any():
+                ax.scatter(columns.steps["train"][skipped], columns.values["train", "loss"][skipped], color="C3",
+                           marker="x", zorder=3, label="skipped update")
+        if len(vx):
+            ax.plot(*thin(vx, vy), color="C1", marker="o", markersize=3, linewidth=1.4, label="val")
         ax.legend()
         save(fig, "loss.png")
 
@@ -193,19 +269,20 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
             ("norm", "grad_norm.png", "gradient norm", "gradient norm (before clipping)", 1.0, True),
             ("tok_s", "tokens_per_s.png", "tokens / s", "throughput", 1.0, False),
             ("mfu", "mfu.png", "MFU (%)", "model FLOPs utilization", 100.0, False)):
-        xs, ys = series(records, "train", key)
-        if not xs:
+        xs, ys = columns.series("train", key)
+        if not len(xs):
             continue  # the log does not carry this quantity (older trainer, CPU run): no chart
         fig, ax = new(ylabel, what)
-        ax.plot(xs, [y * scale for y in ys], color="C2", linewidth=1.2)
-        if logy and all(y > 0 for y in ys if math.isfinite(y)) and any(math.isfinite(y) for y in ys):
+        ax.plot(*thin(xs, ys * scale), color="C2", linewidth=1.2)
+        finite = ys[np.isfinite(ys)]
+        if logy and len(finite) and (finite > 0).all():
             ax.set_yscale("log")  # norms span orders of magnitude early in training
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         save(fig, fname)
-    xs, ys = series(records, "eval", "accuracy")
-    if xs:
+    xs, ys = columns.series("eval", "accuracy")
+    if len(xs):
         fig, ax = new("accuracy (%)", "HellaSwag accuracy")
-        ax.plot(xs, [100 * y for y in ys], color="C4", marker="o", markersize=3, linewidth=1.2)
+        ax.plot(*thin(xs, ys * 100), color="C4", marker="o", markersize=3, linewidth=1.2)
         save(fig, "hellaswag.png")
     return written

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .checkpoint import remove_orphaned_temporaries, temporary_sibling, writable_dir
+from .files import remove_orphaned_temporaries, temporary_sibling, writable_dir
 from .data import shard_name, write_shard
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer

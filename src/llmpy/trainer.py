@@ -241,13 +241,6 @@ EXTRA_FLAGS = [  # long-only flags
 ]
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line, without the usage block."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _with_default(help_: str, name: str, default) -> str:
     # a default chosen at run time (None, "") is described in the help text itself, or by RUN_DEFAULTS
     if name in RUN_DEFAULTS:
@@ -787,7 +780,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     out_dir = None
     writer = rank == 0  # the one rank that writes checkpoints and logs
     if opts.output_dir:  # after every check of the input
-        from .checkpoint import remove_orphaned_temporaries, writable_dir
+        from .files import remove_orphaned_temporaries, writable_dir
         out_dir = writable_dir(opts.output_dir, "output directory", name=f"-o {opts.output_dir}")
         if writer and (orphans := remove_orphaned_temporaries(out_dir)):
             log(f"note: removed {orphans} temporary file(s) in {out_dir} left by a killed llmpy process")

@@ -8,7 +8,7 @@ A checkpoint of step N under the output directory is a pair:
     "llmpy" with the step, the options that define the run, the data loader's and outlier detectors'
     states, the GPU's stochastic-rounding seeds and CRC-32 checksums of the model file and tensors.
 
-The model file is written first and the state last, each atomically (checkpoint.atomic_path), so a
+The model file is written first and the state last, each atomically (files.atomic_path), so a
 pair is complete exactly when the state exists and its metadata names the model file's step; a crash
 between the two leaves an orphan model file that resume ignores.
 """

@@ -1,0 +1,122 @@
+"""Writing files safely, without torch: atomic replacement (a temp file beside the target, fsync, rename), the
+probe of an output folder before a run's work, and the removal of temporaries that killed writers left behind.
+checkpoint.py, the data and token-shard writers, prepare, export and plot all write through these."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Callable
+
+from .errors import LlmpyError
+
+# a writer's temporary beside its file: hidden, named by the writing process, matched by _TEMPORARY_NAME
+_TEMPORARY_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part)$")
+
+
+def temporary_sibling(path: Path, suffix: str) -> Path:
+    """`.NAME.PID.TAG.SUFFIX` beside `path` (suffix "tmp": atomic_path's; "part": prepare's staged shards), so
+    that remove_orphaned_temporaries can tell a killed writer's leftovers by the process id."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}")
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temp path next to `path`; on success fsync it and rename it over `path`.
+
+    On any exception the temp file is removed and an existing file at `path` is left untouched.
+    For writers that want a file name (safetensors); `atomic_write` is the file-object form.
+    """
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise LlmpyError(f"cannot write {path}: directory {directory} does not exist")
+    # Not mkstemp: its 0600 mode would stick to the final file; 0666 lets the umask decide.
+    tmp = temporary_sibling(path, "tmp")
+    try:  # from the file's creation on: a signal in the next lines must not leave it behind
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = os.stat(tmp).st_mode & 0o777
+        yield Path(tmp)
+        os.chmod(tmp, mode)  # a writer that recreates the file (safetensors does, as 0600) keeps the umask's mode
+        with open(tmp, "rb+") as f:  # the writer may have closed it without syncing
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def atomic_write(path, writer: Callable) -> None:
+    """Call writer(f) on a binary file that replaces `path` only once writer returned."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            writer(f)
+            f.flush()
+
+
+def writable_dir(folder, what: str, name: str | None = None) -> Path:
+    """Create `folder` if missing and write a probe file in it, so that a run fails before its work, not
+    at its first save; an LlmpyError naming the folder (or `name`, e.g. the flag) and the reason."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".llmpy-probe.{os.getpid()}.{secrets.token_hex(4)}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise LlmpyError(f"{name or folder}: cannot create or write the {what} ({e.strerror or e})") from None
+    return folder
+
+
+ORPHAN_MIN_AGE_S = 600  # untouched this long: not a write still going on (on another host of a shared folder, say)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process
+        return True
+    return True
+
+
+def remove_orphaned_temporaries(folder) -> int:
+    """Remove the temporaries llmpy's writers leave where their process was killed mid-write (SIGKILL, the OOM
+    killer, a power cut): a name of atomic_path's or prepare's pattern, a process id no process has, and no
+    change for ORPHAN_MIN_AGE_S. Returns how many it removed."""
+    removed = 0
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        match = _TEMPORARY_NAME.match(entry.name)
+        try:
+            if (not match or not entry.is_file(follow_symlinks=False) or _process_exists(int(match.group(1)))
+                    or time.time() - entry.stat(follow_symlinks=False).st_mtime < ORPHAN_MIN_AGE_S):
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed += 1
+    return removed
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not all filesystems allow opening a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
