@@ -147,12 +147,16 @@ def test_read_log_leaves_out_a_last_line_still_being_written(tmp_path):
     ('{"step": 1.5, "kind": "train"}\n', ":1: 'step' must be an integer"),
     ('{"step": 1, "kind": "test"}\n', ":1: 'kind' must be"),
     ('{"step": 1, "kind": "train"}\n{"step": 2, "kind": "val", "loss": "high"}\n', ":2: 'loss' must be a number"),
+    ('{"step": 100000000000000000000, "kind": "train", "loss": 1}\n', ":1: 'step' must be an integer (64-bit)"),
+    ('{"step": 1, "kind": "train", "skipped": false}\n{"step": 2, "kind": "train", "ms": 1' + "0" * 400 + '}\n',
+     ":2: 'ms' must be a number, got 1000000000000000000000000000000000000...$"),  # past a float's range, cut short
 ])
 def test_read_log_errors_name_the_line(tmp_path, content, message):
     path = tmp_path / "main.jsonl"
     path.write_text(content)
-    with pytest.raises(LlmpyError, match=message.replace("[", r"\[")):
-        pl.read_log(path)
+    for read in (pl.read_log, pl.read_columns):  # both readers, the same checks
+        with pytest.raises(LlmpyError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            read(path)
 
 
 def test_ema_bias_corrected_and_skips_nan():

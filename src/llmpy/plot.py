@@ -61,13 +61,13 @@ def _validated_records(path: Path):
             if not isinstance(rec, dict):
                 raise LlmpyError(f"{where}: expected a JSON object, got {type(rec).__name__}")
             step, kind = rec.get("step"), rec.get("kind")
-            if isinstance(step, bool) or not isinstance(step, int):
-                raise LlmpyError(f"{where}: 'step' must be an integer, got {step!r}")
+            if isinstance(step, bool) or not isinstance(step, int) or not -2**63 <= step < 2**63:
+                raise LlmpyError(f"{where}: 'step' must be an integer (64-bit), got {_short(step)}")
             if kind not in KINDS:
                 raise LlmpyError(f"{where}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
             for key in NUMERIC_KEYS:  # other keys a later trainer adds are carried, not checked
                 if key in rec and not _is_number(rec[key]):
-                    raise LlmpyError(f"{where}: '{key}' must be a number, got {rec[key]!r}")
+                    raise LlmpyError(f"{where}: '{key}' must be a number, got {_short(rec[key])}")
             yield rec
 
 
@@ -86,8 +86,17 @@ def read_log(path) -> list[dict]:
 
 
 def _is_number(v) -> bool:
-    # "skipped" is a JSON bool (bool is an int subclass); null stands for a value not measured
-    return isinstance(v, (int, float)) or v is None
+    # "skipped" is a JSON bool (bool is an int subclass); null stands for a value not measured; an integer too
+    # large for a float (JSON's have no bound) is not one the charts can draw
+    if isinstance(v, int) and not isinstance(v, bool):
+        return abs(v) <= sys.float_info.max
+    return isinstance(v, (bool, float)) or v is None
+
+
+def _short(value) -> str:
+    # a value for an error line: a 400-digit number stays one readable line
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 class LogColumns:
