@@ -31,20 +31,19 @@ def write_log(path: Path, steps: int, seed: int = 1) -> None:
                 f.write(json.dumps({"step": s, "kind": "val", "loss": 3 + rng.random()}) + "\n")
 
 
-def measure(src: str, run_dir: Path, out_dir: Path) -> tuple[float, float]:
-    """(seconds, peak resident GB) of `llmpy plot run_dir -o out_dir` with `src` first on PYTHONPATH, in a fresh process
-    (a wrapper that execs nothing else, so its own children's peak is the command's)."""
+def measure(src: str, *llmpy_args: str) -> tuple[float, float]:
+    """(seconds, peak resident GB) of `llmpy ARGS` with `src` first on PYTHONPATH, in a fresh process (a
+    wrapper that runs nothing else, so its children's peak is the command's)."""
     wrapper = ("import resource, subprocess, sys\n"
-               "r = subprocess.run([sys.executable, '-m', 'llmpy', 'plot', sys.argv[1], '-o', sys.argv[2]],"
-               " stdout=subprocess.DEVNULL)\n"
+               "r = subprocess.run([sys.executable, '-m', 'llmpy', *sys.argv[1:]], stdout=subprocess.DEVNULL)\n"
                "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", wrapper, str(run_dir), str(out_dir)],
+    out = subprocess.run([sys.executable, "-c", wrapper, *llmpy_args],
                          capture_output=True, text=True, env=env, check=True).stdout.split()
     seconds = time.perf_counter() - t0
     if out[0] != "0":
-        raise SystemExit(f"llmpy plot failed under {src}")
+        raise SystemExit(f"llmpy {' '.join(llmpy_args)} failed under {src}")
     return seconds, int(out[1]) * 1024 / 1e9  # ru_maxrss is in KiB on Linux
 
 
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
         print(f"log: {args.steps:,} train records, {size / 1e6:.0f} MB")
         for r in range(args.rounds):
             for i, src in enumerate(srcs):
-                seconds, peak_gb = measure(src, run_dir, run_dir / f"plots-{i}")
+                seconds, peak_gb = measure(src, "plot", str(run_dir), "-o", str(run_dir / f"plots-{i}"))
                 print(f"round {r + 1}  {src}: {seconds:.1f} s, peak {peak_gb:.2f} GB")
     return 0
 

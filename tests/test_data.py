@@ -454,6 +454,30 @@ def test_prepare_with_gpt2_from_local_files(tmp_path, shared_data):
     assert train.tolist() == [15496, 995, 198, 198, 15496, 995]
 
 
+def test_prepare_of_a_long_text_in_pieces_writes_the_whole_texts_tokens(tmp_path, monkeypatch, shared_data):
+    # a text file longer than a piece is encoded a piece at a time and a batch at a time: the same tokens as the
+    # whole document encoded at once, one end-of-text before it, the val split where the whole stream puts it
+    import llmpy.tokenizer as tk
+    root = shared_data("gpt2/encoder.json", "gpt2/vocab.bpe", "tinyshakespeare/input.txt")
+    text = (root / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:60000]
+    src = tmp_path / "t.txt"
+    src.write_text(text, encoding="utf-8")
+    gpt2 = tk.GPT2Tokenizer.from_files(root / "gpt2" / "encoder.json", root / "gpt2" / "vocab.bpe")
+    expect = [50256] + gpt2.encode(text)
+    batches = []
+    monkeypatch.setattr(tk, "PIECE_CHARS", 500)
+    monkeypatch.setattr(tk, "BATCH_CHARS", 4000)
+    real = tk.GPT2Tokenizer.encode_batch
+    monkeypatch.setattr(tk.GPT2Tokenizer, "encode_batch", lambda self, texts: batches.append(len(texts)) or
+                        real(self, texts))
+    out = tmp_path / "o"
+    prep.prepare(str(src), out, tokenizer_dir=str(root / "gpt2"), val_tokens=777, shard_size=5000, log=lambda *_: None)
+    _, val = _split_tokens(out, "t", "val")
+    _, train = _split_tokens(out, "t", "train")
+    assert val.tolist() + train.tolist() == expect and len(val) == 777
+    assert len(batches) > 10 and max(batches) > 1  # it did go in pieces, several to a batch
+
+
 class _FakeResponse(io.BytesIO):
     def __init__(self, data):
         super().__init__(data)

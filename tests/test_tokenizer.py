@@ -8,7 +8,7 @@ import pytest
 
 from llmpy.errors import LlmpyError
 from llmpy.tokenizer import (ByteTokenizer, GPT2Tokenizer, find_gpt2_dir, gpt2_mergeable_ranks,
-                             load_tokenizer, tiktoken_cached_gpt2_files)
+                             load_tokenizer, split_at_safe_spaces, tiktoken_cached_gpt2_files)
 
 
 GPT2_FILES = ("gpt2/encoder.json", "gpt2/vocab.bpe")
@@ -90,6 +90,51 @@ def test_gpt2_encode_documents(gpt2, rng):
     for d in docs:
         expect += [50256] + gpt2.encode(d)
     assert stream.tolist() == expect
+
+
+def test_split_at_safe_spaces_cuts_only_between_alphanumerics():
+    text = "ab cd  ef\tgh é1 2日 本 ' x 'y z"
+    for size in range(0, len(text) + 2):
+        pieces = list(split_at_safe_spaces(text, size))
+        assert "".join(pieces) == text and all(pieces)
+        assert all(len(p) >= size for p in pieces[:-1])
+        for left, right in zip(pieces, pieces[1:]):
+            assert right[0] == " " and left[-1].isalnum() and right[1].isalnum(), (size, left, right)
+    assert list(split_at_safe_spaces("", 4)) == [""]
+    assert list(split_at_safe_spaces("x" * 50 + " . " + "y" * 10, 4)) == ["x" * 50 + " . " + "y" * 10]  # no safe space
+
+
+def test_gpt2_tokens_of_pieces_are_the_whole_texts(gpt2, rng, shared_data):
+    # cut at split_at_safe_spaces' spaces, the pre-tokenizer's matches and so the tokens are the whole text's
+    texts = [_random_text(rng, int(rng.integers(1, 3000))) for _ in range(30)]
+    texts += ["I'm sure they'll've  done it's   \n\n  ok?!  a b", "x1 2y 3 4 5\u00a0z \u3000q w", "é e\u0301 f g"]
+    shakespeare = shared_data() / SHAKESPEARE
+    if shakespeare.is_file():
+        texts.append(shakespeare.read_text(encoding="utf-8")[:200000])
+    for t in texts:
+        whole = gpt2.encode(t)
+        for size in (1, 7, 64, 1000):
+            pieces = list(split_at_safe_spaces(t, size))
+            assert [i for p in pieces for i in gpt2.encode(p)] == whole, (size, repr(t[:80]))
+    assert len(list(split_at_safe_spaces(texts[-1], 1000))) > 10  # the corpus does get cut
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])
+def test_iter_encoded_pieces_and_batches_make_the_same_stream(tokenizer, gpt2, rng, monkeypatch):
+    # documents long enough to be cut in pieces, batches small enough to be many: one EOT a document, same tokens
+    import llmpy.tokenizer as tk
+    tok = gpt2 if tokenizer == "gpt2" else ByteTokenizer()
+    monkeypatch.setattr(tk, "PIECE_CHARS", 50)
+    docs = [_random_text(rng, int(rng.integers(0, 600))) for _ in range(int(rng.integers(3, 8)))] + [""]
+    expect = []
+    for d in docs:
+        expect += [tok.eot] + tok.encode(d)
+    for batch_chars in (1, 37, 10**6):
+        parts = list(tok.iter_encoded(docs, batch_chars=batch_chars))
+        assert all(p.dtype == np.uint16 for p in parts)
+        assert np.concatenate(parts).tolist() == expect
+        assert batch_chars > 100 or tokenizer == "bytes" or len(parts) > len(docs)  # the long ones went in pieces
+    assert tok.encode_documents(docs).tolist() == expect
 
 
 def test_gpt2_decode_refuses_ids_outside_vocab(gpt2):

@@ -321,8 +321,10 @@ class ShardWriter:
 
 
 def _token_chunks(src: Source, tok: Tokenizer) -> Iterator[tuple[bool, np.ndarray]]:
+    # a batch's tokens at a time: a long text file streams through (and the progress bar moves) in pieces
     for hint, docs in src.groups():
-        yield hint, tok.encode_documents(docs)
+        for tokens in tok.iter_encoded(docs):
+            yield hint, tokens
 
 
 def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: str = "gpt2",

@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -36,8 +36,31 @@ _TIKTOKEN_GPT2_URLS = ("https://openaipublic.blob.core.windows.net/gpt-2/encodin
                        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe")
 
 
+PIECE_CHARS = 1 << 20   # a document longer than this is encoded in pieces of about this size
+BATCH_CHARS = 1 << 24   # characters encoded at a time (a batch of documents or pieces, in parallel)
+
+
+def split_at_safe_spaces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
+    """`text` in pieces of at least piece_chars characters (the last may be shorter; at least one piece, "" for
+    ""), each cut just before a space that has a letter or digit on both sides. GPT-2's pre-tokenizer
+    (GPT2_PATTERN) ends a match there in the whole text, and the space begins the next one, " ?\\p{L}+" or its
+    digit or symbol form, exactly as it begins a piece: so the pieces' tokens, joined, are the whole text's.
+    The characters either side must not be whitespace to any definition of it, which letters and digits never
+    are. A text with no such space from some point on stays whole from there."""
+    start = 0
+    while len(text) - start > piece_chars:
+        cut = text.find(" ", start + max(piece_chars, 1))  # never an empty piece
+        while cut != -1 and not (cut + 1 < len(text) and text[cut - 1].isalnum() and text[cut + 1].isalnum()):
+            cut = text.find(" ", cut + 1)
+        if cut == -1:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
 class Tokenizer:
-    """Common interface: name, vocab_size, eot, encode, decode, encode_documents."""
+    """Common interface: name, vocab_size, eot, encode, decode, encode_documents, iter_encoded."""
 
     name: str
     vocab_size: int
@@ -61,13 +84,38 @@ class Tokenizer:
 
     def encode_documents(self, docs: Iterable[str]) -> np.ndarray:
         """One EOT, then the document's tokens, for each document; as a uint16 array."""
-        docs = list(docs)
-        parts = []
-        eot = np.array([self.eot], dtype=np.uint16)
-        for ids in self.encode_batch(docs):
-            parts.append(eot)
-            parts.append(np.asarray(ids, dtype=np.uint16))
+        parts = list(self.iter_encoded(docs))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+    def iter_encoded(self, docs: Iterable[str], batch_chars: int | None = None) -> Iterator[np.ndarray]:
+        """encode_documents' stream in uint16 arrays of about batch_chars (default BATCH_CHARS) characters'
+        tokens each. A long document goes in pieces of PIECE_CHARS, cut where cutting changes no token
+        (split_at_safe_spaces): the encoder's list of Python ints takes ~36 bytes a token, so a 1 GB text file
+        whole would take ~10 GB; in pieces it takes a batch's worth, and the pieces of one document are encoded
+        in parallel as a batch."""
+        batch_chars = BATCH_CHARS if batch_chars is None else batch_chars
+        eot = np.array([self.eot], dtype=np.uint16)
+        batch: list[str] = []
+        starts: list[bool] = []  # whether the piece begins its document (takes the EOT)
+        size = 0
+
+        def encoded():
+            parts = []
+            for starts_doc, ids in zip(starts, self.encode_batch(batch)):
+                if starts_doc:
+                    parts.append(eot)
+                parts.append(np.asarray(ids, dtype=np.uint16))
+            return np.concatenate(parts)
+        for doc in docs:
+            for k, piece in enumerate(split_at_safe_spaces(doc, PIECE_CHARS)):
+                batch.append(piece)
+                starts.append(k == 0)
+                size += len(piece)
+                if size >= batch_chars:
+                    yield encoded()
+                    batch, starts, size = [], [], 0
+        if batch:
+            yield encoded()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot={self.eot})"
@@ -83,14 +131,19 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_documents(self, docs: Iterable[str]) -> np.ndarray:
+    def iter_encoded(self, docs: Iterable[str], batch_chars: int | None = None) -> Iterator[np.ndarray]:
         # fast path: bytes map straight onto uint16 ids without Python lists
-        parts = []
+        batch_chars = BATCH_CHARS if batch_chars is None else batch_chars
         eot = np.array([self.eot], dtype=np.uint16)
+        parts, size = [], 0
         for d in docs:
-            parts.append(eot)
-            parts.append(np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint16))
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+            parts += [eot, np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint16)]
+            size += len(d)
+            if size >= batch_chars:
+                yield np.concatenate(parts)
+                parts, size = [], 0
+        if parts:
+            yield np.concatenate(parts)
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = self._check_ids(ids)
