@@ -60,7 +60,7 @@ def split_at_safe_spaces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[
 
 
 class Tokenizer:
-    """Common interface: name, vocab_size, eot, encode, decode, encode_documents, iter_encoded."""
+    """Common interface: name, vocab_size, eot, encode, decode, encode_documents, iter_encoded, pieces."""
 
     name: str
     vocab_size: int
@@ -87,12 +87,16 @@ class Tokenizer:
         parts = list(self.iter_encoded(docs))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
+    def pieces(self, doc: str) -> Iterable[str]:
+        """The document in pieces whose tokens, joined, are the document's; a tokenizer that knows where it may
+        cut (GPT2Tokenizer) cuts a long one, so that it is encoded a piece at a time."""
+        return (doc,)
+
     def iter_encoded(self, docs: Iterable[str], batch_chars: int | None = None) -> Iterator[np.ndarray]:
         """encode_documents' stream in uint16 arrays of about batch_chars (default BATCH_CHARS) characters'
-        tokens each. A long document goes in pieces of PIECE_CHARS, cut where cutting changes no token
-        (split_at_safe_spaces): the encoder's list of Python ints takes ~36 bytes a token, so a 1 GB text file
-        whole would take ~10 GB; in pieces it takes a batch's worth, and the pieces of one document are encoded
-        in parallel as a batch."""
+        tokens each, a document going in its pieces (self.pieces). tiktoken's list of Python ints takes ~36 bytes
+        a token, so a 1 GB text file encoded whole would take ~10 GB; in pieces it takes a batch's worth, and the
+        pieces of one document are encoded in parallel as a batch."""
         batch_chars = BATCH_CHARS if batch_chars is None else batch_chars
         eot = np.array([self.eot], dtype=np.uint16)
         batch: list[str] = []
@@ -107,7 +111,7 @@ class Tokenizer:
                 parts.append(np.asarray(ids, dtype=np.uint16))
             return np.concatenate(parts)
         for doc in docs:
-            for k, piece in enumerate(split_at_safe_spaces(doc, PIECE_CHARS)):
+            for k, piece in enumerate(self.pieces(doc)):
                 batch.append(piece)
                 starts.append(k == 0)
                 size += len(piece)
@@ -221,6 +225,10 @@ class GPT2Tokenizer(Tokenizer):
         if encoding.n_vocab != GPT2_VOCAB_SIZE or encoding.eot_token != GPT2_EOT:
             raise LlmpyError(f"tiktoken encoding {encoding.name!r} is not GPT-2's "
                              f"({encoding.n_vocab} tokens, end-of-text {encoding.eot_token})")
+
+    def pieces(self, doc: str) -> Iterable[str]:
+        # safe for GPT2_PATTERN (split_at_safe_spaces says why); the module's PIECE_CHARS read at each call
+        return split_at_safe_spaces(doc, PIECE_CHARS)
 
     @classmethod
     def from_files(cls, encoder_json: str | os.PathLike, vocab_bpe: str | os.PathLike) -> "GPT2Tokenizer":
