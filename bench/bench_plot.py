@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench.host_commands import add_tree_arguments, run_rounds
 
 
 def write_log(path: Path, steps: int, seed: int = 1) -> None:
@@ -31,39 +30,17 @@ def write_log(path: Path, steps: int, seed: int = 1) -> None:
                 f.write(json.dumps({"step": s, "kind": "val", "loss": 3 + rng.random()}) + "\n")
 
 
-def measure(src: str, *llmpy_args: str) -> tuple[float, float]:
-    """(seconds, peak resident GB) of `llmpy ARGS` with `src` first on PYTHONPATH, in a fresh process (a
-    wrapper that runs nothing else, so its children's peak is the command's)."""
-    wrapper = ("import resource, subprocess, sys\n"
-               "r = subprocess.run([sys.executable, '-m', 'llmpy', *sys.argv[1:]], stdout=subprocess.DEVNULL)\n"
-               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", wrapper, *llmpy_args],
-                         capture_output=True, text=True, env=env, check=True).stdout.split()
-    seconds = time.perf_counter() - t0
-    if out[0] != "0":
-        raise SystemExit(f"llmpy {' '.join(llmpy_args)} failed under {src}")
-    return seconds, int(out[1]) * 1024 / 1e9  # ru_maxrss is in KiB on Linux
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1_600_000, help="train records in the log (default 1.6M)")
-    parser.add_argument("--src", action="append", default=None,
-                        help="a source tree to put on PYTHONPATH (repeatable; default: src)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, alternated (default 2)")
+    add_tree_arguments(parser)
     args = parser.parse_args(argv)
-    srcs = args.src or ["src"]
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
         write_log(run_dir / "main.jsonl", args.steps)
         size = (run_dir / "main.jsonl").stat().st_size
         print(f"log: {args.steps:,} train records, {size / 1e6:.0f} MB")
-        for r in range(args.rounds):
-            for i, src in enumerate(srcs):
-                seconds, peak_gb = measure(src, "plot", str(run_dir), "-o", str(run_dir / f"plots-{i}"))
-                print(f"round {r + 1}  {src}: {seconds:.1f} s, peak {peak_gb:.2f} GB")
+        run_rounds(args, lambda i: ("plot", str(run_dir), "-o", str(run_dir / f"plots-{i}")))
     return 0
 
 

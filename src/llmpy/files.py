@@ -86,10 +86,10 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def remove_orphaned_temporaries(folder) -> int:
+def remove_orphaned_temporaries(folder, log: Callable[[str], None] | None = None) -> int:
     """Remove the temporaries llmpy's writers leave where their process was killed mid-write (SIGKILL, the OOM
     killer, a power cut): a name of atomic_path's or prepare's pattern, a process id no process has, and no
-    change for ORPHAN_MIN_AGE_S. Returns how many it removed."""
+    change for ORPHAN_MIN_AGE_S. Returns how many it removed, and says so through `log` if it removed any."""
     removed = 0
     try:
         entries = list(os.scandir(folder))
@@ -105,6 +105,8 @@ def remove_orphaned_temporaries(folder) -> int:
         except OSError:
             continue
         removed += 1
+    if removed and log is not None:
+        log(f"note: removed {removed} temporary file(s) in {folder} left by a killed llmpy process")
     return removed
 
 

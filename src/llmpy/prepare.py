@@ -368,8 +368,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     staging = Staging()
     try:
         writable_dir(out, "output folder")
-        if orphans := remove_orphaned_temporaries(out):
-            log(f"note: removed {orphans} temporary file(s) in {out} left by a killed llmpy process")
+        remove_orphaned_temporaries(out, log)
         tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # the user asked for data: tiktoken may fetch
         chunks: Iterable[tuple[bool, np.ndarray]] = _token_chunks(src, tok)
         if not use_hints and n_val is None:

@@ -60,7 +60,8 @@ def split_at_safe_spaces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[
 
 
 class Tokenizer:
-    """Common interface: name, vocab_size, eot, encode, decode, encode_documents, iter_encoded, pieces."""
+    """Common interface: name, vocab_size, eot, encode, decode, encode_documents, iter_encoded; encode_arrays
+    and pieces are what a tokenizer may do faster or in parts."""
 
     name: str
     vocab_size: int
@@ -87,6 +88,10 @@ class Tokenizer:
         parts = list(self.iter_encoded(docs))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """encode_batch's ids as uint16 arrays."""
+        return [np.asarray(ids, dtype=np.uint16) for ids in self.encode_batch(texts)]
+
     def pieces(self, doc: str) -> Iterable[str]:
         """The document in pieces whose tokens, joined, are the document's; a tokenizer that knows where it may
         cut (GPT2Tokenizer) cuts a long one, so that it is encoded a piece at a time."""
@@ -105,10 +110,10 @@ class Tokenizer:
 
         def encoded():
             parts = []
-            for starts_doc, ids in zip(starts, self.encode_batch(batch)):
+            for starts_doc, ids in zip(starts, self.encode_arrays(batch)):
                 if starts_doc:
                     parts.append(eot)
-                parts.append(np.asarray(ids, dtype=np.uint16))
+                parts.append(ids)
             return np.concatenate(parts)
         for doc in docs:
             for k, piece in enumerate(self.pieces(doc)):
@@ -135,19 +140,9 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def iter_encoded(self, docs: Iterable[str], batch_chars: int | None = None) -> Iterator[np.ndarray]:
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         # fast path: bytes map straight onto uint16 ids without Python lists
-        batch_chars = BATCH_CHARS if batch_chars is None else batch_chars
-        eot = np.array([self.eot], dtype=np.uint16)
-        parts, size = [], 0
-        for d in docs:
-            parts += [eot, np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint16)]
-            size += len(d)
-            if size >= batch_chars:
-                yield np.concatenate(parts)
-                parts, size = [], 0
-        if parts:
-            yield np.concatenate(parts)
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint16) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = self._check_ids(ids)

@@ -782,8 +782,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     if opts.output_dir:  # after every check of the input
         from .files import remove_orphaned_temporaries, writable_dir
         out_dir = writable_dir(opts.output_dir, "output directory", name=f"-o {opts.output_dir}")
-        if writer and (orphans := remove_orphaned_temporaries(out_dir)):
-            log(f"note: removed {orphans} temporary file(s) in {out_dir} left by a killed llmpy process")
+        if writer:
+            remove_orphaned_temporaries(out_dir, log)
 
     if kernels:
         backend = GPUBackend(config, params, opts, device=device, data_parallel=dp)
