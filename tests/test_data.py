@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from llmpy import prepare as prep
-from llmpy.data import (HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, DataLoader, EvalLoader, default_corpus, default_dataset,
-                        read_shard, shard_num_tokens, write_shard)
+from llmpy.data import (HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, DataLoader, EvalLoader, ShardFile, default_corpus,
+                        default_dataset, read_shard, shard_num_tokens, write_shard)
 from llmpy.errors import LlmpyError
 from llmpy.tokenizer import ByteTokenizer
 
@@ -75,6 +75,26 @@ def test_shard_roundtrip_and_header(tmp_path, rng):
     assert back.dtype == np.uint16 and np.array_equal(back, toks)
     assert shard_num_tokens(path) == n
     assert sorted(os.listdir(tmp_path)) == ["s.bin"]  # no temporary files left behind
+
+
+def test_shard_file_written_in_parts_is_write_shards_file(tmp_path, rng):
+    # appended a part at a time (empty parts too), closed: byte for byte the shard write_shard writes at once
+    toks = rng.integers(0, 65536, int(rng.integers(1, 5000))).astype(np.uint16)
+    cuts = np.sort(rng.integers(0, len(toks) + 1, 6))
+    shard = ShardFile(tmp_path / "parts.bin")
+    for a, b in zip([0, *cuts], [*cuts, len(toks)]):
+        shard.append(toks[a:b])
+    assert shard.close() == len(toks)
+    write_shard(tmp_path / "whole.bin", toks)
+    assert (tmp_path / "parts.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
+    # one left unfinished (abandoned mid-write) is no shard to a reader: its header's count is 0, its size is not
+    unfinished = ShardFile(tmp_path / "unfinished.bin")
+    unfinished.append(toks)
+    unfinished.abandon()
+    with pytest.raises(LlmpyError, match=r"unfinished\.bin"):
+        shard_num_tokens(tmp_path / "unfinished.bin")
+    with pytest.raises(LlmpyError, match=r"parts\.bin: cannot write \(File exists\)"):
+        ShardFile(tmp_path / "parts.bin")  # never over an existing file
 
 
 def test_write_shard_overwrites_atomically(tmp_path, rng):
@@ -478,6 +498,56 @@ def test_prepare_of_a_long_text_in_pieces_writes_the_whole_texts_tokens(tmp_path
     assert len(batches) > 10 and max(batches) > 1  # it did go in pieces, several to a batch
 
 
+def test_text_blocks_decode_a_file_as_a_whole_decode_does(tmp_path):
+    # read in blocks that cut characters of two to four bytes anywhere: the same text, and a byte that is not
+    # UTF-8 named at its offset in the file, as a whole-file decode names it
+    rng = np.random.default_rng(secrets.randbits(32))
+    text = "".join(rng.choice(list("ab \n") + ["é", "€", "🙂", "日本"], 300))
+    path = tmp_path / "t.txt"
+    path.write_bytes(text.encode("utf-8"))
+    for block_bytes in (1, 2, 3, 5, 64, 1 << 20):
+        blocks = list(prep._text_blocks(path, block_bytes))
+        assert "".join(blocks) == text and all(blocks)
+    data = text.encode("utf-8")
+    for bad in (b"\xff", b"\xe2\x82", b"\xc3(", b"\xf0\x9f\x99"):
+        for at in (0, int(rng.integers(1, len(data))), len(data)):
+            at = len(data[:at].decode("utf-8", errors="ignore").encode("utf-8"))  # between characters
+            broken = data[:at] + bad + data[at:]
+            path.write_bytes(broken)
+            with pytest.raises(UnicodeDecodeError) as whole:
+                broken.decode("utf-8")
+            for block_bytes in (1, 3, 7, 1 << 20):
+                with pytest.raises(LlmpyError) as err:
+                    list(prep._text_blocks(path, block_bytes))
+                assert str(err.value) == f"{path}: not UTF-8 text (byte {whole.value.start}: {whole.value.reason})"
+
+
+def test_prepare_reads_a_file_and_a_folder_in_blocks(tmp_path, monkeypatch, shared_data):
+    # files read a few bytes at a time give the shards of the texts whole: a file, and a folder's files
+    root = shared_data("gpt2/encoder.json", "gpt2/vocab.bpe", "tinyshakespeare/input.txt")
+    text = (root / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:20000] + " é€🙂 end"
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"{i}.txt").write_text(text[i * 5000:(i + 1) * 5000 + 7], encoding="utf-8")
+    (folder / "whole.txt").write_text(text, encoding="utf-8")
+    import llmpy.tokenizer as tk
+    gpt2 = tk.GPT2Tokenizer.from_files(root / "gpt2" / "encoder.json", root / "gpt2" / "vocab.bpe")
+    docs = [(folder / n).read_text(encoding="utf-8") for n in ("0.txt", "1.txt", "2.txt", "whole.txt")]
+    monkeypatch.setattr(tk, "PIECE_CHARS", 300)
+    read = []
+    real = prep._text_blocks
+    monkeypatch.setattr(prep, "_text_blocks", lambda path: (b for b in real(path, 1001) if not read.append(len(b))))
+    for src, expect_docs in ((folder / "whole.txt", [text]), (folder, docs)):
+        out = tmp_path / "o" / src.name
+        prep.prepare(str(src), out, tokenizer_dir=str(root / "gpt2"), val_tokens=333, shard_size=4000,
+                     log=lambda *_: None)
+        _, val = _split_tokens(out, src.stem, "val")
+        _, train = _split_tokens(out, src.stem, "train")
+        assert val.tolist() + train.tolist() == gpt2.encode_documents(expect_docs).tolist() and len(val) == 333
+    assert len(read) > 40 and max(read) <= 1001  # it did read in blocks
+
+
 class _FakeResponse(io.BytesIO):
     def __init__(self, data):
         super().__init__(data)
@@ -521,6 +591,30 @@ def test_download_checks_sha256(tmp_path, monkeypatch):
     with pytest.raises(LlmpyError, match="sha256"):
         run_prepare(["tinyshakespeare", "-o", tmp_path / "o", "--tokenizer", "bytes", "--cache-dir", tmp_path / "c"])
     assert not list((tmp_path / "c").rglob("*.txt"))
+
+
+def test_download_removes_a_killed_downloads_partial_file_and_keeps_the_umasks_mode(tmp_path, monkeypatch):
+    # a download killed mid-way (SIGKILL: no cleanup) leaves its temporary; the next download into the folder removes
+    # it once its process is gone and it is old, and the file it writes has the umask's mode, not mkstemp's 0600
+    import subprocess
+    import sys
+    import time
+    from llmpy.files import ORPHAN_MIN_AGE_S
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder = tmp_path / "cache" / "tinyshakespeare"
+    folder.mkdir(parents=True)
+    orphan = folder / f".input.txt.{int(dead.stdout)}.0123abcd.part"
+    orphan.write_bytes(b"half a download")
+    old = time.time() - ORPHAN_MIN_AGE_S - 60
+    os.utime(orphan, (old, old))
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: _FakeResponse(b"data"))
+    previous = os.umask(0o022)
+    try:
+        got = prep.download("https://example.invalid/input.txt", folder / "input.txt")
+    finally:
+        os.umask(previous)
+    assert got.read_bytes() == b"data" and os.stat(got).st_mode & 0o777 == 0o644
+    assert sorted(os.listdir(folder)) == ["input.txt"]
 
 
 def test_fineweb_without_datasets_package(tmp_path, monkeypatch):
@@ -587,23 +681,27 @@ def test_failed_prepare_leaves_earlier_shards_unchanged(tmp_path, monkeypatch):
         run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 999999999, "--shard-size", 10**6])
     assert _snapshot(out) == before  # same files, same bytes, no temporaries
 
-    # interrupted (Ctrl-C) after some shards of the new run are written: likewise
-    real_write, calls = prep.write_shard, []
+    # interrupted (Ctrl-C) after some shards of the new run are written, in the middle of the third: likewise
+    calls = []
 
-    def write_then_interrupt(path, tokens):
-        calls.append(path)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_write(path, tokens)
-    monkeypatch.setattr(prep, "write_shard", write_then_interrupt)
+    class InterruptedShardFile(prep.ShardFile):
+        def append(self, tokens):
+            calls.append(self.path)
+            if len(calls) == 3:
+                super().append(tokens[:5])
+                raise KeyboardInterrupt
+            super().append(tokens)
+    monkeypatch.setattr(prep, "ShardFile", InterruptedShardFile)
     with pytest.raises(KeyboardInterrupt):
         run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 10, "--shard-size", 700])
     assert len(calls) == 3 and all(p.parent == out and p.name.startswith(".") for p in calls)
     assert _snapshot(out) == before
 
 
-def test_sigterm_during_prepare_cleans_up_as_ctrl_c_does(tmp_path):
-    """`kill` (SIGTERM) mid-prepare: one line, exit 143, the earlier shards as they were, no temporaries."""
+@pytest.mark.parametrize("split", [[], ["--val-tokens", "10"]], ids=["spilling", "writing-shards"])
+def test_sigterm_during_prepare_cleans_up_as_ctrl_c_does(tmp_path, split):
+    """`kill` (SIGTERM) mid-prepare: one line, exit 143, the earlier shards as they were, no temporaries; while the
+    token stream is spilled to be counted (the default split, a fraction) or while shards are written."""
     import signal
     import subprocess
     import sys
@@ -615,15 +713,47 @@ def test_sigterm_during_prepare_cleans_up_as_ctrl_c_does(tmp_path):
     run_prepare([tmp_path / "big.txt", "-o", out, "--tokenizer", "bytes", "--val-tokens", 10, "--shard-size", 10**6])
     before = _snapshot(out)
     proc = subprocess.Popen([sys.executable, "-m", "llmpy", "prepare", str(src), "-o", str(out), "--tokenizer", "bytes",
-                             "--shard-size", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--shard-size", "300", *split], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.monotonic() + 120
-    while not any(p.name.endswith(".part") for p in out.iterdir()):  # its staged shards: mid-write
+    stage = "_tokens." if not split else "_train_"  # the spilled stream, or a staged shard: mid-write
+    while not any(p.name.endswith(".part") and stage in p.name for p in out.iterdir()):
         assert proc.poll() is None and time.monotonic() < deadline, "prepare ended before it was signalled"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM and err == "llmpy prepare: terminated (SIGTERM)\n", err
     assert _snapshot(out) == before
+
+
+def test_prepare_split_by_fraction_spills_the_stream_and_leaves_no_trace(tmp_path, monkeypatch):
+    # the default split counts the stream on disk, read back in pieces: the split of the whole stream, and no spill
+    # file left after success or after a bad byte deep in the file (the earlier dataset as it was)
+    rng = np.random.default_rng(secrets.randbits(32))
+    text = "".join(rng.choice(list("abc é\n🙂"), 5000))
+    src = tmp_path / "t.txt"
+    src.write_text(text, encoding="utf-8")
+    out = tmp_path / "o"
+    monkeypatch.setattr(prep, "SPILL_READ_TOKENS", 333)
+    monkeypatch.setattr(prep, "READ_BYTES", 1000)
+    import llmpy.tokenizer as tk
+    monkeypatch.setattr(tk, "BATCH_CHARS", 500)
+    spilled = []
+    real_spill = prep._spill
+    monkeypatch.setattr(prep, "_spill", lambda chunks, path: spilled.append(path) or real_spill(chunks, path))
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--shard-size", 1000])
+    stream = ByteTokenizer().encode_documents([text])
+    n_val = round(len(stream) * prep.DEFAULT_VAL_FRACTION)
+    assert _split_tokens(out, "t", "val")[1].tolist() == stream[:n_val].tolist()
+    assert _split_tokens(out, "t", "train")[1].tolist() == stream[n_val:].tolist()
+    assert len(spilled) == 1 and spilled[0].parent == out and not spilled[0].exists()
+    assert not [p for p in os.listdir(out) if not p.endswith(".bin")]
+    before = _snapshot(out)
+    head = text[:3000].encode("utf-8")  # some batches are in the spill file by then
+    src.write_bytes(head + b"\xff" + text[3000:].encode("utf-8"))
+    with pytest.raises(LlmpyError, match=rf"t\.txt: not UTF-8 text \(byte {len(head)}: invalid start byte\)"):
+        run_prepare([src, "-o", out, "--tokenizer", "bytes", "--shard-size", 1000])
+    assert len(spilled) == 2 and _snapshot(out) == before
 
 
 def test_failed_prepare_removes_only_the_folders_it_made(tmp_path):

@@ -95,11 +95,7 @@ def test_gpt2_encode_documents(gpt2, rng):
 def test_split_at_safe_spaces_cuts_only_between_alphanumerics():
     text = "ab cd  ef\tgh é1 2日 本 ' x 'y z"
     for size in range(0, len(text) + 2):
-        pieces = list(split_at_safe_spaces(text, size))
-        assert "".join(pieces) == text and all(pieces)
-        assert all(len(p) >= size for p in pieces[:-1])
-        for left, right in zip(pieces, pieces[1:]):
-            assert right[0] == " " and left[-1].isalnum() and right[1].isalnum(), (size, left, right)
+        _assert_safe_pieces(list(split_at_safe_spaces(text, size)), text, size)
     assert list(split_at_safe_spaces("", 4)) == [""]
     assert list(split_at_safe_spaces("x" * 50 + " . " + "y" * 10, 4)) == ["x" * 50 + " . " + "y" * 10]  # no safe space
 
@@ -117,6 +113,51 @@ def test_gpt2_tokens_of_pieces_are_the_whole_texts(gpt2, rng, shared_data):
             pieces = list(split_at_safe_spaces(t, size))
             assert [i for p in pieces for i in gpt2.encode(p)] == whole, (size, repr(t[:80]))
     assert len(list(split_at_safe_spaces(texts[-1], 1000))) > 10  # the corpus does get cut
+
+
+def _in_parts(rng, text):
+    """`text` as consecutive parts of random lengths, some empty, some one character."""
+    cuts = np.sort(rng.integers(0, len(text) + 1, int(rng.integers(0, 12))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def _assert_safe_pieces(pieces, text, size):
+    assert "".join(pieces) == text and all(pieces) or pieces == [""] == [text]
+    assert all(len(p) >= size for p in pieces[:-1])
+    for left, right in zip(pieces, pieces[1:]):
+        assert right[0] == " " and left[-1].isalnum() and right[1].isalnum(), (size, left, right)
+
+
+def test_split_at_safe_spaces_of_a_text_in_parts(gpt2, rng):
+    # a text that comes in parts (a file read in blocks): the same kind of cuts, and the same tokens, wherever the
+    # parts end; one part is the text whole
+    for _ in range(40):
+        text = _random_text(rng, int(rng.integers(0, 400)))
+        parts = _in_parts(rng, text)
+        for size in (0, 1, 5, 60):
+            pieces = list(split_at_safe_spaces(iter(parts), size))
+            _assert_safe_pieces(pieces, text, size)
+            assert [i for p in pieces for i in gpt2.encode(p)] == gpt2.encode(text)
+            assert list(split_at_safe_spaces([text], size)) == list(split_at_safe_spaces(text, size))
+    assert list(split_at_safe_spaces([], 4)) == [""] == list(split_at_safe_spaces(["", ""], 4))
+    # a space that ends a part is not cut at: its right side is in the next part
+    assert list(split_at_safe_spaces(["ab ", "cd ef"], 1)) == ["ab cd", " ef"]
+    assert list(split_at_safe_spaces(["ab", " cd"], 1)) == ["ab", " cd"]  # the left side is the last part's
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])
+def test_iter_encoded_of_documents_in_parts(tokenizer, gpt2, rng, monkeypatch):
+    # a document given as parts (the lazy form prepare reads a file in) encodes to the tokens of the whole text
+    import llmpy.tokenizer as tk
+    tok = gpt2 if tokenizer == "gpt2" else ByteTokenizer()
+    monkeypatch.setattr(tk, "PIECE_CHARS", 40)
+    texts = [_random_text(rng, int(rng.integers(0, 500))) for _ in range(int(rng.integers(2, 6)))] + [""]
+    expect = []
+    for t in texts:
+        expect += [tok.eot] + tok.encode(t)
+    docs = [iter(_in_parts(rng, t)) for t in texts] + [iter([])]
+    parts = list(tok.iter_encoded(docs, batch_chars=int(rng.integers(1, 200))))
+    assert np.concatenate(parts).tolist() == expect + [tok.eot]  # an empty document in no parts: its EOT
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])

@@ -65,13 +65,66 @@ def write_shard(path: str | os.PathLike, tokens) -> Path:
             pos = int(np.argmax(arr == bad))
             raise LlmpyError(f"{path}: token id {bad} at position {pos} does not fit a uint16 shard "
                              f"(ids must be 0..{MAX_TOKEN_ID})")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, arr.size
     if arr.size >= 2**31:
         raise LlmpyError(f"{path}: {arr.size} tokens is more than a shard's int32 count can hold")
     body = arr.astype("<u2", copy=False)
-    _atomic_write(path, [header.tobytes(), body.tobytes()])
+    _atomic_write(path, [_shard_header(arr.size), body.tobytes()])
     return path
+
+
+def _shard_header(num_tokens: int) -> bytes:
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, num_tokens
+    return header.tobytes()
+
+
+class ShardFile:
+    """A token shard written as its tokens arrive, so that it is never held in memory whole (`llmpy prepare`'s
+    shards, 10^8 tokens by default): the header with a count of 0, the tokens appended, then close() writes the
+    count over the header's and syncs. Not atomic by itself: write it under a temporary name and rename it once
+    closed. Token ids must fit uint16 (a tokenizer's arrays do); an OS error is one line naming the file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.num_tokens = 0
+        try:
+            self._file = open(self.path, "xb")
+            self._file.write(_shard_header(0))
+        except OSError as e:
+            self._fail(e)
+
+    def append(self, tokens: np.ndarray) -> None:
+        if self.num_tokens + len(tokens) >= 2**31:
+            raise LlmpyError(f"{self.path}: more tokens than a shard's int32 count can hold")
+        try:
+            self._file.write(memoryview(np.ascontiguousarray(tokens, dtype="<u2")).cast("B"))
+        except OSError as e:
+            self._fail(e)
+        self.num_tokens += len(tokens)
+
+    def close(self) -> int:
+        """Write the count, sync and close; returns the count."""
+        try:
+            self._file.seek(0)
+            self._file.write(_shard_header(self.num_tokens))
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+        except OSError as e:
+            self._fail(e)
+        return self.num_tokens
+
+    def abandon(self) -> None:
+        """Close without finishing (the caller removes the file)."""
+        if getattr(self, "_file", None) is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass  # its unwritten bytes: the file is going anyway
+
+    def _fail(self, e: OSError):
+        self.abandon()
+        raise LlmpyError(f"{self.path}: cannot write ({e.strerror or e})") from None
 
 
 def _atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
@@ -431,7 +484,7 @@ def shard_name(name: str, split: str, index: int) -> str:
 
 
 __all__ = [
-    "SHARD_MAGIC", "SHARD_VERSION", "HEADER_INTS", "write_shard", "read_shard", "shard_num_tokens",
+    "SHARD_MAGIC", "SHARD_VERSION", "HEADER_INTS", "write_shard", "ShardFile", "read_shard", "shard_num_tokens",
     "check_tokens", "resolve_shards", "DataLoader", "EvalLoader", "default_corpus", "default_dataset",
     "default_cache_dir", "DatasetFiles", "shard_name",
 ]

@@ -18,12 +18,12 @@ replace an earlier prepare's in OUTDIR only once all of them are written: a fail
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import json
 import os
 import re
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -33,9 +33,9 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .files import remove_orphaned_temporaries, temporary_sibling, writable_dir
-from .data import shard_name, write_shard
+from .data import ShardFile, shard_name
 from .errors import LlmpyError
-from .tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
+from .tokenizer import TOKENIZER_NAMES, Document, Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_SIZE = 10**8  # tokens, llm.c's fineweb shard size
 MAX_SHARD_SIZE = 2**31 - 1  # the header's int32 count
@@ -66,7 +66,8 @@ def download(url: str, dest: Path, sha256: str | None = None) -> Path:
     if dest.is_file():
         return dest
     writable_dir(dest.parent, "download folder")
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    remove_orphaned_temporaries(dest.parent)  # a killed download's partial file
+    fd, tmp = _new_temporary(dest)
     digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as f, _urlopen(url, timeout=60) as resp:
@@ -92,6 +93,14 @@ def download(url: str, dest: Path, sha256: str | None = None) -> Path:
     return dest
 
 
+def _new_temporary(dest: Path) -> tuple[int, Path]:
+    """A new file beside `dest` to write it under, open for writing: named as files.temporary_sibling names
+    temporaries (so that remove_orphaned_temporaries knows a killed writer's), with the umask's mode, which the
+    finished file keeps (mkstemp's would be 0600)."""
+    tmp = temporary_sibling(dest, "part")
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+
+
 def _unlink(path) -> None:
     try:
         os.unlink(path)
@@ -106,25 +115,49 @@ def _unlink(path) -> None:
 @dataclass
 class Source:
     name: str
-    groups: Callable[[], Iterator[tuple[bool, list[str]]]]
+    groups: Callable[[], Iterator[tuple[bool, Iterable[Document]]]]
     default_val_tokens: int | None = None   # llm.c's fixed val size, where it has one
     hinted_split: bool = False              # the groups' hints define the default split
     streaming: bool = False                 # too big to count before writing
 
 
-def _read_text(path: Path) -> str:
+READ_BYTES = 1 << 24  # a text file is read, decoded and tokenized this many bytes at a time
+
+
+def _text_blocks(path: Path, block_bytes: int | None = None) -> Iterator[str]:
+    """The UTF-8 text of `path` in consecutive parts of about block_bytes (default READ_BYTES) bytes each,
+    decoded as they are read, so that a large file is never held whole; a byte that is not UTF-8 stops it with
+    the file's byte offset, as a whole-file decode would name it."""
+    block_bytes = READ_BYTES if block_bytes is None else block_bytes
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes read before this block
     try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LlmpyError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        with open(path, "rb") as f:
+            while True:
+                block = f.read(block_bytes)
+                waiting = len(decoder.getstate()[0])  # a character's first bytes, held from the last block
+                try:
+                    text = decoder.decode(block, final=not block)
+                except UnicodeDecodeError as e:
+                    at = offset - waiting + e.start
+                    raise LlmpyError(f"{path}: not UTF-8 text (byte {at}: {e.reason})") from None
+                if not block:
+                    return
+                offset += len(block)
+                if text:
+                    yield text
     except OSError as e:
         raise LlmpyError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _read_text(path: Path) -> str:
+    return "".join(_text_blocks(path))
 
 
 def _local_file(path: Path) -> Source:
     if path.stat().st_size == 0:  # else a shard of one end-of-text token, which no run can train on
         raise LlmpyError(f"{path}: empty file, no text to tokenize")
-    return Source(path.stem, lambda: iter([(False, [_read_text(path)])]))
+    return Source(path.stem, lambda: iter([(False, [_text_blocks(path)])]))
 
 
 def _local_folder(folder: Path) -> Source:
@@ -134,18 +167,8 @@ def _local_folder(folder: Path) -> Source:
     if all(p.stat().st_size == 0 for p in files):
         raise LlmpyError(f"{folder}: every .txt file in the folder is empty, no text to tokenize")
 
-    def groups():
-        batch: list[str] = []
-        size = 0
-        for p in files:
-            batch.append(_read_text(p))
-            size += len(batch[-1])
-            if size > 1 << 24:
-                yield False, batch
-                batch, size = [], 0
-        if batch:
-            yield False, batch
-    return Source(folder.resolve().name, groups)
+    # each file a document read block by block as the tokenizer reaches it
+    return Source(folder.resolve().name, lambda: iter([(False, (_text_blocks(p) for p in files))]))
 
 
 def _tinyshakespeare(cache: Path) -> Source:
@@ -169,6 +192,7 @@ def _tinystories_files(cache: Path) -> list[Path]:
     if not done.is_file():
         archive = download(TINYSTORIES_URL, cache / "TinyStories_all_data.tar.gz")
         writable_dir(folder, "download folder")
+        remove_orphaned_temporaries(folder)  # a killed unpacking's partial file
         try:
             with tarfile.open(archive, "r:gz") as tar:
                 for m in tar:
@@ -187,7 +211,7 @@ def _tinystories_files(cache: Path) -> list[Path]:
 
 
 def _write_atomic_stream(dest: Path, src) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    fd, tmp = _new_temporary(dest)
     try:
         with os.fdopen(fd, "wb") as f:
             while chunk := src.read(1 << 20):
@@ -288,36 +312,73 @@ class Staging:
 
 class ShardWriter:
     """Cuts one split's token stream into shards of exactly `shard_size` tokens (the last shorter), each written
-    under its temporary name until staging.commit()."""
+    as its tokens come (data.ShardFile) under its temporary name until staging.commit()."""
 
     def __init__(self, outdir: Path, name: str, split: str, shard_size: int, staging: Staging):
         self.outdir, self.name, self.split, self.shard_size = outdir, name, split, shard_size
         self.staging = staging
-        self.buf = np.empty(min(shard_size, 1 << 24), dtype=np.uint16)
-        self.fill = 0
+        self.shard: ShardFile | None = None  # the shard being written
         self.written: list[tuple[Path, int]] = []
 
     def add(self, tokens: np.ndarray) -> None:
         while len(tokens):
-            if self.fill == len(self.buf) and len(self.buf) < self.shard_size:
-                self.buf = np.resize(self.buf, min(self.shard_size, 2 * len(self.buf)))
-            take = min(len(tokens), len(self.buf) - self.fill)
-            self.buf[self.fill:self.fill + take] = tokens[:take]
-            self.fill += take
+            if self.shard is None:
+                path = self.outdir / shard_name(self.name, self.split, len(self.written))
+                self.shard = ShardFile(self.staging.temporary(path))
+                self.written.append((path, 0))
+            take = min(len(tokens), self.shard_size - self.shard.num_tokens)
+            self.shard.append(tokens[:take])
             tokens = tokens[take:]
-            if self.fill == self.shard_size:
-                self._flush()
+            if self.shard.num_tokens == self.shard_size:
+                self._finish()
 
-    def _flush(self) -> None:
-        path = self.outdir / shard_name(self.name, self.split, len(self.written))
-        write_shard(self.staging.temporary(path), self.buf[:self.fill])
-        self.written.append((path, self.fill))
-        self.fill = 0
+    def _finish(self) -> None:
+        self.written[-1] = (self.written[-1][0], self.shard.close())
+        self.shard = None
 
     def close(self) -> list[tuple[Path, int]]:
-        if self.fill:
-            self._flush()
+        if self.shard is not None:
+            self._finish()
         return self.written
+
+    def abandon(self) -> None:
+        if self.shard is not None:
+            self.shard.abandon()
+            self.shard = None
+
+
+SPILL_READ_TOKENS = 1 << 24  # the spilled stream is read back this many tokens at a time
+
+
+def _spill(chunks: Iterable[tuple[bool, np.ndarray]], path: Path) -> int:
+    """Write the token stream to `path` (a new file) and return its length: a split by --val-fraction needs the
+    total before the first shard, and the stream on disk costs no memory (in memory, 2 bytes a token)."""
+    def failed(e: OSError) -> LlmpyError:  # the file's errors only: the source's own pass through as they are
+        return LlmpyError(f"{path}: cannot write the token stream to count it ({e.strerror or e})")
+    total = 0
+    try:
+        f = open(path, "xb", buffering=0)  # unbuffered: a full disk says so at a write, never at close
+    except OSError as e:
+        raise failed(e) from None
+    with f:
+        for _, tokens in chunks:
+            data = memoryview(np.ascontiguousarray(tokens, dtype="<u2")).cast("B")
+            try:
+                while data:
+                    data = data[f.write(data):]
+            except OSError as e:
+                raise failed(e) from None
+            total += len(tokens)
+    return total
+
+
+def _unspill(path: Path) -> Iterator[tuple[bool, np.ndarray]]:
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(2 * SPILL_READ_TOKENS):
+                yield False, np.frombuffer(block, dtype="<u2")
+    except OSError as e:
+        raise LlmpyError(f"{path}: cannot read back the token stream ({e.strerror or e})") from None
 
 
 def _token_chunks(src: Source, tok: Tokenizer) -> Iterator[tuple[bool, np.ndarray]]:
@@ -366,20 +427,25 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
 
     created = _missing_folders(out)
     staging = Staging()
+    spill = None
+    writers: dict[str, ShardWriter] = {}
     try:
         writable_dir(out, "output folder")
         remove_orphaned_temporaries(out, log)
         tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # the user asked for data: tiktoken may fetch
-        chunks: Iterable[tuple[bool, np.ndarray]] = _token_chunks(src, tok)
-        if not use_hints and n_val is None:
-            chunks = list(chunks)  # small enough to count before splitting
-            total = sum(len(c) for _, c in chunks)
-            frac = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
-            n_val = int(round(total * frac))
-
         writers = {s: ShardWriter(out, name, s, shard_size, staging) for s in ("val", "train")}
         seen = 0
         with tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {src.name}", disable=None) as bar:
+            def counted(chunks):
+                for hint, tokens in chunks:
+                    bar.update(len(tokens))
+                    yield hint, tokens
+            chunks: Iterable[tuple[bool, np.ndarray]] = counted(_token_chunks(src, tok))
+            if not use_hints and n_val is None:  # a fraction of a total not known yet
+                spill = temporary_sibling(out / f"{name}_tokens", "part")  # a killed run's is an orphan to remove
+                total = _spill(chunks, spill)
+                chunks = _unspill(spill)
+                n_val = int(round(total * (DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction)))
             for hint, tokens in chunks:
                 if use_hints:
                     writers["val" if hint else "train"].add(tokens)
@@ -388,16 +454,21 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
                     writers["val"].add(tokens[:k])
                     writers["train"].add(tokens[k:])
                 seen += len(tokens)
-                bar.update(len(tokens))
         result = {s: w.close() for s, w in writers.items()}
         if not result["train"]:
             raise LlmpyError(f"{source}: all {seen} tokens went to the val split; nothing left to train on "
                              "(lower --val-tokens / --val-fraction)")
         staging.commit()
     except BaseException:  # KeyboardInterrupt too: no temporaries, no empty folder of ours left behind
+        for w in writers.values():
+            w.abandon()
         staging.discard()
+        if spill is not None:
+            _unlink(spill)
         _remove_empty(created)
         raise
+    if spill is not None:
+        _unlink(spill)
     _remove_stale(out, name, result)
     for split in ("val", "train"):
         files = result[split]

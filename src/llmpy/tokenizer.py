@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -40,23 +40,53 @@ PIECE_CHARS = 1 << 20   # a document longer than this is encoded in pieces of ab
 BATCH_CHARS = 1 << 24   # characters encoded at a time (a batch of documents or pieces, in parallel)
 
 
-def split_at_safe_spaces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
+# a document: a text, or a text that comes as consecutive parts (a file read in blocks), never held whole
+Document = Union[str, Iterable[str]]
+
+
+def split_at_safe_spaces(text: Document, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
     """`text` in pieces of at least piece_chars characters (the last may be shorter; at least one piece, "" for
     ""), each cut just before a space that has a letter or digit on both sides. GPT-2's pre-tokenizer
     (GPT2_PATTERN) ends a match there in the whole text, and the space begins the next one, " ?\\p{L}+" or its
     digit or symbol form, exactly as it begins a piece: so the pieces' tokens, joined, are the whole text's.
     The characters either side must not be whitespace to any definition of it, which letters and digits never
-    are. A text with no such space from some point on stays whole from there."""
-    start = 0
-    while len(text) - start > piece_chars:
-        cut = text.find(" ", start + max(piece_chars, 1))  # never an empty piece
-        while cut != -1 and not (cut + 1 < len(text) and text[cut - 1].isalnum() and text[cut + 1].isalnum()):
-            cut = text.find(" ", cut + 1)
-        if cut == -1:
-            break
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
+    are. A text with no such space from some point on stays whole from there.
+
+    `text` may come in parts (a str is one part): the pieces then hold about a piece and a part at a time. A
+    space that ends a part is not cut at (its right side is unknown yet), which only makes a piece longer."""
+    parts = (text,) if isinstance(text, str) else text
+    held: list[str] = []  # the piece so far: the parts' text since the last cut
+    held_chars = 0
+    before = ""  # the character before the current part
+    for part in parts:
+        if not part:
+            continue
+        start = 0
+        while True:
+            # the piece reaches piece_chars at `at`, and is never empty
+            at = start + max(piece_chars - held_chars, 0 if held_chars else 1)
+            cut = part.find(" ", at)
+            while cut != -1 and not (cut + 1 < len(part) and (part[cut - 1] if cut else before).isalnum()
+                                     and part[cut + 1].isalnum()):
+                cut = part.find(" ", cut + 1)
+            if cut == -1:
+                held.append(part[start:])
+                held_chars += len(part) - start
+                break
+            yield "".join(held) + part[start:cut]
+            held, held_chars, start = [], 0, cut
+        before = part[-1]
+    yield "".join(held)
+
+
+def _at_least_one(pieces: Iterable[str]) -> Iterator[str]:
+    """The pieces, or "" where there are none (an empty document still gets its end-of-text token)."""
+    empty = True
+    for p in pieces:
+        empty = False
+        yield p
+    if empty:
+        yield ""
 
 
 class Tokenizer:
@@ -83,7 +113,7 @@ class Tokenizer:
             raise ValueError(f"token id {bad[0]} is outside the {self.name} vocabulary of {self.vocab_size}")
         return ids
 
-    def encode_documents(self, docs: Iterable[str]) -> np.ndarray:
+    def encode_documents(self, docs: Iterable[Document]) -> np.ndarray:
         """One EOT, then the document's tokens, for each document; as a uint16 array."""
         parts = list(self.iter_encoded(docs))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
@@ -92,12 +122,13 @@ class Tokenizer:
         """encode_batch's ids as uint16 arrays."""
         return [np.asarray(ids, dtype=np.uint16) for ids in self.encode_batch(texts)]
 
-    def pieces(self, doc: str) -> Iterable[str]:
-        """The document in pieces whose tokens, joined, are the document's; a tokenizer that knows where it may
-        cut (GPT2Tokenizer) cuts a long one, so that it is encoded a piece at a time."""
-        return (doc,)
+    def pieces(self, doc: Document) -> Iterable[str]:
+        """The document in pieces whose tokens, joined, are the document's (at least one piece); a tokenizer
+        that knows where it may cut (GPT2Tokenizer, ByteTokenizer) cuts a long one, so that it is encoded, and a
+        document in parts held, a piece at a time. Here: the document whole."""
+        return (doc if isinstance(doc, str) else "".join(doc),)
 
-    def iter_encoded(self, docs: Iterable[str], batch_chars: int | None = None) -> Iterator[np.ndarray]:
+    def iter_encoded(self, docs: Iterable[Document], batch_chars: int | None = None) -> Iterator[np.ndarray]:
         """encode_documents' stream in uint16 arrays of about batch_chars (default BATCH_CHARS) characters'
         tokens each, a document going in its pieces (self.pieces). tiktoken's list of Python ints takes ~36 bytes
         a token, so a 1 GB text file encoded whole would take ~10 GB; in pieces it takes a batch's worth, and the
@@ -139,6 +170,12 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def pieces(self, doc: Document) -> Iterable[str]:
+        # a text's bytes are its pieces' bytes, joined, wherever it is cut: a document in parts goes part by part
+        if isinstance(doc, str):
+            return (doc,)
+        return _at_least_one(p for p in doc if p)
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         # fast path: bytes map straight onto uint16 ids without Python lists
@@ -221,7 +258,7 @@ class GPT2Tokenizer(Tokenizer):
             raise LlmpyError(f"tiktoken encoding {encoding.name!r} is not GPT-2's "
                              f"({encoding.n_vocab} tokens, end-of-text {encoding.eot_token})")
 
-    def pieces(self, doc: str) -> Iterable[str]:
+    def pieces(self, doc: Document) -> Iterable[str]:
         # safe for GPT2_PATTERN (split_at_safe_spaces says why); the module's PIECE_CHARS read at each call
         return split_at_safe_spaces(doc, PIECE_CHARS)
 
