@@ -625,6 +625,30 @@ def test_fineweb_without_datasets_package(tmp_path, monkeypatch):
         run_prepare(["fineweb", "-o", tmp_path / "o", "--tokenizer", "bytes"])
 
 
+def test_fineweb_through_a_stand_in_datasets_package(tmp_path, monkeypatch):
+    # the rows `datasets` streams, in order, one document each; val = the first shard by default (llm.c), or a
+    # fraction of the whole stream, counted on disk
+    import importlib.util
+    import sys
+    import types
+    rng = np.random.default_rng(secrets.randbits(32))
+    texts = ["".join(rng.choice(list("abc dé\n"), int(rng.integers(1, 300)))) for _ in range(2500)]
+    asked = []
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda repo, **kw: asked.append((repo, kw)) or iter({"text": t} for t in texts)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "datasets" else real(n, *a))
+    stream = ByteTokenizer().encode_documents(texts)
+    for flags, n_val in (([], 4000), (["--val-fraction", "0.25"], round(len(stream) * 0.25))):
+        out = tmp_path / f"o{len(flags)}"
+        run_prepare(["fineweb-edu", "-o", out, "--tokenizer", "bytes", "--shard-size", 4000, *flags])
+        assert _split_tokens(out, "fineweb-edu", "val")[1].tolist() == stream[:n_val].tolist()
+        assert _split_tokens(out, "fineweb-edu", "train")[1].tolist() == stream[n_val:].tolist()
+        assert not [p for p in os.listdir(out) if not p.endswith(".bin")]
+    assert asked[0] == ("HuggingFaceFW/fineweb-edu", {"name": "sample-10BT", "split": "train", "streaming": True})
+
+
 def test_prepare_bad_inputs(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text("some text")

@@ -118,7 +118,6 @@ class Source:
     groups: Callable[[], Iterator[tuple[bool, Iterable[Document]]]]
     default_val_tokens: int | None = None   # llm.c's fixed val size, where it has one
     hinted_split: bool = False              # the groups' hints define the default split
-    streaming: bool = False                 # too big to count before writing
 
 
 READ_BYTES = 1 << 24  # a text file is read, decoded and tokenized this many bytes at a time
@@ -232,7 +231,7 @@ def _tinystories(cache: Path) -> Source:
                 raise LlmpyError(f"{path}: not a TinyStories JSON file ({e})") from None
             for j in range(0, len(docs), 4096):
                 yield i == 0, docs[j:j + 4096]  # llm.c: data00.json is the val split
-    return Source("tinystories", groups, hinted_split=True, streaming=True)
+    return Source("tinystories", groups, hinted_split=True)
 
 
 def _fineweb(name: str, shard_size: int) -> Source:
@@ -256,7 +255,7 @@ def _fineweb(name: str, shard_size: int) -> Source:
                 yield False, batch
         except (OSError, ConnectionError, ValueError) as e:
             raise LlmpyError(f"cannot read {FINEWEB_REPOS[name]} through `datasets` ({type(e).__name__}: {e})") from None
-    return Source(name, groups, default_val_tokens=shard_size, streaming=True)
+    return Source(name, groups, default_val_tokens=shard_size)
 
 
 def resolve_source(source: str, cache: Path, shard_size: int) -> Source:
@@ -421,9 +420,6 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     use_hints = src.hinted_split and val_fraction is None and val_tokens is None
     # val tokens from the start of the stream; None: a fraction of the total, counted below
     n_val = val_tokens if val_tokens is not None or val_fraction is not None else src.default_val_tokens
-    if not use_hints and n_val is None and src.streaming:
-        raise LlmpyError(f"--val-fraction needs the whole token count, which {src.name} is too large "
-                         "to hold; use --val-tokens")
 
     created = _missing_folders(out)
     staging = Staging()
@@ -525,7 +521,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val = parser.add_mutually_exclusive_group()
     val.add_argument("--val-fraction", type=float, default=None,
                      help=f"fraction of the tokens (from the start) for validation (default {DEFAULT_VAL_FRACTION}, "
-                          "or the dataset's llm.c split)")
+                          "or the dataset's llm.c split); the token stream is counted in a temporary file beside "
+                          "the shards, as large as they are")
     val.add_argument("--val-tokens", type=int, default=None, metavar="N",
                      help="the first N tokens are the validation split")
     parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, metavar="N",
