@@ -5,6 +5,7 @@ import argparse
 import io
 import json
 import os
+import re
 import secrets
 import urllib.error
 from pathlib import Path
@@ -647,6 +648,63 @@ def test_fineweb_through_a_stand_in_datasets_package(tmp_path, monkeypatch):
         assert _split_tokens(out, "fineweb-edu", "train")[1].tolist() == stream[n_val:].tolist()
         assert not [p for p in os.listdir(out) if not p.endswith(".bin")]
     assert asked[0] == ("HuggingFaceFW/fineweb-edu", {"name": "sample-10BT", "split": "train", "streaming": True})
+
+
+def test_prepare_jsonl_one_document_a_line(tmp_path):
+    # a .jsonl file and its gzipped copy: the documents of the non-blank lines, in order, the text under "text" or
+    # --text-field; escapes, non-ASCII and other fields as JSON has them
+    import gzip
+    rng = np.random.default_rng(secrets.randbits(32))
+    texts = ["".join(rng.choice(list('ab "\\\n\té€🙂'), int(rng.integers(0, 80)))) for _ in range(300)]
+    lines = [json.dumps({"id": i, "text": t, "content": t[::-1]}, ensure_ascii=bool(i % 2)) for i, t in enumerate(texts)]
+    body = "\n".join(lines[:100]) + "\n\n  \n" + "\n".join(lines[100:]) + "\n"
+    (tmp_path / "web.jsonl").write_text(body, encoding="utf-8")
+    with gzip.open(tmp_path / "web.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(body)
+    for src, flags, docs in (("web.jsonl", [], texts), ("web.jsonl.gz", [], texts),
+                             ("web.jsonl", ["--text-field", "content"], [t[::-1] for t in texts])):
+        out = tmp_path / "o" / src / str(len(flags))
+        run_prepare([tmp_path / src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 50, *flags])
+        stream = ByteTokenizer().encode_documents(docs)
+        assert _split_tokens(out, "web", "val")[1].tolist() == stream[:50].tolist()
+        assert _split_tokens(out, "web", "train")[1].tolist() == stream[50:].tolist()
+
+
+def test_prepare_jsonl_errors_name_the_line(tmp_path, capsys):
+    from llmpy import cli
+    good = json.dumps({"text": "fine"})
+    cases = {
+        "broken.jsonl": (f"{good}\n{{\"text\": \"cut", r"line 2: not JSON \(Unterminated string"),
+        "array.jsonl": (f"{good}\n\n[1, 2]\n", r"line 3: not an object with a string 'text' field"),
+        "number.jsonl": (json.dumps({"text": 5}), r"line 1: not an object with a string 'text' field"),
+        "other.jsonl": (json.dumps({"body": "x"}), r"line 1: not an object with a string 'text' field "
+                                                   r"\(--text-field names the field\)"),
+        "blank.jsonl": ("\n  \n\n", r"blank\.jsonl: no documents to tokenize"),
+    }
+    for name, (body, message) in cases.items():
+        (tmp_path / name).write_text(body)
+        assert cli.main(["prepare", str(tmp_path / name), "-o", str(tmp_path / "o"), "--tokenizer", "bytes"]) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and re.search(message, err[0]) and str(tmp_path / name) in err[0], err
+        assert not (tmp_path / "o").exists()
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(LlmpyError, match=r"latin1\.jsonl: line 1: not JSON"):
+        run_prepare([tmp_path / "latin1.jsonl", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+    import gzip
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress((good + "\n").encode() * 1000)[:-30])
+    with pytest.raises(LlmpyError, match=r"cut\.jsonl\.gz: cannot read \(Compressed file ended"):
+        run_prepare([tmp_path / "cut.jsonl.gz", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+    (tmp_path / "plain.jsonl.gz").write_text(good)
+    with pytest.raises(LlmpyError, match=r"plain\.jsonl\.gz: cannot read \(Not a gzipped file"):
+        run_prepare([tmp_path / "plain.jsonl.gz", "-o", tmp_path / "o", "--tokenizer", "bytes"])
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(LlmpyError, match=r"--text-field 'body': only a \.jsonl source has fields"):
+        run_prepare([tmp_path / "a.txt", "-o", tmp_path / "o", "--tokenizer", "bytes", "--text-field", "body"])
+    with pytest.raises(LlmpyError, match=r"--text-field '': name the field"):
+        run_prepare([tmp_path / "other.jsonl", "-o", tmp_path / "o", "--tokenizer", "bytes", "--text-field", ""])
+    with pytest.raises(LlmpyError, match=r"hellaswag: .*--text-field do not apply"):
+        run_prepare(["hellaswag", "-o", tmp_path / "o", "--text-field", "body"])
+    assert not (tmp_path / "o").exists()
 
 
 def test_prepare_bad_inputs(tmp_path):

@@ -1,6 +1,7 @@
 """`llmpy prepare`: text -> llm.c token shards (`{name}_val_000000.bin`, `{name}_train_000000.bin`, ...).
 
-SOURCE is a local text file (one document), a folder of .txt files (each one document, sorted by
+SOURCE is a local text file (one document), a JSON-lines file (`.jsonl`, or gzipped `.jsonl.gz`: one
+document a line, the string under "text" or --text-field), a folder of .txt files (each one document, sorted by
 path), or a named dataset fetched like llm.c's dev/data scripts:
 
   tinyshakespeare  karpathy/char-rnn's input.txt, documents at blank lines, val = first 32768 tokens
@@ -159,6 +160,41 @@ def _local_file(path: Path) -> Source:
     return Source(path.stem, lambda: iter([(False, [_text_blocks(path)])]))
 
 
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+DEFAULT_TEXT_FIELD = "text"
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    """The documents of a JSON-lines file, a line at a time: each non-blank line a JSON object whose `field` is
+    the document's text (fineweb's and most web dumps' form); a line that is not is an error naming it."""
+    import gzip
+
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                    raise LlmpyError(f"{path}: line {number}: not JSON ({e})") from None
+                text = record.get(field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise LlmpyError(f"{path}: line {number}: not an object with a string {field!r} field "
+                                     "(--text-field names the field)")
+                yield text
+    except (OSError, EOFError) as e:  # gzip's BadGzipFile is an OSError; EOFError: a cut-off .gz
+        reason = (e.strerror or e) if isinstance(e, OSError) else e
+        raise LlmpyError(f"{path}: cannot read ({reason})") from None
+
+
+def _local_jsonl(path: Path, suffix: str, field: str) -> Source:
+    if path.stat().st_size == 0:
+        raise LlmpyError(f"{path}: empty file, no documents to tokenize")
+    return Source(path.name[:-len(suffix)], lambda: iter([(False, _jsonl_documents(path, field))]))
+
+
 def _local_folder(folder: Path) -> Source:
     files = sorted((p for p in folder.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
     if not files:
@@ -258,21 +294,29 @@ def _fineweb(name: str, shard_size: int) -> Source:
     return Source(name, groups, default_val_tokens=shard_size)
 
 
-def resolve_source(source: str, cache: Path, shard_size: int) -> Source:
+def resolve_source(source: str, cache: Path, shard_size: int, text_field: str | None = None) -> Source:
     key = source.strip().lower()
+    path = Path(source).expanduser()
+    jsonl = next((x for x in JSONL_SUFFIXES if path.name.lower().endswith(x)), None)
+    if text_field is not None and jsonl is None:
+        raise LlmpyError(f"--text-field {text_field!r}: only a .jsonl source has fields")
+    if text_field is not None and not text_field:
+        raise LlmpyError("--text-field '': name the field that holds the text")
     if key == "tinyshakespeare":
         return _tinyshakespeare(cache)
     if key == "tinystories":
         return _tinystories(cache)
     if key in FINEWEB_REPOS:
         return _fineweb(key, shard_size)
-    path = Path(source).expanduser()
     if path.is_file():
+        if jsonl is not None:
+            return _local_jsonl(path, jsonl, DEFAULT_TEXT_FIELD if text_field is None else text_field)
         return _local_file(path)
     if path.is_dir():
         return _local_folder(path)
     if path.exists():  # a device, pipe or socket: no text of a known size to split
-        raise LlmpyError(f"{source}: not a regular file or folder (give a text file or a folder of .txt files)")
+        raise LlmpyError(f"{source}: not a regular file or folder (give a text or .jsonl file or a folder of .txt "
+                         "files)")
     raise LlmpyError(f"{source}: no such file or folder, and not a named dataset "
                      f"({', '.join(NAMED_DATASETS)})")
 
@@ -391,8 +435,9 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
             tokenizer_dir: str | None = None, val_fraction: float | None = None,
             val_tokens: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
             name: str | None = None, cache_dir: str | os.PathLike | None = None,
-            log=print) -> dict[str, list[tuple[Path, int]]]:
-    """Tokenize SOURCE into shards; returns {"val": [(path, tokens)...], "train": [...]}."""
+            text_field: str | None = None, log=print) -> dict[str, list[tuple[Path, int]]]:
+    """Tokenize SOURCE into shards; returns {"val": [(path, tokens)...], "train": [...]}. text_field: the field of
+    a .jsonl source's records that holds the text (default "text")."""
     from tqdm import tqdm
 
     if not 0 < shard_size <= MAX_SHARD_SIZE:
@@ -406,11 +451,12 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_download_dir()
     if source.strip().lower() == "hellaswag":  # an eval file, not train/val shards
         from .hellaswag import prepare_hellaswag
-        if val_fraction is not None or val_tokens is not None or name is not None:
-            raise LlmpyError("hellaswag: --val-fraction, --val-tokens and --name do not apply to the eval file")
+        if val_fraction is not None or val_tokens is not None or name is not None or text_field is not None:
+            raise LlmpyError("hellaswag: --val-fraction, --val-tokens, --name and --text-field do not apply to the "
+                             "eval file")
         dest = prepare_hellaswag(outdir, cache, tokenizer, tokenizer_dir, log=log)
         return {"val": [(dest, 0)], "train": []}
-    src = resolve_source(source, cache, shard_size)
+    src = resolve_source(source, cache, shard_size, text_field)
     if name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise LlmpyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
     name = name or re.sub(r"[^A-Za-z0-9._-]+", "_", src.name) or "data"
@@ -451,6 +497,8 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
                     writers["train"].add(tokens[k:])
                 seen += len(tokens)
         result = {s: w.close() for s, w in writers.items()}
+        if not seen:
+            raise LlmpyError(f"{source}: no documents to tokenize")
         if not result["train"]:
             raise LlmpyError(f"{source}: all {seen} tokens went to the val split; nothing left to train on "
                              "(lower --val-tokens / --val-fraction)")
@@ -509,7 +557,8 @@ def _remove_stale(out: Path, name: str, result) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("source", metavar="SOURCE",
-                        help=f"a text file, a folder of .txt files, or one of: {', '.join(NAMED_DATASETS)}")
+                        help="a text file, a .jsonl or .jsonl.gz file (one document a line), a folder of .txt "
+                             f"files, or one of: {', '.join(NAMED_DATASETS)}")
     parser.add_argument("-o", "--output-dir", default=None, metavar="OUTDIR",
                         help="folder for the shards (default: data/NAME)")
     parser.add_argument("--name", default=None, help="shard name prefix (default: dataset, file or folder name)")
@@ -527,6 +576,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="the first N tokens are the validation split")
     parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, metavar="N",
                         help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:,})")
+    parser.add_argument("--text-field", default=None, metavar="NAME",
+                        help=f"a .jsonl source: the field that holds each document's text (default "
+                             f"{DEFAULT_TEXT_FIELD!r})")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help=f"where downloads are kept (default {default_download_dir()})")
 
@@ -534,7 +586,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     prepare(args.source, args.output_dir, tokenizer=args.tokenizer, tokenizer_dir=args.tokenizer_dir,
             val_fraction=args.val_fraction, val_tokens=args.val_tokens, shard_size=args.shard_size,
-            name=args.name, cache_dir=args.cache_dir, log=lambda msg: print(msg, file=sys.stdout))
+            name=args.name, cache_dir=args.cache_dir, text_field=args.text_field,
+            log=lambda msg: print(msg, file=sys.stdout))
     return 0
 
 
