@@ -656,7 +656,8 @@ def test_prepare_jsonl_one_document_a_line(tmp_path):
     import gzip
     rng = np.random.default_rng(secrets.randbits(32))
     texts = ["".join(rng.choice(list('ab "\\\n\té€🙂'), int(rng.integers(0, 80)))) for _ in range(300)]
-    lines = [json.dumps({"id": i, "text": t, "content": t[::-1]}, ensure_ascii=bool(i % 2)) for i, t in enumerate(texts)]
+    lines = [json.dumps({"id": i, "text": t, "content": t[::-1]}, ensure_ascii=bool(i % 2))
+             for i, t in enumerate(texts)]
     body = "\n".join(lines[:100]) + "\n\n  \n" + "\n".join(lines[100:]) + "\n"
     (tmp_path / "web.jsonl").write_text(body, encoding="utf-8")
     with gzip.open(tmp_path / "web.jsonl.gz", "wt", encoding="utf-8") as f:
