@@ -671,6 +671,25 @@ def test_prepare_jsonl_one_document_a_line(tmp_path):
         assert _split_tokens(out, "web", "train")[1].tolist() == stream[50:].tolist()
 
 
+def test_prepare_folder_of_text_and_jsonl_files(tmp_path):
+    # .txt files are a document each, .jsonl / .jsonl.gz files a document a line, all in the order of their paths;
+    # other files are not read
+    import gzip
+    folder = tmp_path / "mixed"
+    (folder / "b").mkdir(parents=True)
+    (folder / "a.txt").write_text("first text")
+    (folder / "b" / "c.jsonl").write_text(json.dumps({"body": "line one"}) + "\n" + json.dumps({"body": "two"}))
+    (folder / "b" / "d.jsonl.gz").write_bytes(gzip.compress(json.dumps({"body": "zipped é"}).encode() + b"\n"))
+    (folder / "b" / "e.txt").write_text("last text")
+    (folder / "notes.md").write_text("not read")
+    out = tmp_path / "o"
+    run_prepare([folder, "-o", out, "--tokenizer", "bytes", "--val-tokens", 0, "--text-field", "body"])
+    expect = ByteTokenizer().encode_documents(["first text", "line one", "two", "zipped é", "last text"])
+    assert _split_tokens(out, "mixed", "train")[1].tolist() == expect.tolist()
+    with pytest.raises(LlmpyError, match=r"c\.jsonl: line 1: not an object with a string 'text' field"):
+        run_prepare([folder, "-o", tmp_path / "o2", "--tokenizer", "bytes"])  # the default field
+
+
 def test_prepare_jsonl_errors_name_the_line(tmp_path, capsys):
     from llmpy import cli
     good = json.dumps({"text": "fine"})
@@ -699,7 +718,7 @@ def test_prepare_jsonl_errors_name_the_line(tmp_path, capsys):
     with pytest.raises(LlmpyError, match=r"plain\.jsonl\.gz: cannot read \(Not a gzipped file"):
         run_prepare([tmp_path / "plain.jsonl.gz", "-o", tmp_path / "o", "--tokenizer", "bytes"])
     (tmp_path / "a.txt").write_text("text")
-    with pytest.raises(LlmpyError, match=r"--text-field 'body': only a \.jsonl source has fields"):
+    with pytest.raises(LlmpyError, match=r"--text-field 'body': only a \.jsonl source \(or a folder of them\) has"):
         run_prepare([tmp_path / "a.txt", "-o", tmp_path / "o", "--tokenizer", "bytes", "--text-field", "body"])
     with pytest.raises(LlmpyError, match=r"--text-field '': name the field"):
         run_prepare([tmp_path / "other.jsonl", "-o", tmp_path / "o", "--tokenizer", "bytes", "--text-field", ""])
@@ -721,13 +740,13 @@ def test_prepare_bad_inputs(tmp_path):
     with pytest.raises(LlmpyError, match=r"latin1\.txt: not UTF-8"):
         run_prepare([tmp_path / "latin1.txt", "-o", tmp_path / "o", "--tokenizer", "bytes"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(LlmpyError, match=r"empty: folder holds no \.txt files"):
+    with pytest.raises(LlmpyError, match=r"empty: folder holds no \.txt, \.jsonl or \.jsonl\.gz files"):
         run_prepare([tmp_path / "empty", "-o", tmp_path / "o", "--tokenizer", "bytes"])
     # empty text: refused, not a shard of one end-of-text token that no run can train on
     (tmp_path / "empty" / "nothing.txt").write_text("")
     with pytest.raises(LlmpyError, match=r"nothing\.txt: empty file, no text to tokenize"):
         run_prepare([tmp_path / "empty" / "nothing.txt", "-o", tmp_path / "o2", "--tokenizer", "bytes"])
-    with pytest.raises(LlmpyError, match=r"empty: every \.txt file in the folder is empty"):
+    with pytest.raises(LlmpyError, match=r"empty: every \.txt or \.jsonl file in the folder is empty"):
         run_prepare([tmp_path / "empty", "-o", tmp_path / "o2", "--tokenizer", "bytes"])
     assert not (tmp_path / "o2").exists()
     with pytest.raises(LlmpyError, match="--shard-size 0"):
@@ -874,4 +893,4 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
     assert cli.main(["prepare", os.devnull, "-o", str(out), "--tokenizer", "bytes"]) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"llmpy prepare: error: {os.devnull}: not a regular file or folder "
-        "(give a text file or a folder of .txt files)"]
+        "(give a text or .jsonl file, or a folder of them)"]

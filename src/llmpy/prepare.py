@@ -1,8 +1,8 @@
 """`llmpy prepare`: text -> llm.c token shards (`{name}_val_000000.bin`, `{name}_train_000000.bin`, ...).
 
 SOURCE is a local text file (one document), a JSON-lines file (`.jsonl`, or gzipped `.jsonl.gz`: one
-document a line, the string under "text" or --text-field), a folder of .txt files (each one document, sorted by
-path), or a named dataset fetched like llm.c's dev/data scripts:
+document a line, the string under "text" or --text-field), a folder of such files (found at any depth, read in the
+order of their paths; .txt files are taken as text), or a named dataset fetched like llm.c's dev/data scripts:
 
   tinyshakespeare  karpathy/char-rnn's input.txt, documents at blank lines, val = first 32768 tokens
   tinystories      roneneldan/TinyStories' TinyStories_all_data.tar.gz, one story per document,
@@ -195,15 +195,26 @@ def _local_jsonl(path: Path, suffix: str, field: str) -> Source:
     return Source(path.name[:-len(suffix)], lambda: iter([(False, _jsonl_documents(path, field))]))
 
 
-def _local_folder(folder: Path) -> Source:
-    files = sorted((p for p in folder.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
-    if not files:
-        raise LlmpyError(f"{folder}: folder holds no .txt files")
-    if all(p.stat().st_size == 0 for p in files):
-        raise LlmpyError(f"{folder}: every .txt file in the folder is empty, no text to tokenize")
+def _jsonl_suffix(path: Path) -> str | None:
+    return next((x for x in JSONL_SUFFIXES if path.name.lower().endswith(x)), None)
 
-    # each file a document read block by block as the tokenizer reaches it
-    return Source(folder.resolve().name, lambda: iter([(False, (_text_blocks(p) for p in files))]))
+
+def _local_folder(folder: Path, field: str) -> Source:
+    files = sorted((p for p in folder.rglob("*") if p.is_file() and (p.suffix == ".txt" or _jsonl_suffix(p))),
+                   key=lambda p: p.relative_to(folder).as_posix())
+    if not files:
+        raise LlmpyError(f"{folder}: folder holds no .txt, .jsonl or .jsonl.gz files")
+    if all(p.stat().st_size == 0 for p in files):
+        raise LlmpyError(f"{folder}: every .txt or .jsonl file in the folder is empty, no text to tokenize")
+
+    def documents():
+        # a .txt file is a document, read block by block as the tokenizer reaches it; a .jsonl file a document a line
+        for p in files:
+            if p.suffix == ".txt":
+                yield _text_blocks(p)
+            else:
+                yield from _jsonl_documents(p, field)
+    return Source(folder.resolve().name, lambda: iter([(False, documents())]))
 
 
 def _tinyshakespeare(cache: Path) -> Source:
@@ -297,11 +308,12 @@ def _fineweb(name: str, shard_size: int) -> Source:
 def resolve_source(source: str, cache: Path, shard_size: int, text_field: str | None = None) -> Source:
     key = source.strip().lower()
     path = Path(source).expanduser()
-    jsonl = next((x for x in JSONL_SUFFIXES if path.name.lower().endswith(x)), None)
-    if text_field is not None and jsonl is None:
-        raise LlmpyError(f"--text-field {text_field!r}: only a .jsonl source has fields")
-    if text_field is not None and not text_field:
+    jsonl = _jsonl_suffix(path)
+    if text_field is not None and (key in NAMED_DATASETS or not (jsonl or path.is_dir())):
+        raise LlmpyError(f"--text-field {text_field!r}: only a .jsonl source (or a folder of them) has fields")
+    if text_field == "":
         raise LlmpyError("--text-field '': name the field that holds the text")
+    field = DEFAULT_TEXT_FIELD if text_field is None else text_field
     if key == "tinyshakespeare":
         return _tinyshakespeare(cache)
     if key == "tinystories":
@@ -309,14 +321,12 @@ def resolve_source(source: str, cache: Path, shard_size: int, text_field: str | 
     if key in FINEWEB_REPOS:
         return _fineweb(key, shard_size)
     if path.is_file():
-        if jsonl is not None:
-            return _local_jsonl(path, jsonl, DEFAULT_TEXT_FIELD if text_field is None else text_field)
-        return _local_file(path)
+        return _local_jsonl(path, jsonl, field) if jsonl else _local_file(path)
     if path.is_dir():
-        return _local_folder(path)
+        return _local_folder(path, field)
     if path.exists():  # a device, pipe or socket: no text of a known size to split
-        raise LlmpyError(f"{source}: not a regular file or folder (give a text or .jsonl file or a folder of .txt "
-                         "files)")
+        raise LlmpyError(f"{source}: not a regular file or folder (give a text or .jsonl file, or a folder of "
+                         "them)")
     raise LlmpyError(f"{source}: no such file or folder, and not a named dataset "
                      f"({', '.join(NAMED_DATASETS)})")
 
@@ -558,7 +568,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("source", metavar="SOURCE",
                         help="a text file, a .jsonl or .jsonl.gz file (one document a line), a folder of .txt "
-                             f"files, or one of: {', '.join(NAMED_DATASETS)}")
+                             f"and .jsonl files, or one of: {', '.join(NAMED_DATASETS)}")
     parser.add_argument("-o", "--output-dir", default=None, metavar="OUTDIR",
                         help="folder for the shards (default: data/NAME)")
     parser.add_argument("--name", default=None, help="shard name prefix (default: dataset, file or folder name)")
@@ -577,7 +587,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, metavar="N",
                         help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:,})")
     parser.add_argument("--text-field", default=None, metavar="NAME",
-                        help=f"a .jsonl source: the field that holds each document's text (default "
+                        help=f"a .jsonl source's field that holds each document's text (default "
                              f"{DEFAULT_TEXT_FIELD!r})")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help=f"where downloads are kept (default {default_download_dir()})")
