@@ -496,8 +496,10 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
             if not use_hints and n_val is None:  # a fraction of a total not known yet
                 spill = temporary_sibling(out / f"{name}_tokens", "part")  # a killed run's is an orphan to remove
                 total = _spill(chunks, spill)
-                chunks = _unspill(spill)
+                chunks = counted(_unspill(spill))
                 n_val = int(round(total * (DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction)))
+                bar.set_description(f"splitting {src.name}")  # the second pass: from the spill into shards
+                bar.reset(total=total)
             for hint, tokens in chunks:
                 if use_hints:
                     writers["val" if hint else "train"].add(tokens)
