@@ -26,10 +26,12 @@ def main(argv=None) -> int:
     parser.add_argument("--mb", type=int, default=110, help="size of the text file in MB (default 110)")
     add_tree_arguments(parser)
     parser.add_argument("--tokenizer-dir", default=os.environ.get("LLMPY_GPT2_DIR", str(SHARED / "gpt2")))
+    parser.add_argument("--corpus", default=str(SHARED / "tinyshakespeare" / "input.txt"),
+                        help="the text repeated to --mb (default: the shared tinyshakespeare corpus)")
     args = parser.parse_args(argv)
-    corpus = SHARED / "tinyshakespeare" / "input.txt"
+    corpus = Path(args.corpus)
     if not corpus.is_file():
-        raise SystemExit(f"{corpus}: not found (the shared data folder beside the checkout)")
+        raise SystemExit(f"{corpus}: not found (the shared data folder beside the checkout, or give --corpus)")
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "corpus.txt"
         block = corpus.read_bytes()

@@ -40,6 +40,17 @@ PIECE_CHARS = 1 << 20   # a document longer than this is encoded in pieces of ab
 BATCH_CHARS = 1 << 24   # characters encoded at a time (a batch of documents or pieces, in parallel)
 
 
+def _usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))  # the CPUs this process may run on (a container's share)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# threads encoding a batch's pieces (tiktoken encodes without Python's lock); its default is 8 whatever the machine
+ENCODE_THREADS = _usable_cpus()
+
+
 # a document: a text, or a text that comes as consecutive parts (a file read in blocks), never held whole
 Document = Union[str, Iterable[str]]
 
@@ -292,7 +303,7 @@ class GPT2Tokenizer(Tokenizer):
         return self.encoding.encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.encoding.encode_ordinary_batch(list(texts))
+        return self.encoding.encode_ordinary_batch(list(texts), num_threads=ENCODE_THREADS)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.encoding.decode(self._check_ids(ids), errors="replace")
