@@ -488,8 +488,8 @@ def test_prepare_of_a_long_text_in_pieces_writes_the_whole_texts_tokens(tmp_path
     batches = []
     monkeypatch.setattr(tk, "PIECE_CHARS", 500)
     monkeypatch.setattr(tk, "BATCH_CHARS", 4000)
-    real = tk.GPT2Tokenizer.encode_batch
-    monkeypatch.setattr(tk.GPT2Tokenizer, "encode_batch", lambda self, texts: batches.append(len(texts)) or
+    real = tk.GPT2Tokenizer.encode_arrays
+    monkeypatch.setattr(tk.GPT2Tokenizer, "encode_arrays", lambda self, texts: batches.append(len(texts)) or
                         real(self, texts))
     out = tmp_path / "o"
     prep.prepare(str(src), out, tokenizer_dir=str(root / "gpt2"), val_tokens=777, shard_size=5000, log=lambda *_: None)

@@ -49,6 +49,20 @@ def test_gpt2_known_ids(gpt2):
     assert 50256 not in gpt2.encode("<|endoftext|>")
 
 
+def test_gpt2_encode_arrays_are_encode_in_parallel_and_without_lists(gpt2, rng, monkeypatch):
+    # encode_arrays (tiktoken's numpy form, pieces on several threads) gives encode's ids, special-token text
+    # included as ordinary text; and so does its fallback for a tiktoken without the numpy form
+    import llmpy.tokenizer as tk
+    texts = [_random_text(rng, int(rng.integers(0, 3000))) for _ in range(9)]
+    texts += ["<|endoftext|>", "a <|endoftext|> b<|endoftext|>", ""]
+    expect = [gpt2.encode(t) for t in texts]
+    monkeypatch.setattr(tk, "ENCODE_THREADS", 3)
+    cases = ((gpt2.encode_arrays(texts), expect), (gpt2.encode_arrays(texts[-2:-1]), expect[-2:-1]),
+             (tk.Tokenizer.encode_arrays(gpt2, texts), expect))  # the last: the lists' path
+    for arrays, want in cases:
+        assert all(a.dtype == np.uint16 for a in arrays) and [a.tolist() for a in arrays] == want
+
+
 def test_gpt2_round_trip_on_shakespeare(gpt2, rng, shared_data):
     text = (shared_data(SHAKESPEARE) / SHAKESPEARE).read_text(encoding="utf-8")
     start = int(rng.integers(0, len(text) - 20000))

@@ -141,32 +141,44 @@ class Tokenizer:
 
     def iter_encoded(self, docs: Iterable[Document], batch_chars: int | None = None) -> Iterator[np.ndarray]:
         """encode_documents' stream in uint16 arrays of about batch_chars (default BATCH_CHARS) characters'
-        tokens each, a document going in its pieces (self.pieces). tiktoken's list of Python ints takes ~36 bytes
-        a token, so a 1 GB text file encoded whole would take ~10 GB; in pieces it takes a batch's worth, and the
-        pieces of one document are encoded in parallel as a batch."""
+        tokens each, a document going in its pieces (self.pieces), so that a 1 GB text file takes a batch's worth
+        of memory, not its tokens' (tiktoken's lists of Python ints take ~36 bytes a token). The pieces of a batch
+        are encoded in parallel (encode_arrays), and in the background while the caller takes the batch before:
+        reading, cutting and writing overlap the encoding."""
+        from concurrent.futures import ThreadPoolExecutor
+
         batch_chars = BATCH_CHARS if batch_chars is None else batch_chars
         eot = np.array([self.eot], dtype=np.uint16)
-        batch: list[str] = []
-        starts: list[bool] = []  # whether the piece begins its document (takes the EOT)
-        size = 0
 
-        def encoded():
+        def encoded(batch: list[str], starts: list[bool]) -> np.ndarray:
             parts = []
             for starts_doc, ids in zip(starts, self.encode_arrays(batch)):
-                if starts_doc:
+                if starts_doc:  # the piece begins its document: the document's EOT before it
                     parts.append(eot)
                 parts.append(ids)
             return np.concatenate(parts)
-        for doc in docs:
-            for k, piece in enumerate(self.pieces(doc)):
-                batch.append(piece)
-                starts.append(k == 0)
-                size += len(piece)
-                if size >= batch_chars:
-                    yield encoded()
-                    batch, starts, size = [], [], 0
-        if batch:
-            yield encoded()
+
+        def batches() -> Iterator[tuple[list[str], list[bool]]]:
+            batch, starts, size = [], [], 0
+            for doc in docs:
+                for k, piece in enumerate(self.pieces(doc)):
+                    batch.append(piece)
+                    starts.append(k == 0)
+                    size += len(piece)
+                    if size >= batch_chars:
+                        yield batch, starts
+                        batch, starts, size = [], [], 0
+            if batch:
+                yield batch, starts
+
+        with ThreadPoolExecutor(1) as background:  # one batch encoding ahead, in order
+            ahead = None
+            for batch, starts in batches():
+                if ahead is not None:
+                    yield ahead.result()
+                ahead = background.submit(encoded, batch, starts)
+            if ahead is not None:
+                yield ahead.result()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot={self.eot})"
@@ -304,6 +316,22 @@ class GPT2Tokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.encoding.encode_ordinary_batch(list(texts), num_threads=ENCODE_THREADS)
+
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        # tiktoken's numpy form skips the list of Python ints, which is built holding Python's lock (so threads
+        # wait on each other there) and takes ~36 bytes a token; with nothing disallowed (no check for special-token
+        # text) and nothing allowed, it encodes as encode_ordinary does
+        to_numpy = getattr(self.encoding, "encode_to_numpy", None)  # tiktoken 0.7 has it; older ones, the lists
+        if to_numpy is None:
+            return super().encode_arrays(texts)
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(text: str) -> np.ndarray:
+            return to_numpy(text, allowed_special=set(), disallowed_special=()).astype(np.uint16)
+        if len(texts) == 1:
+            return [one(texts[0])]
+        with ThreadPoolExecutor(min(ENCODE_THREADS, len(texts))) as pool:
+            return list(pool.map(one, texts))
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.encoding.decode(self._check_ids(ids), errors="replace")
