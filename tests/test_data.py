@@ -800,6 +800,44 @@ def test_failed_prepare_leaves_earlier_shards_unchanged(tmp_path, monkeypatch):
     assert _snapshot(out) == before
 
 
+def test_a_full_disk_mid_shard_is_one_line_and_leaves_the_earlier_dataset(tmp_path, monkeypatch, capsys):
+    # the disk fills while a shard is being written (ENOSPC at a write): one line naming the shard's file, exit 1,
+    # the earlier dataset as it was, no temporaries (the spilled stream's included)
+    import errno
+    from llmpy import cli
+    src = tmp_path / "corpus.txt"
+    src.write_text("hello world, some text here.\n" * 300)
+    out = tmp_path / "o"
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--shard-size", 1000])
+    before = _snapshot(out)
+    writes = []
+
+    class FillingFile:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, data):
+            writes.append(len(data))
+            if len(writes) == 4:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self._f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    class FullDiskShardFile(prep.ShardFile):
+        def __init__(self, path):
+            super().__init__(path)
+            self._file = FillingFile(self._file)
+    monkeypatch.setattr(prep, "ShardFile", FullDiskShardFile)
+    assert cli.main(["prepare", str(src), "-o", str(out), "--tokenizer", "bytes", "--shard-size", "700"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    shard_temporary = rf"{re.escape(str(out))}/\.corpus_(val|train)_\d+\.bin\.\d+\.[0-9a-f]{{8}}\.part"
+    assert len(err) == 1, err
+    assert re.fullmatch(rf"llmpy prepare: error: {shard_temporary}: cannot write \(No space left on device\)", err[0])
+    assert _snapshot(out) == before
+
+
 @pytest.mark.parametrize("split", [[], ["--val-tokens", "10"]], ids=["spilling", "writing-shards"])
 def test_sigterm_during_prepare_cleans_up_as_ctrl_c_does(tmp_path, split):
     """`kill` (SIGTERM) mid-prepare: one line, exit 143, the earlier shards as they were, no temporaries; while the
