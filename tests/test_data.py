@@ -825,6 +825,12 @@ def test_a_full_disk_mid_shard_is_one_line_and_leaves_the_earlier_dataset(tmp_pa
         def __getattr__(self, name):
             return getattr(self._f, name)
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
     class FullDiskShardFile(prep.ShardFile):
         def __init__(self, path):
             super().__init__(path)
@@ -836,6 +842,19 @@ def test_a_full_disk_mid_shard_is_one_line_and_leaves_the_earlier_dataset(tmp_pa
     assert len(err) == 1, err
     assert re.fullmatch(rf"llmpy prepare: error: {shard_temporary}: cannot write \(No space left on device\)", err[0])
     assert _snapshot(out) == before
+    # likewise while the stream is spilled to be counted (the default split)
+    monkeypatch.undo()
+    writes.clear()
+    monkeypatch.setattr(prep, "open", lambda path, mode, **kw: FillingFile(open(path, mode, **kw)), raising=False)
+    monkeypatch.setattr(prep, "READ_BYTES", 1000)  # the stream in several chunks, so several writes
+    import llmpy.tokenizer as tk
+    monkeypatch.setattr(tk, "BATCH_CHARS", 1000)
+    assert cli.main(["prepare", str(src), "-o", str(out), "--tokenizer", "bytes", "--shard-size", "700"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    spill = rf"{re.escape(str(out))}/\.corpus_tokens\.\d+\.[0-9a-f]{{8}}\.part"
+    assert len(err) == 1 and re.fullmatch(rf"llmpy prepare: error: {spill}: cannot write the token stream to count "
+                                          r"it \(No space left on device\)", err[0]), err
+    assert len(writes) == 4 and _snapshot(out) == before
 
 
 @pytest.mark.parametrize("split", [[], ["--val-tokens", "10"]], ids=["spilling", "writing-shards"])
