@@ -159,6 +159,11 @@ def test_split_at_safe_spaces_of_a_text_in_parts(gpt2, rng):
     assert list(split_at_safe_spaces(["ab", " cd"], 1)) == ["ab", " cd"]  # the left side is the last part's
 
 
+def _stream_of(tok, texts) -> list[int]:
+    """The token stream of the texts encoded one by one: one EOT, then the text's tokens, for each."""
+    return [i for t in texts for i in [tok.eot, *tok.encode(t)]]
+
+
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])
 def test_iter_encoded_of_documents_in_parts(tokenizer, gpt2, rng, monkeypatch):
     # a document given as parts (the lazy form prepare reads a file in) encodes to the tokens of the whole text
@@ -166,9 +171,7 @@ def test_iter_encoded_of_documents_in_parts(tokenizer, gpt2, rng, monkeypatch):
     tok = gpt2 if tokenizer == "gpt2" else ByteTokenizer()
     monkeypatch.setattr(tk, "PIECE_CHARS", 40)
     texts = [_random_text(rng, int(rng.integers(0, 500))) for _ in range(int(rng.integers(2, 6)))] + [""]
-    expect = []
-    for t in texts:
-        expect += [tok.eot] + tok.encode(t)
+    expect = _stream_of(tok, texts)
     docs = [iter(_in_parts(rng, t)) for t in texts] + [iter([])]
     parts = list(tok.iter_encoded(docs, batch_chars=int(rng.integers(1, 200))))
     assert np.concatenate(parts).tolist() == expect + [tok.eot]  # an empty document in no parts: its EOT
@@ -181,9 +184,7 @@ def test_iter_encoded_pieces_and_batches_make_the_same_stream(tokenizer, gpt2, r
     tok = gpt2 if tokenizer == "gpt2" else ByteTokenizer()
     monkeypatch.setattr(tk, "PIECE_CHARS", 50)
     docs = [_random_text(rng, int(rng.integers(0, 600))) for _ in range(int(rng.integers(3, 8)))] + [""]
-    expect = []
-    for d in docs:
-        expect += [tok.eot] + tok.encode(d)
+    expect = _stream_of(tok, docs)
     for batch_chars in (1, 37, 10**6):
         parts = list(tok.iter_encoded(docs, batch_chars=batch_chars))
         assert all(p.dtype == np.uint16 for p in parts)

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import urllib.error
 import urllib.request
@@ -33,7 +34,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .files import remove_orphaned_temporaries, temporary_sibling, writable_dir
+from .files import atomic_path, remove_orphaned_temporaries, temporary_sibling, writable_dir
 from .data import ShardFile, shard_name
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Document, Tokenizer, load_tokenizer
@@ -60,7 +61,8 @@ def default_download_dir() -> Path:
 # downloads
 
 def download(url: str, dest: Path, sha256: str | None = None) -> Path:
-    """Fetch `url` to `dest` (kept and reused once complete) with a progress bar; atomic."""
+    """Fetch `url` to `dest` (kept and reused once complete) with a progress bar; atomic (files.atomic_path: a
+    killed download's temporary is an orphan the next one removes, and the file gets the umask's mode)."""
     from tqdm import tqdm
 
     dest = Path(dest)
@@ -68,38 +70,21 @@ def download(url: str, dest: Path, sha256: str | None = None) -> Path:
         return dest
     writable_dir(dest.parent, "download folder")
     remove_orphaned_temporaries(dest.parent)  # a killed download's partial file
-    fd, tmp = _new_temporary(dest)
     digest = hashlib.sha256()
     try:
-        with os.fdopen(fd, "wb") as f, _urlopen(url, timeout=60) as resp:
+        with atomic_path(dest) as tmp, open(tmp, "wb") as f, _urlopen(url, timeout=60) as resp:
             total = int(resp.headers.get("Content-Length") or 0) or None
             with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=None) as bar:
                 while chunk := resp.read(1 << 20):
                     f.write(chunk)
                     digest.update(chunk)
                     bar.update(len(chunk))
-            f.flush()
-            os.fsync(f.fileno())
+            if sha256 and digest.hexdigest() != sha256:  # raised inside: the temporary goes, no file is kept
+                raise LlmpyError(f"{url}: downloaded data has sha256 {digest.hexdigest()}, expected {sha256}")
     except (OSError, ValueError) as e:  # URLError, HTTPError, timeouts and disk errors are OSErrors
-        _unlink(tmp)
         reason = getattr(e, "reason", None) or e
         raise LlmpyError(f"cannot download {url} ({reason}); without network, place the file at {dest}") from None
-    except BaseException:
-        _unlink(tmp)
-        raise
-    if sha256 and digest.hexdigest() != sha256:
-        _unlink(tmp)
-        raise LlmpyError(f"{url}: downloaded data has sha256 {digest.hexdigest()}, expected {sha256}")
-    os.replace(tmp, dest)
     return dest
-
-
-def _new_temporary(dest: Path) -> tuple[int, Path]:
-    """A new file beside `dest` to write it under, open for writing: named as files.temporary_sibling names
-    temporaries (so that remove_orphaned_temporaries knows a killed writer's), with the umask's mode, which the
-    finished file keeps (mkstemp's would be 0600)."""
-    tmp = temporary_sibling(dest, "part")
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
 
 def _unlink(path) -> None:
@@ -257,15 +242,8 @@ def _tinystories_files(cache: Path) -> list[Path]:
 
 
 def _write_atomic_stream(dest: Path, src) -> None:
-    fd, tmp = _new_temporary(dest)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            while chunk := src.read(1 << 20):
-                f.write(chunk)
-        os.replace(tmp, dest)
-    except BaseException:
-        _unlink(tmp)
-        raise
+    with atomic_path(dest) as tmp, open(tmp, "wb") as f:
+        shutil.copyfileobj(src, f, 1 << 20)
 
 
 def _tinystories(cache: Path) -> Source:

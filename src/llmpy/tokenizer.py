@@ -197,7 +197,7 @@ class ByteTokenizer(Tokenizer):
     def pieces(self, doc: Document) -> Iterable[str]:
         # a text's bytes are its pieces' bytes, joined, wherever it is cut: a document in parts goes part by part
         if isinstance(doc, str):
-            return (doc,)
+            return super().pieces(doc)
         return _at_least_one(p for p in doc if p)
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
