@@ -3,7 +3,7 @@
     import llmpy
     model = llmpy.create_model("layers=2,channels=64,heads=2,vocab=257")   # llm.c's random init
     result = llmpy.train(train_data="data/x_train_*.bin", model="d6", max_steps=100)
-    print(llmpy.sample(result.model, "def main(", tokenizer="bytes"))
+    print(llmpy.sample(result.model, "ROMEO:", tokenizer_dir="gpt2/"))   # d6: GPT-2's vocab, so its BPE
 """
 from __future__ import annotations
 
@@ -70,4 +70,8 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
     if tokenizer_dir is not None and not isinstance(tokenizer_dir, (str, os.PathLike)):
         raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: must be a folder's path")
     name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")
-    return sample_text(model, load_tokenizer(name, tokenizer_dir), prompt, gen_tokens, temperature, top_k, seed)
+    tok = load_tokenizer(name, tokenizer_dir)
+    if tok.vocab_size != model.config.vocab_size:
+        raise LlmpyError(f"sample(): the model's vocab of {model.config.vocab_size} does not match the {tok.name} "
+                         f"tokenizer's {tok.vocab_size}")
+    return sample_text(model, tok, prompt, gen_tokens, temperature, top_k, seed)

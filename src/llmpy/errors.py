@@ -1,5 +1,6 @@
 """The one exception type a user can cause. The command line prints its message as one line and
-exits non-zero; everything else is a bug and keeps its traceback."""
+exits non-zero, as it does for what the system refuses (out of memory, an OSError, a failed torch.distributed
+call); everything else is a bug and keeps its traceback."""
 
 
 class LlmpyError(Exception):

@@ -1,7 +1,7 @@
 """Learning-rate schedules (llm.c's schedulers.h and `-k -l -u -q` flags).
 
 Every schedule warms up linearly over the first `warmup` steps from lr/warmup to lr, then follows its
-shape down to lr * final_frac at the last step. Steps count from 0.
+shape: constant stays at lr, the others go down to lr * final_frac at the last step. Steps count from 0.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from .sampler import check_sampling_options
 from .schedulers import SCHEDULES, LRSchedule
 
 # The embedded default: the model and run that `llmpy train` with no arguments trains on 2 CPU cores
-# in about two minutes (byte-level tokens, so vocab 257).
+# in about 90 seconds (byte-level tokens, so vocab 257).
 DEFAULT_CPU_MODEL = "layers=4,channels=192,heads=4,seq=128,vocab=257"
 
 # --attention: "auto" (kernels.attention.default_attention_impl) or one of the paths
@@ -38,7 +38,7 @@ ATTENTION_CHOICES = ("auto",) + ATTENTION_IMPLS
 
 # The options whose default depends on the run: (the default, the demo run on the CPU, the demo run on a GPU).
 # The demo run is `llmpy train` without -i and -e: the embedded corpus, on the CPU a small model that trains in
-# about two minutes on two cores, on a GPU GPT-2 124M (d12). A value given on the command line or to the API
+# about 90 seconds on two cores, on a GPU GPT-2 124M (d12). A value given on the command line or to the API
 # always wins, even where it equals the default.
 RUN_DEFAULTS = {
     "batch_size": (4, 16, 16), "seq_len": (1024, 128, 1024), "learning_rate": (3e-4, 2e-3, 6e-4),
@@ -663,7 +663,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     embedded = opts.train_data is None
     if embedded:
         # the offline default: the byte-level stdlib corpus; on the CPU a small model that trains in about
-        # two minutes on two cores, on a GPU GPT-2 124M (d12)
+        # 90 seconds on two cores, on a GPU GPT-2 124M (d12)
         files = default_dataset()
         opts.train_data, opts.val_data = files.train, opts.val_data or files.val
         if opts.model is None:
