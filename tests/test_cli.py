@@ -547,3 +547,43 @@ def test_ctrl_c_while_the_parser_loads_torch_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["prepare", "x.txt"]) == 130
     assert capsys.readouterr().err == "llmpy: interrupted\n"
+
+
+def test_a_new_run_into_a_folder_holding_only_an_earlier_runs_log_is_refused(tmp_path, shards):
+    # a run that stopped before its first checkpoint leaves main.log and main.jsonl: a new run would append its steps
+    # to them (plot would read both as one run); the same run started again with -y 1 may, and logs its steps again
+    train, val = shards
+    out = tmp_path / "out"
+    out.mkdir()
+    rng = np.random.default_rng()
+    old = [f'{{"step": {s}, "kind": "train", "loss": {rng.uniform(2, 6):.6f}}}\n' for s in range(1, 7)]
+    (out / "main.jsonl").write_text("".join(old))
+    (out / "main.log").write_text("".join(f"s:{s} trl:{rng.uniform(2, 6):.6f}\n" for s in range(1, 7)))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    args = ("train", "-i", train, "-j", val, "-e", TINY, "-b", 2, "-t", 16, "-x", 2, "-v", 0, "-g", 0, "-o", out,
+            "--progress", 0)
+    res = llmpy(*args)
+    assert_one_line_error(res, f"-o {out} holds the log of an earlier run (main.log, main.jsonl)", "-y 1")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    res = llmpy(*args, "-y", 1)
+    assert res.returncode == 0, res.stderr
+    assert (out / "main.jsonl").read_text().startswith("".join(old))  # appended to, as a resumed run's log is
+
+
+def test_one_epoch_smaller_than_one_step_is_refused(tmp_path, shards):
+    # -x -1 trains one epoch; a -d whose step reads more batches than an epoch has would train several epochs a step
+    train, val = shards  # 5000 tokens: 156 batches of B=2, T=16
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-d", 32 * 200, "-x", -1, "-v", 0, "-g", 0)
+    assert_one_line_error(res, "-d 6400: one step reads 200 batches of B=2 T=16, more than the 156 of one epoch",
+                          "-x")
+
+
+def test_a_tensorboard_file_where_its_folder_goes_is_one_line(tmp_path, shards):
+    pytest.importorskip("tensorboard")
+    train, val = shards
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tensorboard").write_text("not a folder")
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", out)
+    assert_one_line_error(res, f"{out / 'tensorboard'}: not a folder (TensorBoard's events go there)")
+    assert sorted(p.name for p in out.iterdir()) == ["tensorboard"]  # no log begun

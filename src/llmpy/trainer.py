@@ -478,17 +478,23 @@ class RunLog:
                             "tok_s": "train/tokens_per_s", "mfu": "train/mfu"},
                   "val": {"loss": "val/loss"}, "eval": {"accuracy": "eval/hellaswag"}}
 
+    FILES = ("main.log", "main.jsonl")  # the text log and its JSONL twin, in the run's folder
+
     def __init__(self, out_dir: Path | None):
-        self.text = _open_to_append(out_dir / "main.log") if out_dir else None
-        self.jsonl = _open_to_append(out_dir / "main.jsonl") if out_dir else None
-        self.tb = None
-        if out_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # optional: no tensorboard package, no events
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        self.text = self.jsonl = self.tb = None
+        if not out_dir:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # optional: no tensorboard package, no events
+            SummaryWriter = None
+        events = out_dir / "tensorboard"
+        if SummaryWriter is not None and (events.exists() or events.is_symlink()) and not events.is_dir():
+            raise LlmpyError(f"{events}: not a folder (TensorBoard's events go there); move it away")
+        self.text = _open_to_append(out_dir / self.FILES[0])
+        self.jsonl = _open_to_append(out_dir / self.FILES[1])
+        if SummaryWriter is not None:
+            self.tb = SummaryWriter(log_dir=str(events))
 
     def write(self, step: int, kind: str, **values):
         if self.text is None:
@@ -708,6 +714,14 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                              "afresh")
         raise LlmpyError(f"-o {opts.output_dir} holds the checkpoints of a run ({listed}), which a new run would "
                          "overwrite: continue it with -y 1, or give another -o")
+    if not opts.resume and opts.output_dir:
+        # a run that stopped before its first checkpoint leaves only its log, which a run appends to (the last record
+        # of a step wins): the same run started again (-y 1) logs the same steps again, another would mix with it
+        logs = [n for n in RunLog.FILES if os.path.isfile(os.path.join(opts.output_dir, n))
+                and os.path.getsize(os.path.join(opts.output_dir, n))]
+        if logs:
+            raise LlmpyError(f"-o {opts.output_dir} holds the log of an earlier run ({', '.join(logs)}), which a new "
+                             "run would add its steps to: start that run again with -y 1, or give another -o")
     if found is not None:
         state = load_checkpoint(Path(opts.output_dir), found)
         newer = checkpoint_files(opts.output_dir, after=found)
@@ -757,7 +771,11 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     elif state is not None and state.meta.get("total_steps"):
         steps = int(state.meta["total_steps"])  # no -x: the checkpointed run's length
     else:
-        steps = max(1, len(train_loader) // accum)
+        if accum > len(train_loader):  # -x -1 means one epoch, and one step would be more than one
+            raise LlmpyError(f"-d {opts.total_batch_size}: one step reads {accum} batches of B={B} T={T}"
+                             + (" a process" if world > 1 else "") + f", more than the {len(train_loader)} of one "
+                             "epoch of the train data (-x -1: one epoch); lower -d, or give the steps with -x")
+        steps = len(train_loader) // accum
     start_step = 0
     loss_outliers, grad_outliers = OutlierDetector(), OutlierDetector()
     first_batch = None
