@@ -31,10 +31,10 @@ except ImportError:
 needs_mpl = pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed (pip install matplotlib)")
 
 
-def run_cli(*args, cwd=None):
+def run_cli(*args, cwd=None, timeout=300):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "llmpy", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
+                          env=env, cwd=cwd, timeout=timeout)
 
 
 def write_log(run_dir: Path, steps=60, val_every=10, extra=True) -> Path:
@@ -150,6 +150,8 @@ def test_read_log_leaves_out_a_last_line_still_being_written(tmp_path):
     ('{"step": 100000000000000000000, "kind": "train", "loss": 1}\n', ":1: 'step' must be an integer (64-bit)"),
     ('{"step": 1, "kind": "train", "skipped": false}\n{"step": 2, "kind": "train", "ms": 1' + "0" * 400 + '}\n',
      ":2: 'ms' must be a number, got 1000000000000000000000000000000000000...$"),  # past a float's range, cut short
+    pytest.param('{"step": 1, "kind": "train", "loss": 1}\n' + "[" * 100_000 + "\n",
+                 ":2: not valid JSON (maximum recursion depth exceeded", id="nested-deeper-than-the-parser-goes"),
 ])
 def test_read_log_errors_name_the_line(tmp_path, content, message):
     path = tmp_path / "main.jsonl"
@@ -177,6 +179,11 @@ def test_plot_errors(tmp_path):
         pl.plot_run(tmp_path / "afile")
     with pytest.raises(LlmpyError, match="no main.jsonl"):
         pl.plot_run(tmp_path)
+    (tmp_path / "dir_log" / "main.jsonl").mkdir(parents=True)  # there, but a folder: not "no main.jsonl"
+    with pytest.raises(LlmpyError, match=r"dir_log/main\.jsonl: not a regular file"):
+        pl.plot_run(tmp_path / "dir_log")
+    with pytest.raises(LlmpyError, match=r"main\.jsonl: not a regular file"):
+        pl.read_columns(tmp_path / "dir_log" / "main.jsonl")
     write_log(tmp_path / "run")
     with pytest.raises(LlmpyError, match="--smooth"):
         pl.plot_run(tmp_path / "run", smooth=-0.1)
@@ -215,6 +222,51 @@ def test_cli_plot_error_is_one_line(tmp_path):
     r = run_cli("plot", tmp_path)
     assert r.returncode == 1 and "main.jsonl:2: not valid JSON" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    (tmp_path / "main.jsonl").write_text("[" * 100_000 + "\n")  # was a RecursionError traceback
+    r = run_cli("plot", tmp_path)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"llmpy plot: error: {tmp_path / 'main.jsonl'}:1: not valid JSON (maximum recursion depth exceeded while "
+        "decoding a JSON array from a unicode string)"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_cli_plot_log_that_is_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "main.jsonl")  # opening it would wait for a writer for ever
+    r = run_cli("plot", tmp_path, timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [f"llmpy plot: error: {tmp_path / 'main.jsonl'}: not a regular file"]
+    assert not (tmp_path / "plots").exists()
+
+
+def test_plot_refuses_an_empty_path(tmp_path, monkeypatch):
+    # Path("") is the current folder: `plot RUN -o ''` wrote its charts there, `plot ''` read ./main.jsonl
+    write_log(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LlmpyError, match="^-o '': an empty output folder name"):
+        pl.plot_run(tmp_path / "run", "")
+    with pytest.raises(LlmpyError, match="^an empty run directory name"):
+        pl.plot_run("", tmp_path / "out")
+    r = run_cli("plot", tmp_path / "run", "-o", "", cwd=tmp_path)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "llmpy plot: error: -o '': an empty output folder name (leave -o out for DIR/plots)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not (tmp_path / "run" / "plots").exists()
+
+
+def test_leave_out_undrawable_names_the_first_line(tmp_path):
+    # a resumed run re-logs step 1 after step 2: the note names the earliest line, not the earliest step
+    path = tmp_path / "main.jsonl"
+    recs = [{"step": 1, "kind": "train", "loss": 9.0}, {"step": 2, "kind": "train", "norm": -1e200},
+            {"step": 1, "kind": "train", "loss": 3.0, "norm": 1e101, "ms": 1e300}]  # ms: not charted, not changed
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    columns = pl.read_columns(path)
+    assert columns.series("train", "norm")[1].tolist() == [1e101, -1e200]  # the log's numbers as they are
+    assert pl.leave_out_undrawable(columns, path) == (f"{path}:2: 'norm' -1e+200 is too large to draw (magnitude "
+                                                      "over 1e+100); left out of the charts (2 such values in all)")
+    assert all(math.isnan(v) for v in columns.series("train", "norm")[1].tolist())
+    assert columns.series("train", "ms")[1].tolist() == [1e300]
+    assert columns.series("train", "loss")[1].tolist() == [3.0]
+    assert pl.leave_out_undrawable(columns, path) is None  # nothing left to leave out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -303,6 +355,29 @@ def test_plot_run_thins_a_long_log_and_marks_skipped_steps(tmp_path, monkeypatch
 
 
 @needs_mpl
+@pytest.mark.filterwarnings("error")  # numpy's overflow warnings inside matplotlib's scales too
+def test_plot_leaves_out_values_too_large_to_draw(tmp_path):
+    # near the float maximum matplotlib's axis limits overflow: it crashed after writing loss.png, or (1e300 on
+    # a log axis) warned on stderr; such values are a gap in their line, as a logged inf is, with one note
+    recs = [{"step": 1, "kind": "train", "loss": 5.0, "lr": 1e-4, "norm": 2.0, "mfu": 0.4},
+            {"step": 2, "kind": "train", "loss": 1e308, "lr": -1e308, "norm": 1e300, "mfu": 1e99, "skipped": True},
+            {"step": 3, "kind": "train", "loss": -1e308, "lr": 1e308, "norm": 0.5, "mfu": -1e99},  # 1e99: drawn
+            {"step": 3, "kind": "val", "loss": 1.7e308},
+            {"step": 4, "kind": "train", "loss": 4.0, "lr": 1e-4, "norm": 1.0, "mfu": 0.4}]
+    (tmp_path / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    note = (f"{tmp_path / 'main.jsonl'}:2: 'loss' 1e+308 is too large to draw (magnitude over 1e+100); left out of the "
+            "charts (6 such values in all)")
+    notes = []
+    assert sorted(p.name for p in pl.plot_run(tmp_path, warn=notes.append)) == sorted(
+        ["loss.png", "lr.png", "grad_norm.png", "mfu.png"])
+    assert notes == [note]
+    assert_pngs(tmp_path / "plots", ["loss.png", "lr.png", "grad_norm.png", "mfu.png"])
+    r = run_cli("plot", tmp_path, "-o", tmp_path / "out")
+    assert r.returncode == 0 and len(r.stdout.split()) == 4
+    assert r.stderr.strip().splitlines() == [f"llmpy plot: note: {note}"]  # no RuntimeWarning, no traceback
+
+
+@needs_mpl
 def test_cli_plot(tmp_path):
     write_log(tmp_path / "run")
     r = run_cli("plot", tmp_path / "run", "-o", tmp_path / "out")
@@ -368,6 +443,19 @@ def test_export_errors(tmp_path):
     with pytest.raises(LlmpyError, match=r"new/x\.safetensors: the export is a folder .* without the \.safetensors"):
         export_hf(tmp_path / "m.bin", tmp_path / "new" / "x.safetensors")
     assert not (tmp_path / "new").exists()
+
+
+def test_export_refuses_an_empty_folder_name(tmp_path, monkeypatch):
+    # Path("") is the current folder: `export MODEL ''` wrote model.safetensors and the configs there
+    save_llmc(tmp_path / "m.bin", TINY, rand_params(TINY))
+    monkeypatch.chdir(tmp_path)
+    for name in ("", " "):
+        with pytest.raises(LlmpyError, match="^an empty export folder name$"):
+            export_hf(tmp_path / "m.bin", name)
+    r = run_cli("export", tmp_path / "m.bin", "", cwd=tmp_path)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ["llmpy export: error: an empty export folder name"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]
 
 
 def test_cli_export(tmp_path):

@@ -37,6 +37,8 @@ def export_hf(model_path, out_dir) -> Path:
     from .checkpoint import hf_config_dict, load_model_file, save_hf
     from .files import atomic_write, writable_dir
 
+    if not str(out_dir).strip():  # Path("") is the current folder: not what was meant
+        raise LlmpyError("an empty export folder name")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")

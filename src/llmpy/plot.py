@@ -18,6 +18,9 @@ from .errors import LlmpyError
 LOG_NAME = "main.jsonl"
 NUMERIC_KEYS = ("loss", "norm", "lr", "ms", "skipped", "tok_s", "mfu", "accuracy")
 KINDS = ("train", "val", "eval")  # eval: HellaSwag accuracy (-h 1)
+# the largest magnitude drawn: matplotlib's limits, margins and log-scale ticks overflow float64 well before the
+# float maximum (+-1e308 crashes it, 1e300 warns); no logged quantity comes near it
+DRAWABLE = 1e100
 # what the charts draw, by kind: a log without any of it has nothing to plot
 CHARTED = {"train": ("loss", "lr", "norm", "tok_s", "mfu"), "val": ("loss",), "eval": ("accuracy",)}
 
@@ -42,11 +45,13 @@ def run(args: argparse.Namespace) -> int:
 # reading the log
 
 def _validated_records(path: Path):
-    """The records of a main.jsonl in file order, each checked; a bad line is an LlmpyError naming its line.
-    A last line without its newline that does not parse is a record still being written (a live run) or cut
-    off (a killed one): it is left out."""
-    if not path.is_file():
+    """(line number, record) of a main.jsonl in file order, each checked; a bad line is an LlmpyError naming its
+    line. A last line without its newline that does not parse is a record still being written (a live run) or
+    cut off (a killed one): it is left out."""
+    if not path.exists():
         raise LlmpyError(f"{path}: no such file")
+    if not path.is_file():  # a folder, or a FIFO that open() would wait on for ever
+        raise LlmpyError(f"{path}: not a regular file")
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -54,7 +59,7 @@ def _validated_records(path: Path):
                 raise LlmpyError(f"{where}: empty line")
             try:
                 rec = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
                 if not line.endswith("\n"):  # only the last line can lack it
                     return
                 raise LlmpyError(f"{where}: not valid JSON ({e})") from None
@@ -68,7 +73,7 @@ def _validated_records(path: Path):
             for key in NUMERIC_KEYS:  # other keys a later trainer adds are carried, not checked
                 if key in rec and not _is_number(rec[key]):
                     raise LlmpyError(f"{where}: '{key}' must be a number, got {_short(rec[key])}")
-            yield rec
+            yield lineno, rec
 
 
 def read_log(path) -> list[dict]:
@@ -79,7 +84,7 @@ def read_log(path) -> list[dict]:
     keeps only the numbers it draws: a long run's log holds millions of records.)
     """
     path = Path(path)
-    latest = {(rec["kind"], rec["step"]): rec for rec in _validated_records(path)}
+    latest = {(rec["kind"], rec["step"]): rec for _, rec in _validated_records(path)}
     if not latest:
         raise LlmpyError(f"{path}: empty log (no steps yet)")
     return sorted(latest.values(), key=lambda r: (r["step"], r["kind"] != "train"))
@@ -101,12 +106,14 @@ def _short(value) -> str:
 
 class LogColumns:
     """A main.jsonl's numbers by kind, as numpy columns: for each kind the steps (sorted, the last record of a
-    step winning as in read_log) and, for each of NUMERIC_KEYS, the values (float64) and whether the record
-    had one (a missing key or null is absent; a logged NaN is present). Eight bytes and a flag a number where
-    read_log's dicts take some hundreds, so a log of millions of records plots in a few hundred MB."""
+    step winning as in read_log), the line of each step's record and, for each of NUMERIC_KEYS, the values
+    (float64) and whether the record had one (a missing key or null is absent; a logged NaN is present). Eight
+    bytes and a flag a number where read_log's dicts take some hundreds, so a log of millions of records plots
+    in a few hundred MB."""
 
-    def __init__(self, steps: dict, values: dict, present: dict):
+    def __init__(self, steps: dict, values: dict, present: dict, lines: dict):
         self.steps, self.values, self.present = steps, values, present  # by kind; values, present by (kind, key)
+        self.lines = lines  # by kind, for messages that name a record's line
         self.records = sum(len(s) for s in steps.values())
 
     def series(self, kind: str, key: str):
@@ -123,29 +130,32 @@ def read_columns(path) -> LogColumns:
     import numpy as np
     path = Path(path)
     steps = {kind: array("q") for kind in KINDS}
+    lines = {kind: array("q") for kind in KINDS}
     values = {(kind, key): array("d") for kind in KINDS for key in NUMERIC_KEYS}
     present = {(kind, key): bytearray() for kind in KINDS for key in NUMERIC_KEYS}
-    for rec in _validated_records(path):
+    for lineno, rec in _validated_records(path):
         kind = rec["kind"]
         steps[kind].append(rec["step"])
+        lines[kind].append(lineno)
         for key in NUMERIC_KEYS:
             v = rec.get(key)
             values[kind, key].append(math.nan if v is None else float(v))
             present[kind, key].append(v is not None)
     if not any(steps.values()):
         raise LlmpyError(f"{path}: empty log (no steps yet)")
-    out_steps, out_values, out_present = {}, {}, {}
+    out_steps, out_values, out_present, out_lines = {}, {}, {}, {}
     for kind in KINDS:
         kind_steps = np.frombuffer(steps[kind], np.int64) if steps[kind] else np.zeros(0, np.int64)
         # the last record of each step: the first of the reversed column, kept in step order
         unique, first_reversed = np.unique(kind_steps[::-1], return_index=True)
         rows = len(kind_steps) - 1 - first_reversed
         out_steps[kind] = unique
+        out_lines[kind] = np.frombuffer(lines[kind], np.int64)[rows] if steps[kind] else np.zeros(0, np.int64)
         for key in NUMERIC_KEYS:
             column = np.frombuffer(values[kind, key], np.float64) if steps[kind] else np.zeros(0)
             out_values[kind, key] = column[rows]
             out_present[kind, key] = np.frombuffer(bytes(present[kind, key]), np.uint8)[rows].astype(bool)
-    return LogColumns(out_steps, out_values, out_present)
+    return LogColumns(out_steps, out_values, out_present, out_lines)
 
 
 def ema(values: list[float], weight: float) -> list[float]:
@@ -193,6 +203,31 @@ def thin(xs, ys, max_points: int = MAX_POINTS):
     return out_x, out_y
 
 
+def leave_out_undrawable(columns: LogColumns, log) -> str | None:
+    """Set to NaN each charted value too large to draw (finite, magnitude over DRAWABLE): a gap in its line, as a
+    logged inf is. Returns a note naming the first such value's line and key, or None where there is none."""
+    import numpy as np
+    first, count = None, 0
+    for kind, keys in CHARTED.items():
+        for key in keys:
+            values = columns.values[kind, key]
+            undrawable = columns.present[kind, key] & np.isfinite(values) & (np.abs(values) > DRAWABLE)
+            if not undrawable.any():
+                continue
+            count += int(undrawable.sum())
+            lines = columns.lines[kind][undrawable]
+            at = int(np.argmin(lines))  # by line, not step: a resumed run's records are not in step order
+            if first is None or lines[at] < first[0]:
+                first = (int(lines[at]), key, float(values[undrawable][at]))
+            values[undrawable] = np.nan
+    if first is None:
+        return None
+    line, key, value = first
+    more = f" ({count} such values in all)" if count > 1 else ""
+    return (f"{log}:{line}: '{key}' {_short(value)} is too large to draw (magnitude over {DRAWABLE:g}); "
+            f"left out of the charts{more}")
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -206,15 +241,21 @@ def _pyplot():
 def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path]:
     """Write the charts of run_dir/main.jsonl as PNGs into out_dir (default run_dir/plots); returns their paths.
 
-    A log with nothing to chart is an LlmpyError; one without any loss gets a line through `warn`, if given.
+    A log with nothing to chart is an LlmpyError; one without any loss, or with values too large to draw (left
+    out), gets a line through `warn`, if given.
     """
+    # Path("") is the current folder: not what was meant
+    if not str(run_dir).strip():
+        raise LlmpyError("an empty run directory name (give the run's output directory, train -o)")
+    if out_dir is not None and not str(out_dir).strip():
+        raise LlmpyError("-o '': an empty output folder name (leave -o out for DIR/plots)")
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise LlmpyError(f"{run_dir}: no such directory")
     if not run_dir.is_dir():
         raise LlmpyError(f"{run_dir} is not a directory (give the run's output directory)")
     log = run_dir / LOG_NAME
-    if not log.is_file():
+    if not log.exists():
         raise LlmpyError(f"{run_dir}: no {LOG_NAME} in it (was it written by `llmpy train -o`?)")
     columns = read_columns(log)
     if not 0.0 <= smooth < 1.0:
@@ -225,6 +266,9 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
                          "tok_s, mfu or accuracy: nothing to plot")
     if warn is not None and not any(len(columns.series(kind, "loss")[0]) for kind in ("train", "val")):
         warn(f"{log}: no loss values in it, so no loss chart")
+    note = leave_out_undrawable(columns, log)  # before any chart is written: matplotlib would crash mid-way
+    if note is not None and warn is not None:
+        warn(note)
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
