@@ -154,6 +154,25 @@ def test_llmc_truncated_and_too_long(tmp_path, good_bin):
         ck.load_llmc(tiny)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_llmc_non_finite_weights_are_refused_naming_the_tensor(tmp_path, dtype, value):
+    # else the run starts and stops at step 1 with "the loss is nan", never naming the model file
+    flat = rand_params(SMALL, seed=12)
+    parameter_views(flat, SMALL)["fcw"][1, 5, 7] = value
+    path = tmp_path / "bad.bin"
+    ck.save_llmc(path, SMALL, flat, dtype=dtype)
+    for load in (ck.load_llmc, ck.load_model_file):
+        with pytest.raises(LlmpyError, match=r"^.*bad\.bin: tensor fcw \(layer 1\) holds NaN or inf values; "
+                                             r"a model's weights must be finite$"):
+            load(path)
+    parameter_views(flat, SMALL)["fcw"][1, 5, 7] = 0.5
+    parameter_views(flat, SMALL)["wte"][3, 0] = -value
+    ck.save_llmc(path, SMALL, flat, dtype=dtype)
+    with pytest.raises(LlmpyError, match=r"bad\.bin: tensor wte holds NaN or inf"):
+        ck.load_llmc(path)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(LlmpyError, match=r"nope\.bin: no such file"):
         ck.load_llmc(tmp_path / "nope.bin")
@@ -438,6 +457,112 @@ def test_hf_not_safetensors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(LlmpyError, match=r"empty is a directory without model\.safetensors"):
         ck.load_model_file(tmp_path / "empty")
+
+
+def test_hf_deeply_nested_config_or_index_is_one_line(tmp_path):
+    # json's decoder recurses: '[' * 100000 is a RecursionError, not a ValueError
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=13))
+    (tmp_path / "config.json").write_text("[" * 100000)
+    with pytest.raises(LlmpyError, match=r"config\.json: not valid JSON \(maximum recursion depth"):
+        ck.load_model_file(tmp_path)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "model.safetensors.index.json").write_text("[" * 100000)
+    with pytest.raises(LlmpyError, match=r"model\.safetensors\.index\.json: not a safetensors index \(maximum"):
+        ck.load_model_file(sharded)
+
+
+def test_hf_config_weights_or_shard_that_is_not_a_file_says_so(tmp_path):
+    # was "no config.json beside it and the width ...", "is a directory without model.safetensors" and "no such file"
+    flat = rand_params(SMALL, seed=14)
+    ck.save_hf(tmp_path / "cfg", SMALL, flat)
+    (tmp_path / "cfg" / "config.json").unlink()
+    (tmp_path / "cfg" / "config.json").mkdir()
+    with pytest.raises(LlmpyError, match=r"cfg/config\.json is a directory, not a JSON config$"):
+        ck.load_model_file(tmp_path / "cfg")
+    os.rmdir(tmp_path / "cfg" / "config.json")
+    os.mkfifo(tmp_path / "cfg" / "config.json")  # reading it would block for ever
+    with pytest.raises(LlmpyError, match=r"cfg/config\.json: not a regular file, so not a JSON config$"):
+        ck.load_hf(tmp_path / "cfg" / "model.safetensors")
+    (tmp_path / "weights" / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(LlmpyError, match=r"weights/model\.safetensors is a directory, not a safetensors file$"):
+        ck.load_model_file(tmp_path / "weights")
+    shards = tmp_path / "shards"
+    (shards / "model-00001-of-00001.safetensors").mkdir(parents=True)
+    (shards / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"wte.weight": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(LlmpyError, match=r"model-00001-of-00001\.safetensors is a directory, not a safetensors file$"):
+        ck.load_model_file(shards)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool], ids=["int8", "int64", "bool"])
+def test_hf_tensor_that_is_not_floating_point_is_refused_naming_it(tmp_path, dtype):
+    # was cast to float without a word
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=15))
+    tensors = load_file(tmp_path / "model.safetensors")
+    g = torch.Generator().manual_seed(16)
+    t = tensors["transformer.h.1.mlp.c_fc.weight"]
+    tensors["transformer.h.1.mlp.c_fc.weight"] = torch.randint(-100, 100, t.shape, generator=g).to(dtype)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    name = {torch.int8: "I8", torch.int64: "I64", torch.bool: "BOOL"}[dtype]
+    with pytest.raises(LlmpyError, match=rf"model\.safetensors: tensor 'transformer\.h\.1\.mlp\.c_fc\.weight' is "
+                                         rf"{name}, not floating point"):
+        ck.load_model_file(tmp_path)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["nan", "inf"])
+def test_hf_non_finite_weights_are_refused_naming_the_tensor(tmp_path, value):
+    flat = rand_params(SMALL, seed=17)
+    ck.save_hf(tmp_path, SMALL, flat)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["transformer.h.0.attn.c_proj.bias"][9] = value
+    tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"].half()  # checked once widened
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LlmpyError, match=r"model\.safetensors: tensor 'transformer\.h\.0\.attn\.c_proj\.bias' "
+                                         r"holds NaN or inf values"):
+        ck.load_model_file(tmp_path)
+    tensors["transformer.h.0.attn.c_proj.bias"][9] = 0.25
+    tensors["transformer.wpe.weight"][3, 3] = value
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LlmpyError, match=r"tensor 'transformer\.wpe\.weight' holds NaN or inf values"):
+        ck.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("n_embd", 64.5, "n_embd must be a positive integer, not 64.5"),
+    ("n_embd", "64", 'n_embd must be a positive integer, not "64"'),
+    ("n_layer", True, "n_layer must be a positive integer, not true"),
+    ("n_head", 0, "n_head must be a positive integer, not 0"),
+    ("vocab_size", None, "vocab_size must be a positive integer, not null"),
+    ("layer_norm_epsilon", "abc", 'layer_norm_epsilon must be a positive number, not "abc"'),
+    ("layer_norm_epsilon", -1e-5, "layer_norm_epsilon must be a positive number, not -1e-05"),
+    ("layer_norm_epsilon", float("nan"), "layer_norm_epsilon must be a positive number, not NaN"),
+    ("llmc_padded_vocab_size", "x", 'llmc_padded_vocab_size must be a positive integer, not "x"'),
+    ("llmc_padded_vocab_size", 10, "llmc_padded_vocab_size 10 is smaller than vocab_size 300"),
+    ("activation_function", ["gelu_new"],
+     'activation_function ["gelu_new"] is not the tanh GELU (gelu_new) llm.c uses'),
+], ids=["float", "str", "bool", "zero", "null", "eps-str", "eps-negative", "eps-nan", "padded-str", "padded-small",
+        "activation-list"])
+def test_hf_config_value_of_the_wrong_type_or_range_is_named(tmp_path, key, value, message):
+    # was truncated (64.5), parsed ("64"), given a note ("abc") or ignored (the padded vocab)
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=18))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LlmpyError) as e:
+        ck.load_model_file(tmp_path)
+    assert str(e.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+def test_hf_config_padded_vocab_and_epsilon_that_are_right_are_used(tmp_path):
+    config = GPT2Config(num_layers=1, channels=64, num_heads=2, vocab_size=300, max_seq_len=16, padded_vocab_size=320)
+    ck.save_hf(tmp_path, config, rand_params(config, seed=19))
+    assert ck.load_hf(tmp_path)[0] == config
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["layer_norm_epsilon"] = 1e-6
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match=r"layer_norm_epsilon 1e-06 differs from llm\.c's 1e-5"):
+        assert ck.load_hf(tmp_path)[0] == config
 
 
 # ---------------------------------------------------------------------------------------------

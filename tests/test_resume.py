@@ -308,6 +308,85 @@ def test_state_metadata_of_the_wrong_shape_is_named(saved, shards, key, value):
     assert "\n" not in str(e.value) and snapshot(saved) == before
 
 
+def _rewrite_meta(spath, edit):
+    """Rewrite a state file's llmpy metadata as `edit(meta)` returns it (a str is stored as it is)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    with safe_open(str(spath), framework="pt") as f:
+        meta = json.loads(f.metadata()[training_state.META_KEY])
+    raw = edit(meta)
+    save_file(load_file(str(spath)), str(spath),
+              metadata={training_state.META_KEY: raw if isinstance(raw, str) else json.dumps(raw)})
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("batch_size", "2", "an integer"), ("seed", "42", "an integer"), ("seed", 42.0, "an integer"),
+    ("grad_accumulation", True, "an integer"), ("learning_rate", "x", "a finite number"),
+    ("skip_loss_z", None, "a finite number"), ("dtype", 32, "text"), ("model", 5, "text or null"),
+    ("config", [1], "a table"), ("config.channels", "16", "an integer"),
+], ids=["B-str", "seed-str", "seed-float", "accum-bool", "lr-str", "sl-null", "dtype-int", "model-int", "config-list",
+        "channels-str"])
+def test_saved_options_of_the_wrong_type_are_named(saved, shards, key, value, what):
+    """A "2" where 2 belongs was "saved with -b 2 but this run has -b 2"; a learning rate "x" resumed with a note."""
+    spath = state_path(saved, 4)
+
+    def edit(meta):
+        *tables, leaf = ["options"] + key.split(".")
+        target = meta
+        for t in tables:
+            target = target[t]
+        target[leaf] = value
+        return meta
+    _rewrite_meta(spath, edit)
+    before = snapshot(saved)
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert str(e.value) == (f"{spath}: malformed training-state metadata ('options.{key}' should be {what}, not "
+                            f"{json.dumps(value)})")
+    assert snapshot(saved) == before
+
+
+def test_deeply_nested_state_metadata_is_one_line(saved, shards):
+    # json's decoder recurses: '[' * 100000 was a RecursionError traceback
+    spath = state_path(saved, 4)
+    _rewrite_meta(spath, lambda meta: "[" * 100000)
+    before = snapshot(saved)
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(spath))}: corrupt training-state metadata \(maximum "
+                                         r"recursion depth exceeded[^\n]*\)$"):
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert snapshot(saved) == before
+
+
+def test_a_state_file_that_is_not_a_file_says_so(saved, shards):
+    # a directory was "corrupt or truncated training state (No such device (os error 19))"; a pipe blocked
+    spath = state_path(saved, 4)
+    spath.unlink()
+    spath.mkdir()
+    before = snapshot(saved)
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(spath))} is a directory, not a training-state file$"):
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    spath.rmdir()
+    os.mkfifo(spath)
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(spath))}: not a regular file, so not a training-state "
+                                         r"file$"):
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert snapshot(saved) == before
+
+
+def test_a_checkpoints_non_finite_model_file_is_named(saved, shards):
+    # a model file whose weights are NaN (an edited one, its checksum recomputed) is named at load, not at step 5
+    mpath, spath = model_path(saved, 4), state_path(saved, 4)
+    data = bytearray(mpath.read_bytes())
+    data[2000:2004] = np.float32(np.nan).tobytes()  # in wte
+    mpath.write_bytes(bytes(data))
+    crc = training_state._file_crc(mpath)
+    _rewrite_meta(spath, lambda meta: {**meta, "checksums": {**meta["checksums"], "model_file": crc}})
+    before = snapshot(saved)
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(mpath))}: tensor wte holds NaN or inf values"):
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert snapshot(saved) == before
+
+
 def _assert_previous_checkpoint_intact(out, shards):
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     assert not model_path(out, 4).exists() and not state_path(out, 4).exists()

@@ -64,6 +64,8 @@ HF_CONFIG_NAME = "config.json"
 HF_PREFIX = "transformer."
 # Activations HF implements as the tanh GELU that llm.c uses.
 _TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
+# safetensors dtypes a GPT-2's weights may have (widened to fp32 on load): integers or bools are not weights
+_HF_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2")
 
 # Elements converted and written per step: bounds the temporary copy for multi-GB models.
 _WRITE_CHUNK = 1 << 24
@@ -128,10 +130,31 @@ def _header(magic: int, version: int, *fields: int) -> bytes:
 # reading headers
 
 
+def _refuse_non_file(path: Path, what: str) -> None:
+    """One line for a directory, a pipe or a dead link where `what` belongs: reading a directory fails with a
+    misleading error and reading a pipe blocks. A path that is not there at all is the caller's to report."""
+    if path.is_dir():
+        raise LlmpyError(f"{path} is a directory, not {what}")
+    if not path.is_file() and os.path.lexists(path):
+        raise LlmpyError(f"{path}: " + ("a link to nothing (or a loop of links)" if not path.exists() else
+                                        f"not a regular file, so not {what}"))
+
+
+def _check_finite(path, config: GPT2Config, flat: torch.Tensor) -> None:
+    """NaN or inf weights would only show as a NaN loss at step 1, far from the file: name it and the tensor."""
+    for name, view in parameter_views(flat, config).items():
+        if torch.isfinite(view).all():
+            continue
+        where = ""
+        if name not in ("wte", "wpe", "lnfw", "lnfb"):  # per layer: say which
+            layer = next(i for i in range(config.num_layers) if not torch.isfinite(view[i]).all())
+            where = f" (layer {layer})"
+        raise LlmpyError(f"{path}: tensor {name}{where} holds NaN or inf values; a model's weights must be finite")
+
+
 def _read_header(path) -> np.ndarray:
     path = Path(path)
-    if path.is_dir():
-        raise LlmpyError(f"{path} is a directory, not an llm.c model file")
+    _refuse_non_file(path, "an llm.c model file")
     try:
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
@@ -237,6 +260,7 @@ def load_llmc(path) -> tuple[GPT2Config, torch.Tensor, int]:
     else:
         flat = torch.from_numpy(np.fromfile(path, dtype="<i2", count=n, offset=HEADER_BYTES))
         flat = flat.view(torch.bfloat16)
+    _check_finite(path, hdr.config, flat)
     return hdr.config, flat, hdr.version
 
 
@@ -355,30 +379,34 @@ def _hf_files(path: Path) -> tuple[list[Path], Path]:
     """The safetensors file(s) to read and where config.json would be."""
     if path.is_dir():
         single, index = path / HF_WEIGHTS_NAME, path / HF_INDEX_NAME
+        _refuse_non_file(single, "a safetensors file")
         if single.is_file():
             return [single], path / HF_CONFIG_NAME
+        _refuse_non_file(index, "a safetensors index")
         if index.is_file():  # sharded: model-0000x-of-0000n.safetensors listed in the index
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise LlmpyError(f"{index}: not a safetensors index ({e})") from None
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # deep nesting: RecursionError
+                raise LlmpyError(f"{index}: not a safetensors index ({getattr(e, 'strerror', None) or e})") from None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
                 raise LlmpyError(f"{index}: not a safetensors index (its weight_map must map tensor names to file "
                                  "names)")
             return [path / s for s in sorted(set(weight_map.values()))], path / HF_CONFIG_NAME
         raise LlmpyError(f"{path} is a directory without {HF_WEIGHTS_NAME}")
+    _refuse_non_file(path, "a safetensors file")
     if not path.is_file():
         raise LlmpyError(f"{path}: no such file")
     return [path], path.parent / HF_CONFIG_NAME
 
 
 def _read_hf_config(path: Path) -> dict | None:
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    _refuse_non_file(path, "a JSON config")  # there but unreadable: not the same as absent
     try:
         cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise LlmpyError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # deep nesting ([[[...) is a RecursionError
+        raise LlmpyError(f"{path}: not valid JSON ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(cfg, dict):
         raise LlmpyError(f"{path}: expected a JSON object")
     return cfg
@@ -405,13 +433,16 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
 
     # name (unprefixed) -> (file, name in file, shape)
     index: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    dtypes: dict[str, str] = {}
     for file in files:
+        _refuse_non_file(file, "a safetensors file")
         if not file.is_file():
             raise LlmpyError(f"{file}: no such file (listed in {path / HF_INDEX_NAME})")
         try:
             with safe_open(str(file), framework="pt") as sf:
                 for key in sf.keys():
                     index[key.removeprefix(HF_PREFIX)] = (file, key, tuple(sf.get_slice(key).get_shape()))
+                    dtypes[key.removeprefix(HF_PREFIX)] = sf.get_slice(key).get_dtype()
         except (SafetensorError, OSError, ValueError) as e:
             raise LlmpyError(f"{file}: not a readable safetensors file ({e})") from None
 
@@ -423,6 +454,11 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
     for need in ("wte.weight", "wpe.weight"):
         if need not in index:
             raise LlmpyError(f"{label}: missing tensor {need!r}")
+    # an integer or bool tensor would be cast to float without a word: not a model's weights
+    for name, (file, key, _) in index.items():
+        if (_is_hf_param(name) or name == "lm_head.weight") and dtypes[name] not in _HF_FLOAT_DTYPES:
+            raise LlmpyError(f"{file}: tensor {key!r} is {dtypes[name]}, not floating point: not a GPT-2's weights "
+                             f"(expected {', '.join(_HF_FLOAT_DTYPES)})")
 
     config = _hf_config(label, cfg_path, index)
     shapes = _expected_hf_shapes(config)
@@ -443,7 +479,10 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
 
         def get(name):
             file, key, _ = index[name]
-            return opened[file].get_tensor(key)
+            t = opened[file].get_tensor(key).to(torch.float32)  # fp32 first: torch has no isfinite for some fp8
+            if not torch.isfinite(t).all():  # else the first step's loss is NaN, far from the file
+                raise LlmpyError(f"{file}: tensor {key!r} holds NaN or inf values; a model's weights must be finite")
+            return t
 
         p["wte"][:config.vocab_size] = get("wte.weight")
         for ours, name in _HF_GLOBAL.items():
@@ -491,27 +530,40 @@ def _expected_hf_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _config_int(cfg_path: Path, cfg: dict, key: str) -> int:
+    """A positive JSON integer of config.json: 32.5 or "32" is a broken file, not something to truncate or parse."""
+    if key not in cfg:
+        raise LlmpyError(f"{cfg_path}: missing {key!r}, not a GPT-2 config")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise LlmpyError(f"{cfg_path}: {key} must be a positive integer, not {json.dumps(value)[:40]}")
+    return value
+
+
 def _hf_config(label, cfg_path: Path, index) -> GPT2Config:
     V, C = index["wte.weight"][2] if len(index["wte.weight"][2]) == 2 else (0, 0)
     maxT = index["wpe.weight"][2][0] if index["wpe.weight"][2] else 0
     cfg = _read_hf_config(cfg_path)
     if cfg is not None:
-        try:
-            values = {"num_layers": int(cfg["n_layer"]), "num_heads": int(cfg["n_head"]),
-                      "channels": int(cfg["n_embd"]), "max_seq_len": int(cfg["n_positions"]),
-                      "vocab_size": int(cfg["vocab_size"])}
-        except KeyError as e:
-            raise LlmpyError(f"{cfg_path}: missing {e.args[0]!r}, not a GPT-2 config") from None
-        except (TypeError, ValueError) as e:
-            raise LlmpyError(f"{cfg_path}: bad GPT-2 config value ({e})") from None
+        values = {ours: _config_int(cfg_path, cfg, key) for ours, key in (
+            ("num_layers", "n_layer"), ("num_heads", "n_head"), ("channels", "n_embd"), ("max_seq_len", "n_positions"),
+            ("vocab_size", "vocab_size"))}
         act = cfg.get("activation_function", "gelu_new")
-        if act not in _TANH_GELUS:
-            raise LlmpyError(f"{cfg_path}: activation_function {act!r} is not the tanh GELU (gelu_new) llm.c uses")
+        if not isinstance(act, str) or act not in _TANH_GELUS:
+            raise LlmpyError(f"{cfg_path}: activation_function {json.dumps(act)[:40]} is not the tanh GELU (gelu_new) "
+                             "llm.c uses")
         eps = cfg.get("layer_norm_epsilon", 1e-5)
-        if not isinstance(eps, (int, float)) or abs(eps - 1e-5) > 1e-9:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+            raise LlmpyError(f"{cfg_path}: layer_norm_epsilon must be a positive number, not {json.dumps(eps)[:40]}")
+        if abs(eps - 1e-5) > 1e-9:
             warnings.warn(f"{cfg_path}: layer_norm_epsilon {eps} differs from llm.c's 1e-5", stacklevel=3)
-        padded = cfg.get("llmc_padded_vocab_size", 0)
-        values["padded_vocab_size"] = padded if isinstance(padded, int) and padded >= values["vocab_size"] else 0
+        values["padded_vocab_size"] = 0  # absent: llm.c's padding
+        if "llmc_padded_vocab_size" in cfg:
+            padded = _config_int(cfg_path, cfg, "llmc_padded_vocab_size")
+            if padded < values["vocab_size"]:
+                raise LlmpyError(f"{cfg_path}: llmc_padded_vocab_size {padded} is smaller than vocab_size "
+                                 f"{values['vocab_size']}")
+            values["padded_vocab_size"] = padded
         where = cfg_path
     else:
         layers = {int(k.split(".")[1]) for k in index if _is_hf_param(k) and k.startswith("h.")}

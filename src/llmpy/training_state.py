@@ -15,6 +15,7 @@ between the two leaves an orphan model file that resume ignores.
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_llmc, save_llmc, save_safetensors
+from .checkpoint import _refuse_non_file, load_llmc, save_llmc, save_safetensors
 from .config import GPT2Config
 from .errors import LlmpyError
 
@@ -41,6 +42,20 @@ CONFIG_FIELDS = ("num_layers", "channels", "num_heads", "max_seq_len", "vocab_si
 # the metadata's entries read as tables (JSON objects) and as integers
 _META_TABLES = ("options", "checksums", "rng", "data", "outliers")
 _META_INTS = ("step", "total_steps")
+# the saved options (trainer._run_options) by kind: a resume compares them with its flags and reuses some, so a
+# "4" where 4 belongs would read as "saved with -b 4 but this run has -b 4"
+_OPTION_KINDS = {
+    **dict.fromkeys(("batch_size", "seq_len", "total_batch_size", "warmup_steps", "max_steps", "seed",
+                     "master_weights", "shuffle", "overfit_single_batch", "grad_accumulation", "world_size",
+                     "zero_stage"), "int"),
+    **dict.fromkeys(("learning_rate", "final_lr_frac", "weight_decay", "grad_clip", "skip_loss_z", "skip_grad_z"),
+                    "number"),
+    **dict.fromkeys(("lr_schedule", "dtype", "device"), "text"),
+    **dict.fromkeys(("model", "train_data"), "path"),  # null: the default model or the embedded corpus
+    "config": "table",
+}
+_KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a finite number"), "text": ((str,), "text"),
+          "path": ((str, type(None)), "text or null"), "table": ((dict,), "a table")}
 
 
 def model_path(out_dir, step: int) -> Path:
@@ -113,8 +128,17 @@ def save_checkpoint(out_dir, step: int, config: GPT2Config, params_fp32: torch.T
     return mpath, spath
 
 
+def _check_kind(spath: Path, key: str, value, kind: str) -> None:
+    types, what = _KINDS[kind]
+    if isinstance(value, bool) or not isinstance(value, types) or (kind == "number" and not math.isfinite(value)):
+        raise LlmpyError(f"{spath}: malformed training-state metadata ('{key}' should be {what}, not "
+                         f"{json.dumps(value)[:40]})")
+
+
 def _read_meta(spath: Path) -> dict:
     from safetensors import SafetensorError, safe_open
+    # a directory would read as "No such device (os error 19)", and a pipe would block
+    _refuse_non_file(spath, "a training-state file")
     try:
         with safe_open(str(spath), framework="pt") as f:
             raw = (f.metadata() or {}).get(META_KEY)
@@ -124,7 +148,7 @@ def _read_meta(spath: Path) -> dict:
         raise LlmpyError(f"{spath}: not an llmpy training state (no '{META_KEY}' metadata)")
     try:
         meta = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # deep nesting ([[[...) is a RecursionError
         raise LlmpyError(f"{spath}: corrupt training-state metadata ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
         raise LlmpyError(f"{spath}: not an llmpy training state")
@@ -132,11 +156,16 @@ def _read_meta(spath: Path) -> dict:
         raise LlmpyError(f"{spath}: training-state format version {meta.get('format_version')}; this llmpy "
                          f"reads version {STATE_FORMAT_VERSION}")
     # an edited or damaged file can hold valid JSON of the wrong shape: refuse it here, in one line
-    for key, kinds, what in [(k, dict, "a table") for k in _META_TABLES] + [(k, int, "an integer") for k in _META_INTS]:
-        value = meta.get(key)
-        if key in meta and (isinstance(value, bool) or not isinstance(value, kinds)):
-            raise LlmpyError(f"{spath}: malformed training-state metadata ('{key}' should be {what}, not "
-                             f"{json.dumps(value)[:40]})")
+    for key, kind in [(k, "table") for k in _META_TABLES] + [(k, "int") for k in _META_INTS]:
+        if key in meta:
+            _check_kind(spath, key, meta[key], kind)
+    options = meta.get("options", {})
+    for key, kind in _OPTION_KINDS.items():
+        if key in options:
+            _check_kind(spath, f"options.{key}", options[key], kind)
+    for key in CONFIG_FIELDS:
+        if key in options.get("config", {}):
+            _check_kind(spath, f"options.config.{key}", options["config"][key], "int")
     return meta
 
 
