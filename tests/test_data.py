@@ -408,6 +408,15 @@ def test_default_corpus_and_dataset(tmp_path):
     DataLoader(files.train, 4, 64, vocab_size=257).next_batch()
 
 
+def test_default_dataset_rebuilds_over_a_manifest_nested_too_deep(tmp_path):
+    files = default_dataset(cache_dir=tmp_path, max_bytes=20_000)
+    manifest = tmp_path / "bytes" / "manifest.json"
+    good = manifest.read_text()
+    manifest.write_text("[" * 100_000)  # json.loads raises RecursionError, not a ValueError
+    assert default_dataset(cache_dir=tmp_path, max_bytes=20_000) == files
+    assert manifest.read_text() == good
+
+
 # ----------------------------------------------------------------------------------------------
 # llmpy prepare
 
@@ -587,6 +596,20 @@ def test_named_dataset_without_network_fails_cleanly(tmp_path, monkeypatch, data
     assert leftovers == []  # no partial download left behind
 
 
+@pytest.mark.parametrize("body, reason", [
+    pytest.param("[" * 100_000, "maximum recursion depth", id="nested-too-deep"),  # a RecursionError traceback
+    pytest.param('[{"story": 5}]', "'int' object has no attribute 'strip'", id="story-not-text"),  # AttributeError
+])
+def test_a_bad_tinystories_json_is_one_line(tmp_path, body, reason):
+    folder = tmp_path / "cache" / "TinyStories_all_data"  # as unpacked: no download
+    folder.mkdir(parents=True)
+    (folder / ".complete").write_text("ok\n")
+    (folder / "data00.json").write_text(body)
+    with pytest.raises(LlmpyError, match=rf"data00\.json: not a TinyStories JSON file \({reason}"):
+        run_prepare(["tinystories", "-o", tmp_path / "o", "--tokenizer", "bytes", "--cache-dir", tmp_path / "cache"])
+    assert not (tmp_path / "o").exists()
+
+
 def test_download_checks_sha256(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: _FakeResponse(b"not shakespeare"))
     with pytest.raises(LlmpyError, match="sha256"):
@@ -708,7 +731,8 @@ def test_prepare_jsonl_errors_name_the_line(tmp_path, capsys):
         assert len(err) == 1 and re.search(message, err[0]) and str(tmp_path / name) in err[0], err
         assert not (tmp_path / "o").exists()
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
-    with pytest.raises(LlmpyError, match=r"latin1\.jsonl: line 1: not JSON"):
+    with pytest.raises(LlmpyError, match=r"latin1\.jsonl: line 1: not UTF-8 text \(byte 13 of the line: invalid "
+                                         r"continuation byte\)$"):
         run_prepare([tmp_path / "latin1.jsonl", "-o", tmp_path / "o", "--tokenizer", "bytes"])
     import gzip
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress((good + "\n").encode() * 1000)[:-30])
@@ -725,6 +749,52 @@ def test_prepare_jsonl_errors_name_the_line(tmp_path, capsys):
     with pytest.raises(LlmpyError, match=r"hellaswag: .*--text-field do not apply"):
         run_prepare(["hellaswag", "-o", tmp_path / "o", "--text-field", "body"])
     assert not (tmp_path / "o").exists()
+
+
+def test_prepare_jsonl_lines_not_utf8_nested_too_deep_or_with_a_lone_surrogate(tmp_path, capsys, shared_data):
+    from llmpy import cli
+    gpt2_dir = shared_data("gpt2/encoder.json", "gpt2/vocab.bpe") / "gpt2"
+    good = json.dumps({"text": "fine"}).encode()
+    cases = {
+        # json.loads(bytes) guessed UTF-16 from FF FE and said "not JSON ('utf-16-le' codec ...)"
+        "bom16.jsonl": (good + b"\n\xff\xfe" + good + b"\n", r"line 2: not UTF-8 text \(byte 0 of the line: "
+                                                          r"invalid start byte\)$"),
+        # a RecursionError traceback
+        "deep.jsonl": (good + b"\n" + b"[" * 100_000 + b"\n", r"line 2: not JSON \(maximum recursion depth"),
+        # a UnicodeEncodeError traceback from the tokenizer
+        "surrogate.jsonl": (b'{"text": "a \\ud800 b"}\n', r"line 1: field 'text' holds a lone surrogate "
+                                                          r"\('\\ud800' at character 2\), not Unicode text$"),
+    }
+    for name, (body, message) in cases.items():
+        (tmp_path / name).write_bytes(body)
+        for tokenizer in (["--tokenizer", "bytes"], ["--tokenizer-dir", str(gpt2_dir)]):
+            assert cli.main(["prepare", str(tmp_path / name), "-o", str(tmp_path / "o"), *tokenizer]) == 1
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and re.search(message, err[0]) and str(tmp_path / name) in err[0], err
+            assert not (tmp_path / "o").exists()
+    # a UTF-8 byte-order mark is still skipped, as json.loads(bytes) skipped it
+    (tmp_path / "bom8.jsonl").write_bytes(b"\xef\xbb\xbf" + good + b"\n")
+    run_prepare([tmp_path / "bom8.jsonl", "-o", tmp_path / "o", "--tokenizer", "bytes", "--val-tokens", 0])
+    assert _split_tokens(tmp_path / "o", "bom8", "train")[1].tolist() == [256, *b"fine"]
+
+
+def test_prepare_refuses_empty_and_contradictory_folders(tmp_path, monkeypatch):
+    fetched = []
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: fetched.append(url) or _FakeResponse(b"x"))
+    monkeypatch.chdir(tmp_path)  # Path("") is this folder: nothing may land in it
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(LlmpyError, match=r"^--cache-dir '': an empty folder name \(leave it out for "):
+        run_prepare(["tinyshakespeare", "-o", tmp_path / "o", "--tokenizer", "bytes", "--cache-dir", ""])
+    with pytest.raises(LlmpyError, match=r"^-o '': an empty output folder name"):  # hellaswag wrote into ./
+        run_prepare(["hellaswag", "-o", "", "--tokenizer", "bytes", "--cache-dir", tmp_path / "c"])
+    # the bytes tokenizer has no files: a --tokenizer-dir with it was ignored, even a missing one
+    for source in ("a.txt", "hellaswag"):
+        with pytest.raises(LlmpyError, match=r"^--tokenizer-dir '/nonexistent': the bytes tokenizer has no files"):
+            run_prepare([source, "-o", tmp_path / "o", "--tokenizer", "bytes", "--tokenizer-dir", "/nonexistent",
+                         "--cache-dir", tmp_path / "c"])
+    with pytest.raises(LlmpyError, match=r"^--tokenizer-dir '': an empty folder name"):
+        run_prepare(["a.txt", "-o", tmp_path / "o", "--tokenizer-dir", ""])
+    assert fetched == [] and os.listdir(tmp_path) == ["a.txt"]
 
 
 def test_prepare_bad_inputs(tmp_path):

@@ -3,6 +3,7 @@ scoring checked against a row-by-row oracle, `llmpy train -h 1` logging accuracy
 hellaswag` offline."""
 import io
 import json
+import os
 import urllib.error
 
 import numpy as np
@@ -83,6 +84,23 @@ def test_corrupt_files_are_one_line_errors(eval_file, corrupt, needle):
         read_eval_file(path)
     msg = str(e.value)
     assert "hs.bin" in msg and needle in msg and "\n" not in msg
+
+
+def test_a_pipe_or_a_folder_is_no_eval_file(tmp_path):
+    # reading a FIFO would wait for a writer for ever (`train -h 1 --hellaswag-file` hung)
+    os.mkfifo(tmp_path / "hs.bin")
+    with pytest.raises(LlmpyError, match=r"hs\.bin: not a regular file, so not a HellaSwag eval file"):
+        read_eval_file(tmp_path / "hs.bin")
+    with pytest.raises(LlmpyError, match=rf"^{tmp_path}: is a folder, not a HellaSwag eval file"):
+        read_eval_file(tmp_path)
+
+
+def test_write_refuses_what_read_refuses(tmp_path):
+    # an empty context or completion would be written, then refused by read_eval_file at `train -h 1`
+    for ctx, comps in (([], [[1], [2], [3], [4]]), ([5], [[1], [], [3], [4]])):
+        with pytest.raises(LlmpyError, match=r"x\.bin: example 0 has an empty context or completion"):
+            write_eval_file(tmp_path / "x.bin", [Example(0, 1, ctx, comps)])
+    assert not (tmp_path / "x.bin").exists()
 
 
 def test_missing_file_and_vocab(tmp_path, eval_file):
@@ -217,14 +235,53 @@ def test_prepare_hellaswag_with_fake_download(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("record, needle", [
     ({"ctx": "A man", "label": 7, "endings": ["a", "b", "c", "d"]}, "label 7, not one of 0..3"),
-    ({"ctx": "A man", "label": 1, "endings": ["a", "b"]}, "endings 4 texts"),
-    ({"ctx": "A man", "endings": ["a", "b", "c", "d"]}, "'label'"),
+    ({"ctx": "A man", "label": 1, "endings": ["a", "b"]}, "endings must be a list of 4 texts"),
+    ({"ctx": "A man", "endings": ["a", "b", "c", "d"]}, "no 'label' field"),
+    # int() took these (Infinity as an OverflowError traceback), and len() an object's keys as the endings
+    ({"ctx": "A man", "label": float("inf"), "endings": ["a", "b", "c", "d"]}, "label Infinity, not an integer"),
+    ({"ctx": "A man", "label": 1.7, "endings": ["a", "b", "c", "d"]}, "label 1.7, not an integer"),
+    ({"ctx": "A man", "label": True, "endings": ["a", "b", "c", "d"]}, "label true, not an integer"),
+    ({"ctx": "A man", "label": "two", "endings": ["a", "b", "c", "d"]}, 'label "two", not an integer'),
+    ({"ctx": "A man", "label": "7", "endings": ["a", "b", "c", "d"]}, "label 7, not one of 0..3"),
+    ({"ctx": "A man", "label": 1, "endings": {"a": 1, "b": 2, "c": 3, "d": 4}}, "endings must be a list of 4"),
+    ({"ctx": "A man", "label": 1, "endings": ["a", "b", "c", 4]}, "endings must be a list of 4 texts"),
+    ({"ctx": 5, "label": 1, "endings": ["a", "b", "c", "d"]}, "ctx must be a text"),
+    # no context tokens: read_eval_file refuses the example, so prepare must not write it
+    ({"ctx": "", "label": 1, "endings": ["a", "b", "c", "d"]}, "(empty context)"),
+    ({"ctx": "A man", "label": 1, "endings": ["a", "b\ud800", "c", "d"]}, "a lone surrogate '\\ud800'"),
+    ([1, 2], "a JSON list, not an object"),
+    pytest.param("[" * 100_000, "maximum recursion depth", id="nested-too-deep"),  # a RecursionError traceback
 ])
 def test_a_bad_jsonl_record_names_the_jsonl_and_its_line(tmp_path, record, needle):
     from llmpy.tokenizer import ByteTokenizer
     good = {"ctx": "A woman", "label": 2, "endings": ["w", "x", "y", "z"]}
     jsonl = tmp_path / "hellaswag_val.jsonl"
-    jsonl.write_text(json.dumps(good) + "\n\n" + json.dumps(record) + "\n")
+    jsonl.write_text(json.dumps(good) + "\n\n" + (record if isinstance(record, str) else json.dumps(record)) + "\n")
     with pytest.raises(LlmpyError) as e:
         hs.examples_from_jsonl(jsonl, ByteTokenizer())
     assert str(e.value).startswith(f"{jsonl}: line 3 is not a HellaSwag example") and needle in str(e.value)
+
+
+def test_a_label_written_as_the_text_of_its_number_is_read(tmp_path):
+    # HuggingFace's copies of HellaSwag write the label as "0".."3"
+    from llmpy.tokenizer import ByteTokenizer
+    rng = np.random.default_rng()
+    labels = rng.integers(0, 4, 5).tolist()
+    jsonl = tmp_path / "hellaswag_val.jsonl"
+    jsonl.write_text("".join(json.dumps({"ctx": f"c{i}", "label": str(l), "endings": list("abcd")}) + "\n"
+                             for i, l in enumerate(labels)))
+    assert [ex.label for ex in hs.examples_from_jsonl(jsonl, ByteTokenizer())] == labels
+
+
+def test_cli_prepare_hellaswag_bad_record_is_one_line_and_keeps_the_earlier_file(tmp_path, capsys):
+    from llmpy import cli
+    earlier = write_eval_file(tmp_path / "o" / "hellaswag_val.bin", random_examples(3, np.random.default_rng(1)))
+    before = earlier.read_bytes()
+    (tmp_path / "c" / "hellaswag").mkdir(parents=True)
+    (tmp_path / "c" / "hellaswag" / "hellaswag_val.jsonl").write_text(
+        '{"ctx": "A man", "label": Infinity, "endings": ["a", "b", "c", "d"]}\n')  # was an OverflowError traceback
+    assert cli.main(["prepare", "hellaswag", "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"),
+                     "--tokenizer", "bytes"]) != 0
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and "hellaswag_val.jsonl: line 1 is not a HellaSwag example (label Infinity" in err[0], err
+    assert earlier.read_bytes() == before

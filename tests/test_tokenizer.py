@@ -226,6 +226,27 @@ def test_mismatched_merges_are_refused(tmp_path, rng, gpt2_dir):
         gpt2_mergeable_ranks(tmp_path / "nope.json", bad)
 
 
+def test_an_encoder_json_nested_too_deep_is_one_line(tmp_path, gpt2_dir):
+    (tmp_path / "encoder.json").write_text("[" * 100_000)  # json.loads raises RecursionError, not a ValueError
+    with pytest.raises(LlmpyError, match=r"encoder\.json / .*vocab\.bpe: cannot read the GPT-2 tokenizer files "
+                                         r"\(maximum recursion depth"):
+        gpt2_mergeable_ranks(tmp_path / "encoder.json", gpt2_dir / "vocab.bpe")
+
+
+def test_a_tokenizer_dir_that_is_empty_or_a_file(monkeypatch, tmp_path, gpt2_dir):
+    monkeypatch.chdir(gpt2_dir)  # Path("") is the current folder, here one that holds GPT-2's files
+    with pytest.raises(LlmpyError, match=r"^--tokenizer-dir '': an empty folder name"):
+        load_tokenizer("gpt2", "")
+    with pytest.raises(LlmpyError, match=r"^--tokenizer-dir '': an empty folder name"):
+        find_gpt2_dir("")
+    # an existing file: "folder not found" misled
+    with pytest.raises(LlmpyError, match=rf"^{gpt2_dir / 'vocab.bpe'}: not a folder \(give the folder that holds"):
+        load_tokenizer("gpt2", gpt2_dir / "vocab.bpe")
+    monkeypatch.setenv("LLMPY_GPT2_DIR", str(gpt2_dir / "vocab.bpe"))
+    with pytest.raises(LlmpyError, match=r"^LLMPY_GPT2_DIR=.*vocab\.bpe: .*vocab\.bpe: not a folder"):
+        load_tokenizer("gpt2")
+
+
 def test_from_tiktoken_failure_is_a_clear_error(monkeypatch, tmp_path):
     import tiktoken
 

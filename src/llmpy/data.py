@@ -469,7 +469,7 @@ def default_dataset(tokenizer=None, cache_dir: str | os.PathLike | None = None,
         if json.loads(manifest.read_text()) == key:
             shard_num_tokens(train), shard_num_tokens(val)
             return files
-    except (OSError, ValueError, LlmpyError):
+    except (OSError, ValueError, RecursionError, LlmpyError):  # RecursionError: JSON nested too deep
         pass  # missing, stale or damaged: rebuild
     n_val = max(1, int(round(len(docs) * val_fraction)))
     write_shard(train, tok.encode_documents(docs[:-n_val]))

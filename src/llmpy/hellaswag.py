@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -69,6 +70,8 @@ def write_eval_file(path: str | os.PathLike, examples: Sequence[Example]) -> Pat
             raise LlmpyError(f"{path}: example {i} has index {ex.index}; indices must be 0, 1, 2, ...")
         if len(ex.completions) != NUM_COMPLETIONS or not 0 <= ex.label < NUM_COMPLETIONS:
             raise LlmpyError(f"{path}: example {i} needs {NUM_COMPLETIONS} completions and a label in 0..3")
+        if not ex.context or not all(ex.completions):  # read_eval_file refuses these: never write them
+            raise LlmpyError(f"{path}: example {i} has an empty context or completion")
         if any(t > MAX_TOKEN_ID for t in ex.context) or any(t > MAX_TOKEN_ID for c in ex.completions for t in c):
             raise LlmpyError(f"{path}: example {i} has a token id above {MAX_TOKEN_ID}")
     streams = [_encode_example(ex, path) for ex in examples]
@@ -83,6 +86,11 @@ def read_eval_file(path: str | os.PathLike, vocab_size: int | None = None) -> li
     """Read and check every field of an llm.c eval file; with vocab_size, every token must be below it."""
     path = Path(path)
     try:
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise LlmpyError(f"{path}: is a folder, not a HellaSwag eval file")
+        if not stat.S_ISREG(mode):  # a pipe would block the read for ever
+            raise LlmpyError(f"{path}: not a regular file, so not a HellaSwag eval file")
         raw = path.read_bytes()
     except FileNotFoundError:
         raise LlmpyError(f"{path}: no such HellaSwag eval file (make it with `llmpy prepare hellaswag`)") from None
@@ -216,6 +224,35 @@ def score(examples: Sequence[Example], position_losses: Callable[[torch.Tensor, 
 # ----------------------------------------------------------------------------------------------
 # preparing the file from the HellaSwag jsonl
 
+def _record_fields(d) -> tuple[str, int, list[str]]:
+    """A jsonl record's ctx, label and endings, their JSON types checked strictly: int() and len() would take a
+    label of 1.7 or true as 1, and an object's keys as the endings."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a JSON {type(d).__name__}, not an object")
+    for key in ("ctx", "label", "endings"):
+        if key not in d:
+            raise ValueError(f"no {key!r} field")
+    ctx, label, endings = d["ctx"], d["label"], d["endings"]
+    if not isinstance(ctx, str):
+        raise ValueError("ctx must be a text")
+    if not ctx:  # no context tokens: read_eval_file (`train -h 1`) would refuse the example
+        raise ValueError("empty context")
+    if isinstance(label, str) and label.isascii() and label.isdigit():  # HuggingFace's copies write "2"
+        label = int(label)
+    if type(label) is not int:  # bool is an int subclass; floats (Infinity, NaN, 1.7) and other texts are not labels
+        raise ValueError(f"label {json.dumps(label)[:40]}, not an integer 0..{NUM_COMPLETIONS - 1}")
+    if not 0 <= label < NUM_COMPLETIONS:
+        raise ValueError(f"label {label}, not one of 0..{NUM_COMPLETIONS - 1}")
+    if not (isinstance(endings, list) and len(endings) == NUM_COMPLETIONS and all(isinstance(e, str) for e in endings)):
+        raise ValueError(f"endings must be a list of {NUM_COMPLETIONS} texts")
+    for text in (ctx, *endings):  # JSON's "\ud800" escape gives a lone surrogate, which no tokenizer encodes
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"a lone surrogate {text[e.start]!r}, not Unicode text") from None
+    return ctx, label, endings
+
+
 def examples_from_jsonl(path: Path, tokenizer) -> list[Example]:
     """llm.c's render_example: context = encode(ctx), completion i = encode(" " + endings[i])."""
     examples = []
@@ -227,13 +264,8 @@ def examples_from_jsonl(path: Path, tokenizer) -> list[Example]:
         if not line.strip():
             continue
         try:
-            d = json.loads(line)
-            ctx, label, endings = d["ctx"], int(d["label"]), d["endings"]
-            if not isinstance(ctx, str) or len(endings) != NUM_COMPLETIONS or not all(isinstance(s, str) for s in endings):
-                raise ValueError("ctx must be text and endings 4 texts")
-            if not 0 <= label < NUM_COMPLETIONS:
-                raise ValueError(f"label {label}, not one of 0..{NUM_COMPLETIONS - 1}")
-        except (ValueError, KeyError, TypeError) as e:
+            ctx, label, endings = _record_fields(json.loads(line))
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep for the parser
             raise LlmpyError(f"{path}: line {lineno} is not a HellaSwag example ({e})") from None
         examples.append(Example(len(examples), label, tokenizer.encode(ctx),
                                 [tokenizer.encode(" " + s) for s in endings]))

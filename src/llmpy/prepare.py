@@ -161,13 +161,24 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
-                except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                    # decoded here: json.loads would guess UTF-16 or -32 from the bytes and misname a non-UTF-8 line
+                    decoded = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise LlmpyError(f"{path}: line {number}: not UTF-8 text (byte {e.start} of the line: "
+                                     f"{e.reason})") from None
+                try:
+                    record = json.loads(decoded.removeprefix("\ufeff"))  # a UTF-8 BOM: json.loads(bytes) skipped it
+                except (ValueError, RecursionError) as e:  # RecursionError: nested too deep for the parser
                     raise LlmpyError(f"{path}: line {number}: not JSON ({e})") from None
                 text = record.get(field) if isinstance(record, dict) else None
                 if not isinstance(text, str):
                     raise LlmpyError(f"{path}: line {number}: not an object with a string {field!r} field "
                                      "(--text-field names the field)")
+                try:
+                    text.encode("utf-8")  # JSON's "\ud800" escape gives a lone surrogate, which no tokenizer encodes
+                except UnicodeEncodeError as e:
+                    raise LlmpyError(f"{path}: line {number}: field {field!r} holds a lone surrogate "
+                                     f"({text[e.start]!r} at character {e.start}), not Unicode text") from None
                 yield text
     except (OSError, EOFError) as e:  # gzip's BadGzipFile is an OSError; EOFError: a cut-off .gz
         reason = (e.strerror or e) if isinstance(e, OSError) else e
@@ -252,7 +263,7 @@ def _tinystories(cache: Path) -> Source:
             try:
                 stories = json.loads(path.read_text(encoding="utf-8"))
                 docs = [s["story"].strip() for s in stories]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
                 raise LlmpyError(f"{path}: not a TinyStories JSON file ({e})") from None
             for j in range(0, len(docs), 4096):
                 yield i == 0, docs[j:j + 4096]  # llm.c: data00.json is the val split
@@ -436,6 +447,13 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
         raise LlmpyError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if val_tokens is not None and val_tokens < 0:
         raise LlmpyError(f"--val-tokens {val_tokens} must not be negative")
+    # Path("") is the current folder: not what was meant (checked before hellaswag's branch, which takes them too)
+    if outdir is not None and not str(outdir).strip():
+        raise LlmpyError("-o '': an empty output folder name (leave -o out for data/NAME)")
+    if cache_dir is not None and not str(cache_dir).strip():
+        raise LlmpyError(f"--cache-dir '': an empty folder name (leave it out for {default_download_dir()})")
+    if tokenizer_dir is not None and tokenizer.strip().lower() in ("bytes", "byte"):
+        raise LlmpyError(f"--tokenizer-dir {str(tokenizer_dir)!r}: the bytes tokenizer has no files; leave it out")
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_download_dir()
     if source.strip().lower() == "hellaswag":  # an eval file, not train/val shards
         from .hellaswag import prepare_hellaswag
@@ -448,8 +466,6 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     if name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise LlmpyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
     name = name or re.sub(r"[^A-Za-z0-9._-]+", "_", src.name) or "data"
-    if outdir is not None and not str(outdir).strip():  # Path("") is the current folder: not what was meant
-        raise LlmpyError("-o '': an empty output folder name (leave -o out for data/NAME)")
     out = Path(outdir).expanduser() if outdir is not None else Path("data") / name
     use_hints = src.hinted_split and val_fraction is None and val_tokens is None
     # val tokens from the start of the stream; None: a fraction of the total, counted below

@@ -249,7 +249,7 @@ def gpt2_mergeable_ranks(encoder_json: str | os.PathLike, vocab_bpe: str | os.Pa
         merges_text = bpe_path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
         raise LlmpyError(f"{e.filename}: GPT-2 tokenizer file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise LlmpyError(f"{enc_path} / {bpe_path}: cannot read the GPT-2 tokenizer files ({e})") from None
     if not isinstance(encoder, dict):
         raise LlmpyError(f"{enc_path}: expected a JSON object of token -> id")
@@ -341,6 +341,8 @@ def find_gpt2_files(directory: str | os.PathLike) -> tuple[Path, Path]:
     """(encoder.json, vocab.bpe) in `directory`, or HuggingFace's (vocab.json, merges.txt)."""
     d = Path(directory).expanduser()
     if not d.is_dir():
+        if d.exists():
+            raise LlmpyError(f"{d}: not a folder (give the folder that holds GPT-2's encoder.json and vocab.bpe)")
         raise LlmpyError(f"{d}: GPT-2 tokenizer folder not found")
     for enc, bpe in _GPT2_FILE_NAMES:
         if (d / enc).is_file() and (d / bpe).is_file():
@@ -351,6 +353,9 @@ def find_gpt2_files(directory: str | os.PathLike) -> tuple[Path, Path]:
 def find_gpt2_dir(directory: str | os.PathLike | None = None) -> Path | None:
     """The folder to read GPT-2's files from: `directory`, else $LLMPY_GPT2_DIR, else None."""
     if directory is not None:
+        if not str(directory).strip():  # Path("") is the current folder: not what was meant
+            raise LlmpyError(f"--tokenizer-dir '': an empty folder name (leave it out for ${GPT2_DIR_ENV} or "
+                             "tiktoken's cache)")
         find_gpt2_files(directory)
         return Path(directory).expanduser()
     env = os.environ.get(GPT2_DIR_ENV)
