@@ -587,3 +587,8 @@ def test_a_tensorboard_file_where_its_folder_goes_is_one_line(tmp_path, shards):
     res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", out)
     assert_one_line_error(res, f"{out / 'tensorboard'}: not a folder (TensorBoard's events go there)")
     assert sorted(p.name for p in out.iterdir()) == ["tensorboard"]  # no log begun
+
+
+def test_sample_refuses_a_tokenizer_dir_for_the_bytes_tokenizer(tmp_path):
+    res = llmpy("sample", tmp_path / "model.bin", "--tokenizer", "bytes", "--tokenizer-dir", tmp_path)
+    assert_one_line_error(res, f"--tokenizer-dir '{tmp_path}': the bytes tokenizer has no files; leave it out")

@@ -610,6 +610,20 @@ def test_a_bad_tinystories_json_is_one_line(tmp_path, body, reason):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
+def test_a_story_with_a_lone_surrogate_is_one_line(tmp_path, tokenizer, shared_data):
+    # JSON's "\ud800" escape decodes to a lone surrogate, which no tokenizer encodes (was a traceback from it)
+    folder = tmp_path / "cache" / "TinyStories_all_data"
+    folder.mkdir(parents=True)
+    (folder / ".complete").write_text("ok\n")
+    (folder / "data00.json").write_text('[{"story": "Once upon a time."}, {"story": "A \\ud800 b"}]')
+    gpt2 = ["--tokenizer-dir", shared_data("gpt2/encoder.json", "gpt2/vocab.bpe") / "gpt2"] * (tokenizer == "gpt2")
+    with pytest.raises(LlmpyError, match=r"^tinystories: a document holds a lone surrogate \('\\ud800'\), not Unicode"):
+        run_prepare(["tinystories", "-o", tmp_path / "o", "--tokenizer", tokenizer, "--cache-dir", tmp_path / "cache",
+                     *gpt2])
+    assert not (tmp_path / "o").exists()
+
+
 def test_download_checks_sha256(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: _FakeResponse(b"not shakespeare"))
     with pytest.raises(LlmpyError, match="sha256"):

@@ -425,9 +425,13 @@ def _unspill(path: Path) -> Iterator[tuple[bool, np.ndarray]]:
 
 def _token_chunks(src: Source, tok: Tokenizer) -> Iterator[tuple[bool, np.ndarray]]:
     # a batch's tokens at a time: a long text file streams through (and the progress bar moves) in pieces
-    for hint, docs in src.groups():
-        for tokens in tok.iter_encoded(docs):
-            yield hint, tokens
+    try:
+        for hint, docs in src.groups():
+            for tokens in tok.iter_encoded(docs):
+                yield hint, tokens
+    except UnicodeEncodeError as e:  # JSON's "\ud800" escape gives a lone surrogate (jsonl lines are checked first)
+        raise LlmpyError(f"{src.name}: a document holds a lone surrogate ({e.object[e.start]!r}), not Unicode "
+                         "text") from None
 
 
 def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: str = "gpt2",

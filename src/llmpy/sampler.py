@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     from .tokenizer import load_tokenizer
     check_sampling_options(args.gen_tokens, args.temperature, args.top_k, args.seed)
     check_prompt(args.prompt)  # before the model loads and the prompt is shown
+    if args.tokenizer == "bytes" and args.tokenizer_dir is not None:  # with "auto" it serves GPT-2 models only
+        raise LlmpyError(f"--tokenizer-dir {args.tokenizer_dir!r}: the bytes tokenizer has no files; leave it out")
     config, flat, _ = load_model_file(args.model)
     name = args.tokenizer
     if name == "auto":
