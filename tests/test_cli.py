@@ -592,3 +592,20 @@ def test_a_tensorboard_file_where_its_folder_goes_is_one_line(tmp_path, shards):
 def test_sample_refuses_a_tokenizer_dir_for_the_bytes_tokenizer(tmp_path):
     res = llmpy("sample", tmp_path / "model.bin", "--tokenizer", "bytes", "--tokenizer-dir", tmp_path)
     assert_one_line_error(res, f"--tokenizer-dir '{tmp_path}': the bytes tokenizer has no files; leave it out")
+
+
+def test_a_second_run_into_an_output_folder_in_use_is_refused(tmp_path, shards):
+    # two runs at once into one -o would write their checkpoints over each other's and their steps into one log
+    import fcntl
+    train, val = shards
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".llmpy.lock", "a+") as held:  # as a run in progress holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", out, "-y", 1)
+        assert_one_line_error(res, f"-o {out}: another run is writing there (process 4242); wait for it to end")
+        assert sorted(p.name for p in out.iterdir()) == [".llmpy.lock"]  # no log begun
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", out, "-y", 1)
+    assert res.returncode == 0, res.stderr  # the lock goes with the process that held it

@@ -225,3 +225,56 @@ def test_two_gpus_are_bitwise_one_gpu_with_accumulation(shards, one_gpu_run, tmp
     for a, b in zip(train_records(one_gpu_run), train_records(two)):
         assert (a["loss"], a["norm"]) == (b["loss"], b["norm"]), (a, b)
     assert model_path(two, STEPS).read_bytes() == model_path(one_gpu_run, STEPS).read_bytes()
+
+
+def _rank_argv_script(tmp_path, per_rank: list[list]) -> Path:
+    """A script for torchrun that runs `llmpy train` with rank r's own command line, per_rank[r]."""
+    script = tmp_path / "rank_argv.py"
+    script.write_text("import json, os, sys\nfrom llmpy.cli import main\n"
+                      f"sys.exit(main(['train', *json.loads({json.dumps(json.dumps(per_rank))})"
+                      "[int(os.environ['RANK'])]]))\n")
+    return script
+
+
+@interpreter_only
+def test_processes_given_different_options_are_refused(shards, tmp_path):
+    # a torchrun job whose ranks were given different options (a command line a node) would train on without a word
+    # (-b, --seed) or fail inside a collective (-e): a rank says so in one line, before any step
+    train_f, val_f = shards
+    base = ["-i", str(train_f), "-e", TINY, "-t", str(T), "-x", "1", "-v", "0", "-g", "0", "--progress", "0"]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1"}
+    for differing, flag, values in ((["-b"], "-b", ("2", "4")), (["--seed"], "--seed", ("1", "2"))):
+        script = _rank_argv_script(tmp_path, [[*base, *differing, v, *(["-b", "2"] if flag != "-b" else [])]
+                                              for v in values])
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              str(script)], capture_output=True, text=True, env=env, timeout=300)
+        # torchrun prints its own traceback of the failed child, and stops the other rank (which may not have said
+        # its line yet): llmpy's lines only, none from a traceback of llmpy's code
+        assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
+        lines = [l.split("llmpy train: error: ", 1)[1] for l in res.stderr.splitlines() if "llmpy train: error:" in l]
+        wants = [f"the processes of this run were given different {flag} (this one, rank {rank}: {int(value)}): give "
+                 "every process the same options" for rank, value in enumerate(values)]
+        assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
+
+
+def test_a_peers_closed_connection_under_gloo_is_one_line(monkeypatch, capsys):
+    # gloo says a peer stopped as a plain RuntimeError; any other RuntimeError is a bug and keeps its traceback
+    import llmpy.trainer as trainer
+    from llmpy import cli
+
+    def peer_gone(args):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                           "[127.0.0.1]:41234")
+    monkeypatch.setattr(trainer, "run", peer_gone)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["llmpy train: error: data-parallel communication failed ([../third_party/gloo/gloo/transport/tcp/"
+                   "pair.cc:561] Connection closed by peer [127.0.0.1]:41234); another process may have stopped "
+                   "first: see its output"]
+
+    def bug(args):
+        raise RuntimeError("an index out of range somewhere")
+    monkeypatch.setattr(trainer, "run", bug)
+    with pytest.raises(RuntimeError, match="an index out of range"):
+        cli.main(["train"])

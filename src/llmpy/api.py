@@ -18,11 +18,11 @@ from .trainer import TrainOptions, TrainResult, load_or_create_model
 from .trainer import train as _train
 
 
-def _check_path_or_descriptor(value, name: str) -> str:
+def _check_path_or_descriptor(value, name: str, what: str = "a descriptor or a model file's path") -> str:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if not isinstance(value, str):
-        raise LlmpyError(f"{name} {value!r}: must be a descriptor or a model file's path (a str)")
+        raise LlmpyError(f"{name} {value!r:.60}: must be {what} (a str)")
     return value
 
 
@@ -37,12 +37,14 @@ def create_model(descriptor: str = "d12", seed: int = 42) -> GPT2Reference:
 def load_model(path: str) -> GPT2Reference:
     """A model from an llm.c .bin file or a HuggingFace model.safetensors (file or folder)."""
     from .checkpoint import load_model_file
-    config, flat, _dtype = load_model_file(_check_path_or_descriptor(path, "path"))  # a descriptor is no file
+    config, flat, _dtype = load_model_file(_check_path_or_descriptor(path, "path", "a model file's path"))
     return GPT2Reference(config, flat.float())
 
 
 def train(log=print, **options) -> TrainResult:
     """Train as `llmpy train` does; keyword names are TrainOptions' fields (batch_size=..., max_steps=...)."""
+    if not callable(log):  # checked before anything is read or written
+        raise LlmpyError(f"train(): log={log!r:.60} must be a function of one str (print, list.append, ...)")
     known = [f.name for f in fields(TrainOptions)]
     for name in options:
         if name not in known:
@@ -69,6 +71,8 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
         raise LlmpyError(f"tokenizer {tokenizer!r}: must be 'auto', 'bytes' or 'gpt2'")
     if tokenizer_dir is not None and not isinstance(tokenizer_dir, (str, os.PathLike)):
         raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: must be a folder's path")
+    if tokenizer == "bytes" and tokenizer_dir is not None:  # as `llmpy sample`: with "auto" it serves GPT-2 only
+        raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: the bytes tokenizer has no files; leave it out")
     name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")
     tok = load_tokenizer(name, tokenizer_dir)
     if tok.vocab_size != model.config.vocab_size:

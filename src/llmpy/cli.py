@@ -60,6 +60,12 @@ def _dist_error():
     return getattr(dist, "DistError", LlmpyError) if dist.is_available() else LlmpyError
 
 
+def _from_a_collective(e: RuntimeError) -> bool:
+    """gloo reports a peer that closed its connection as a plain RuntimeError ("[../gloo/transport/tcp/pair.cc:
+    ...] Connection closed by peer"), not as torch.distributed's DistError."""
+    return "torch.distributed" in sys.modules and any(word in str(e) for word in ("gloo", "Gloo", "NCCL", "c10d"))
+
+
 def _warnings_as_notes(command: str) -> None:
     """llmpy's own warnings (a model file's unusual setting, ...) print as one note line, not as Python's two lines
     of file, line number and source; other libraries' keep Python's format."""
@@ -112,7 +118,9 @@ def main(argv=None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"llmpy {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
-    except _dist_error() as e:
+    except (_dist_error(), RuntimeError) as e:
+        if not isinstance(e, _dist_error()) and not _from_a_collective(e):
+            raise  # a bug: its traceback
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"llmpy {args.command}: error: data-parallel communication failed ({detail[:200]}); another "
               "process may have stopped first: see its output", file=sys.stderr)

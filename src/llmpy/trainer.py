@@ -125,6 +125,13 @@ class TrainOptions:
         self.fill_run_defaults()
         self._check_types()
         check_seed(self.seed)
+        for name, flag in (("train_data", "-i"), ("val_data", "-j"), ("model", "-e"), ("output_dir", "-o"),
+                           ("hellaswag_file", "--hellaswag-file")):
+            value = getattr(self, name)
+            if value is not None and not value.strip():  # "" is no file: it would read as "." or as "none"
+                raise LlmpyError(f"{flag} ({name}={value!r}): an empty name; leave it out for its default")
+            if value is not None and "\0" in value:  # the system refuses such names with a ValueError
+                raise LlmpyError(f"{flag} ({name}={value!r}): a file name cannot hold a NUL character")
         if self.output_dir is not None:
             try:
                 self.output_dir.encode("utf-8")
@@ -430,9 +437,25 @@ def _check_model_precision(path: str, run_dtype: str, cpu_reference: bool = Fals
     check_precision(path, run_dtype)
 
 
+def _names_a_model_file(desc: str) -> bool:
+    """Whether -e names a model file or folder rather than a descriptor. A descriptor wins over a folder of the same
+    name that holds no model (a run's -o named d12); a model file or folder of that name makes it ambiguous."""
+    if os.sep not in desc:
+        try:
+            parse_descriptor(desc)
+        except LlmpyError:
+            return os.path.exists(desc)
+        if os.path.isfile(desc) or any(os.path.isfile(os.path.join(desc, n))
+                                       for n in ("model.safetensors", "model.safetensors.index.json")):
+            raise LlmpyError(f"-e {desc}: both a model descriptor and the model at ./{desc}; write ./{desc} for that "
+                             "model, or run from another folder for the descriptor's random init")
+        return False
+    return os.path.exists(desc)
+
+
 def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.Tensor]:
     """(config, flat fp32 parameters) from a descriptor (llm.c's random init) or a model file."""
-    if os.path.exists(desc):
+    if _names_a_model_file(desc):
         from .checkpoint import load_model_file
         config, flat, _dtype = load_model_file(desc)
         return config, flat.float()
@@ -468,6 +491,33 @@ def _open_to_append(path: Path):
     return open(path, "a")
 
 
+RUN_LOCK_NAME = ".llmpy.lock"
+
+
+def _lock_run_folder(out_dir: Path):
+    """The open lock file that keeps a second run from writing into the same -o at the same time (its checkpoints
+    over ours, its steps between ours in the log); the system drops the lock when the process ends, however it
+    ends. None where there is no flock (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    f = open(out_dir / RUN_LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise LlmpyError(f"-o {out_dir}: another run is writing there" + (f" (process {holder})" if holder else "")
+                         + "; wait for it to end, or give another -o") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 class RunLog:
     """llm.c's main.log lines (`s:STEP trl:LOSS`, `s:STEP tel:LOSS`, `s:STEP eval:ACC`), a JSONL twin with
     every field, and TensorBoard events under tensorboard/ when torch's TensorBoard writer (the
@@ -481,7 +531,7 @@ class RunLog:
     FILES = ("main.log", "main.jsonl")  # the text log and its JSONL twin, in the run's folder
 
     def __init__(self, out_dir: Path | None):
-        self.text = self.jsonl = self.tb = None
+        self.text = self.jsonl = self.tb = self.lock = None
         if not out_dir:
             return
         try:
@@ -491,6 +541,7 @@ class RunLog:
         events = out_dir / "tensorboard"
         if SummaryWriter is not None and (events.exists() or events.is_symlink()) and not events.is_dir():
             raise LlmpyError(f"{events}: not a folder (TensorBoard's events go there); move it away")
+        self.lock = _lock_run_folder(out_dir)
         self.text = _open_to_append(out_dir / self.FILES[0])
         self.jsonl = _open_to_append(out_dir / self.FILES[1])
         if SummaryWriter is not None:
@@ -520,13 +571,32 @@ class RunLog:
                     self.tb.add_scalar(tag, values[key], step)
 
     def close(self):
-        for f in (self.text, self.jsonl, self.tb):
+        for f in (self.text, self.jsonl, self.tb, self.lock):  # the lock last: the folder is free once all is out
             if f is not None:
                 f.close()
 
 
 def _quiet(*_args, **_kw):
     pass
+
+
+# options a process may hold for itself: the rest must be every process's (a torchrun job's command lines)
+_PER_PROCESS_OPTIONS = ("progress",)
+
+
+def _check_same_options(dp, opts: TrainOptions, device) -> None:
+    """Every process of a run must be given the same options: a -b or --seed of its own would train on without a
+    word (the reduction only adds gradients up), and a model of its own would fail inside a collective."""
+    import zlib
+    names = [f.name for f in fields(TrainOptions) if f.name not in _PER_PROCESS_OPTIONS]
+    mine = torch.tensor([zlib.crc32(repr(getattr(opts, n)).encode()) for n in names], dtype=torch.int64,
+                        device=device)
+    differs = (dp.all_gather_scalars(mine) != mine).any(dim=0)  # by option, over the ranks
+    if differs.any():
+        name = names[int(differs.nonzero()[0])]
+        flag = next((f[0] for f in FLAGS if f[2] == name), None) or next(f[0] for f in EXTRA_FLAGS if f[1] == name)
+        raise LlmpyError(f"the processes of this run were given different {flag} (this one, rank {dp.rank}: "
+                         f"{getattr(opts, name)!r}): give every process the same options")
 
 
 def _agree_on_signal(dp, stop_signal: list[int], device) -> list[int]:
@@ -605,7 +675,7 @@ def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
 
 def _model_config(desc: str) -> GPT2Config:
     """The configuration -e names, without building its weights (a resume replaces them)."""
-    if os.path.exists(desc):
+    if _names_a_model_file(desc):
         from .checkpoint import load_model_file
         return load_model_file(desc)[0]
     return parse_descriptor(desc)
@@ -639,7 +709,7 @@ def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log
                if fld in saved and saved[fld] != getattr(opts, fld)]
     if changed:
         log(f"note: resuming with changed settings ({', '.join(changed)})")
-    if opts.model and os.path.exists(opts.model) and saved.get("model") != opts.model:
+    if opts.model and _names_a_model_file(opts.model) and saved.get("model") != opts.model:
         # a model file gives a new run its weights; a resumed run has the checkpoint's (its shape is checked above)
         log(f"note: -y 1 continues from the weights of {name}; -e {opts.model} is not read for them")
 
@@ -691,6 +761,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                          "for tests), or train on GPUs")
     dp = init_data_parallel(device, opts.zero_stage)
     world, rank = (dp.world_size, dp.rank) if dp else (1, 0)
+    if dp is not None:
+        _check_same_options(dp, opts, device)
     if dp is None and opts.zero_stage:
         raise LlmpyError("-z 1 shards the optimizer over several processes: launch with torchrun "
                          "--nproc_per_node=N (N > 1)")
@@ -738,7 +810,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     else:
         if opts.model is None:
             opts.model = "d12"
-        if os.path.isfile(opts.model):
+        if _names_a_model_file(opts.model) and os.path.isfile(opts.model):
             _check_model_precision(opts.model, opts.dtype, cpu_reference=not kernels)
         config, params = load_or_create_model(opts.model, seed=opts.seed)
     B, T = opts.batch_size, opts.seq_len
