@@ -1,6 +1,7 @@
 """The Python API: create, train, sample, on a tiny model and random shards."""
 import numpy as np
 import pytest
+import torch
 
 import llmpy
 from llmpy.errors import LlmpyError
@@ -49,7 +50,7 @@ TINY = "layers=1,channels=16,heads=2,seq=16,vocab=257"
     (lambda m: llmpy.create_model(None), "descriptor None: must be a descriptor or a model file's path"),
     (lambda m: llmpy.create_model(TINY, seed=1.5), "seed 1.5: must be an integer"),
     (lambda m: llmpy.create_model(TINY, seed=2**32), "seed 4294967296: must be an integer from 0 to 4294967295"),
-    (lambda m: llmpy.load_model(None), "path None: must be a descriptor or a model file's path"),
+    (lambda m: llmpy.load_model(None), "path None: must be a model file's path"),
     (lambda m: llmpy.load_model("d6"), "d6: no such file"),
     (lambda m: llmpy.sample("model.bin", "hi"), "sample(): model 'model.bin': must be a model"),
     (lambda m: llmpy.sample(m, 123), "prompt 123: must be text"),
@@ -112,3 +113,54 @@ def test_sample_reads_gpt2_files_from_tokenizer_dir(shared_data, monkeypatch, tm
     byte_model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16,vocab=257", seed=5)
     with pytest.raises(LlmpyError, match="vocab of 257 does not match the gpt2 tokenizer's 50257"):
         llmpy.sample(byte_model, "Hello", tokenizer="gpt2", tokenizer_dir=gpt2_dir)
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"train_data": ""}, "-i (train_data=''): an empty name; leave it out for its default"),
+    ({"val_data": " "}, "-j (val_data=' '): an empty name"),
+    ({"output_dir": ""}, "-o (output_dir=''): an empty name"),
+    ({"model": ""}, "-e (model=''): an empty name"),
+    ({"output_dir": "a\0b"}, "-o (output_dir='a\\x00b'): a file name cannot hold a NUL character"),
+    ({"log": None}, "train(): log=None must be a function of one str"),
+])
+def test_train_refuses_empty_names_nul_characters_and_a_log_that_is_no_function(tmp_path, monkeypatch, options,
+                                                                                 needle):
+    monkeypatch.chdir(tmp_path)  # an empty -o was the current folder: nothing may land there
+    log = options.pop("log", print)
+    with pytest.raises(LlmpyError) as e:
+        llmpy.train(log=log, max_steps=1, device="cpu", **options)
+    assert needle in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_descriptor_wins_over_a_folder_of_its_name_and_a_model_of_its_name_is_ambiguous(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d6").mkdir()  # e.g. a run's -o named after its model
+    assert llmpy.create_model("d6", seed=3).config.num_layers == 6
+    tiny = "layers=1,channels=16,heads=2,seq=16,vocab=257"
+    from llmpy.checkpoint import save_llmc
+    model = llmpy.create_model(tiny, seed=4)
+    save_llmc(tmp_path / "gpt2", model.config, model.params_flat)  # an llm.c model file named like a descriptor
+    with pytest.raises(LlmpyError, match=r"-e gpt2: both a model descriptor and the model at \./gpt2; write "
+                                         r"\./gpt2 for that model"):
+        llmpy.create_model("gpt2")
+    assert torch.equal(llmpy.create_model("./gpt2").params_flat, model.params_flat)
+
+
+def test_sample_refuses_a_tokenizer_dir_for_the_bytes_tokenizer(tmp_path):
+    model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16,vocab=257", seed=5)
+    with pytest.raises(LlmpyError, match="tokenizer_dir .*: the bytes tokenizer has no files; leave it out"):
+        llmpy.sample(model, "a", tokenizer="bytes", tokenizer_dir=tmp_path)
+
+
+@pytest.mark.parametrize("progress", [0, 1])
+def test_every_line_of_a_run_goes_to_the_log_function(tmp_path, capsys, progress):
+    # with the progress bar on too, the step lines and the closing line reach the caller's log, not stdout
+    rng = np.random.default_rng()
+    write_shard(tmp_path / "t_train_000000.bin", rng.integers(0, 257, 3000))
+    lines = []
+    llmpy.train(log=lines.append, train_data=str(tmp_path / "t_train_*.bin"), device="cpu", progress=progress,
+                model="layers=1,channels=16,heads=2,seq=16,vocab=257", batch_size=2, seq_len=16, max_steps=3,
+                val_every=0, gen_tokens=0)
+    assert sum(line.startswith("step ") for line in lines) == 3 and lines[-1].startswith("done: 3 steps")
+    assert capsys.readouterr().out == ""

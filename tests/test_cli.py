@@ -233,10 +233,10 @@ def test_arguments_that_are_not_utf8_are_one_line(tmp_path, shards):
 
 def test_a_total_batch_beyond_the_hosts_memory_is_refused(shards, monkeypatch):
     """-d with a few zeros too many would hold millions of micro-batches on the host before the first step."""
-    from llmpy import trainer
+    from llmpy import config, trainer
     from llmpy.errors import LlmpyError
     train, _ = shards
-    monkeypatch.setattr(trainer, "_host_memory_available", lambda: 10**9)
+    monkeypatch.setattr(config, "host_memory_available", lambda: 10**9)
     opts = trainer.TrainOptions(train_data=str(train), model=TINY, batch_size=2, seq_len=16, max_steps=1,
                                 total_batch_size=2 * 16 * 10**7, val_every=0, gen_tokens=0, progress=0)
     with pytest.raises(LlmpyError, match="-d 320000000: a step of 10,000,000 micro-batches of B=2, T=16 needs "

@@ -7,6 +7,7 @@ caller through `llmpy.checkpoint`, not here).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from .errors import LlmpyError
@@ -66,6 +67,9 @@ def pad_vocab(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+_INT_FIELDS = ("max_seq_len", "vocab_size", "num_layers", "num_heads", "channels", "padded_vocab_size")
+
+
 @dataclass(frozen=True)
 class GPT2Config:
     max_seq_len: int = GPT2_MAX_SEQ
@@ -76,6 +80,14 @@ class GPT2Config:
     padded_vocab_size: int = field(default=0)
 
     def __post_init__(self):
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            # numpy's integers are sizes too (a sweep's values); bool, 2.5, 32.0 and "2" are not
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"{name} must be an integer, got {value!r:.40} ({type(value).__name__})")
+            if value >= 2**63:  # no array dimension is that large, and the sizes below stay printable
+                raise ConfigError(f"{name} must be less than 2**63, got a {int(value).bit_length()}-bit integer")
+            object.__setattr__(self, name, int(value))  # a numpy integer as Python's: JSON and repr stay plain
         if self.padded_vocab_size == 0:
             object.__setattr__(self, "padded_vocab_size", pad_vocab(self.vocab_size))
         for name in ("max_seq_len", "vocab_size", "num_layers", "num_heads", "channels"):
@@ -170,6 +182,10 @@ def _explicit(desc: str) -> GPT2Config:
 
 def parse_descriptor(desc: str) -> GPT2Config:
     """Turn llm.c's `-e` model descriptor (other than a checkpoint path) into a configuration."""
+    if not isinstance(desc, str):
+        # a Path names a file, which the caller resolves (load_model, checkpoint.load_model_file), not this
+        raise ConfigError(f"model descriptor {desc!r:.60}: must be a str such as 'd12' or "
+                          f"'layers=2,channels=64,heads=2', not {type(desc).__name__}")
     d = desc.strip()
     low = d.lower()
     if low in GPT2_NAMES:
@@ -190,6 +206,27 @@ def parse_descriptor(desc: str) -> GPT2Config:
         raise ConfigError(f"{desc}: no such model file")
     raise ConfigError(f"unknown model descriptor {desc!r}: expected dN, gpt2:dN, gpt3:cN, gpt2, gpt2-medium, "
                       "gpt2-large, gpt2-xl, layers=..,channels=..,heads=.. or a checkpoint file")
+
+
+def host_memory_available() -> int | None:
+    """Bytes the kernel says a process can still take (MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_in_host_memory(config: GPT2Config, nbytes: int, what: str) -> None:
+    """One ConfigError naming the model when `what` (nbytes) is more than the host can give: a descriptor with a
+    few zeros too many would otherwise die in numpy or torch, or take the machine's memory and be killed."""
+    free = host_memory_available()
+    if free is not None and nbytes > free:
+        raise ConfigError(f"model {config.describe()}: {what} need {nbytes / 1e9:,.1f} GB of host memory, more "
+                          f"than the {free / 1e9:,.1f} GB available")
 
 
 def parameter_views(flat, config: GPT2Config) -> dict:

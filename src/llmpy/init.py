@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .config import GPT2Config, PARAMETER_NAMES, parameter_views
+from .config import GPT2Config, PARAMETER_NAMES, check_fits_in_host_memory, parameter_views
+from .errors import LlmpyError
 from .rand import MT19937
 
 INIT_STD = 0.02
@@ -56,7 +57,14 @@ def init_draws(config: GPT2Config):
 def init_parameters(config: GPT2Config, seed: int = 42) -> torch.Tensor:
     """The flat fp32 parameter buffer (llm.c's order, config.num_parameters elements), filled as llm.c's
     gpt2_build_from_random with a generator seeded `seed` (llm.c uses 42)."""
-    flat = np.zeros(config.num_parameters, dtype=np.float32)
+    n = config.num_parameters
+    what = f"its {n:,} fp32 parameters"
+    check_fits_in_host_memory(config, 4 * n, what)
+    try:
+        flat = np.zeros(n, dtype=np.float32)
+    except (MemoryError, ValueError):  # where /proc/meminfo does not say; ValueError: past numpy's largest array
+        raise LlmpyError(f"model {config.describe()}: {what} need {4 * n / 1e9:,.1f} GB, more than this machine "
+                         "can allocate") from None
     views = parameter_views(flat, config)
     for name in _LAYERNORM_WEIGHTS:
         views[name][...] = 1.0

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from .config import PARAMETER_NAMES, GPT2Config, parameter_views
+from .config import PARAMETER_NAMES, GPT2Config, check_fits_in_host_memory, parameter_views
+from .errors import LlmpyError
 
 LAYERNORM_EPS = 1e-5
 GELU_SCALING_FACTOR = math.sqrt(2.0 / math.pi)
@@ -275,8 +276,22 @@ class GPT2Reference:
     """
 
     def __init__(self, config: GPT2Config, params: torch.Tensor, dtype: torch.dtype = torch.float32):
+        if not isinstance(config, GPT2Config):
+            raise LlmpyError(f"GPT2Reference: config {config!r:.60}: must be a GPT2Config (llmpy.parse_descriptor "
+                             "makes one from a descriptor)")
+        if not isinstance(params, torch.Tensor) or params.dim() != 1 or not params.is_floating_point():
+            got = (f"a {params.dim()}-D {params.dtype} tensor" if isinstance(params, torch.Tensor)
+                   else "None" if params is None else f"a {type(params).__name__}")
+            raise LlmpyError(f"GPT2Reference: params is {got}; it must be the flat parameter buffer, a 1-D "
+                             "floating-point torch tensor")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise LlmpyError(f"GPT2Reference: dtype {dtype!r:.40}: must be a floating-point torch dtype")
         if params.numel() != config.num_parameters:
-            raise ValueError(f"parameter buffer has {params.numel()} elements, the model needs {config.num_parameters}")
+            raise LlmpyError(f"GPT2Reference: parameter buffer has {params.numel()} elements, the model needs "
+                             f"{config.num_parameters} ({config.describe()})")
+        if params.device.type == "cpu":  # the copy below and the gradients: two more buffers of the model's size
+            check_fits_in_host_memory(config, 2 * params.numel() * dtype.itemsize,
+                                      f"its {str(dtype).removeprefix('torch.')} parameter and gradient buffers")
         self.config = config
         self.dtype = dtype
         self.params_flat = params.detach().to(dtype).contiguous().clone()

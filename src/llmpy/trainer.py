@@ -649,24 +649,13 @@ def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str
             "device": device, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
 
 
-def _host_memory_available() -> int | None:
-    """Bytes the kernel says a process can still take (MemAvailable), None where it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
     """A step holds all its micro-batches on the host at once (the GPU model stages them for its CUDA graph):
     a -d with a few zeros too many would take the machine's memory before the first step and die unexplained."""
     B, T = opts.batch_size, opts.seq_len
     per_micro = 8 * (B * T + 1) + 1536 + 16 * B * T  # the loader's int64 window and its two tensors, the staging
-    free = _host_memory_available()
+    from . import config as config_module  # its host_memory_available, as tests replace it
+    free = config_module.host_memory_available()
     if free is not None and accum * per_micro > free:
         raise LlmpyError(f"-d {opts.total_batch_size}: a step of {accum:,} micro-batches of B={B}, T={T} needs "
                          f"{accum * per_micro / 1e9:,.1f} GB of host memory for its batches, more than the "
@@ -928,7 +917,11 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         from tqdm import tqdm
         progress = tqdm(total=steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False,
                         file=sys.stderr)
-        log = progress.write  # step lines above the bar
+        caller_log = log
+
+        def log(msg):  # step lines above the bar, through the caller's log (the API's callback too)
+            with tqdm.external_write_mode():
+                caller_log(msg)
 
     def validate(step):
         if val_loader is not None:
@@ -1062,7 +1055,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         run_log.close()
     if len(result.step_ms) > 1 and writer:
         timed = sorted(result.step_ms[1:])
-        print(f"done: {result.last_step - start_step} steps, median {timed[len(timed) // 2]:.1f} ms/step, "
-              f"final train loss {result.train_losses[-1]:.4f}"
-              + (f", val loss {result.val_losses[-1][1]:.4f}" if result.val_losses else ""))
+        log(f"done: {result.last_step - start_step} steps, median {timed[len(timed) // 2]:.1f} ms/step, "
+            f"final train loss {result.train_losses[-1]:.4f}"
+            + (f", val loss {result.val_losses[-1][1]:.4f}" if result.val_losses else ""))
     return result
