@@ -32,6 +32,12 @@ def gpt2(gpt2_dir):
     return GPT2Tokenizer.from_files(gpt2_dir / "encoder.json", gpt2_dir / "vocab.bpe")
 
 
+@pytest.fixture(params=["gpt2", "bytes"])
+def tok(request):
+    """Each tokenizer in turn."""
+    return request.getfixturevalue("gpt2") if request.param == "gpt2" else ByteTokenizer()
+
+
 def _random_text(rng, n):
     alphabet = list("abcXYZ 019'.,;\n\t") + ["é", "ß", "€", "日本", "🙂", "\u00a0", "'s", " 've", "  "]
     return "".join(rng.choice(alphabet, n))
@@ -164,11 +170,9 @@ def _stream_of(tok, texts) -> list[int]:
     return [i for t in texts for i in [tok.eot, *tok.encode(t)]]
 
 
-@pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])
-def test_iter_encoded_of_documents_in_parts(tokenizer, gpt2, rng, monkeypatch):
+def test_iter_encoded_of_documents_in_parts(tok, rng, monkeypatch):
     # a document given as parts (the lazy form prepare reads a file in) encodes to the tokens of the whole text
     import llmpy.tokenizer as tk
-    tok = gpt2 if tokenizer == "gpt2" else ByteTokenizer()
     monkeypatch.setattr(tk, "PIECE_CHARS", 40)
     texts = [_random_text(rng, int(rng.integers(0, 500))) for _ in range(int(rng.integers(2, 6)))] + [""]
     expect = _stream_of(tok, texts)
@@ -177,11 +181,9 @@ def test_iter_encoded_of_documents_in_parts(tokenizer, gpt2, rng, monkeypatch):
     assert np.concatenate(parts).tolist() == expect + [tok.eot]  # an empty document in no parts: its EOT
 
 
-@pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])
-def test_iter_encoded_pieces_and_batches_make_the_same_stream(tokenizer, gpt2, rng, monkeypatch):
+def test_iter_encoded_pieces_and_batches_make_the_same_stream(tok, rng, monkeypatch):
     # documents long enough to be cut in pieces, batches small enough to be many: one EOT a document, same tokens
     import llmpy.tokenizer as tk
-    tok = gpt2 if tokenizer == "gpt2" else ByteTokenizer()
     monkeypatch.setattr(tk, "PIECE_CHARS", 50)
     docs = [_random_text(rng, int(rng.integers(0, 600))) for _ in range(int(rng.integers(3, 8)))] + [""]
     expect = _stream_of(tok, docs)
@@ -189,7 +191,7 @@ def test_iter_encoded_pieces_and_batches_make_the_same_stream(tokenizer, gpt2, r
         parts = list(tok.iter_encoded(docs, batch_chars=batch_chars))
         assert all(p.dtype == np.uint16 for p in parts)
         assert np.concatenate(parts).tolist() == expect
-        assert batch_chars > 100 or tokenizer == "bytes" or len(parts) > len(docs)  # the long ones went in pieces
+        assert batch_chars > 100 or tok.name == "bytes" or len(parts) > len(docs)  # the long ones went in pieces
     assert tok.encode_documents(docs).tolist() == expect
 
 

@@ -60,8 +60,7 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
     model train returns on a GPU; returns the continuation, without the prompt. tokenizer "auto" picks bytes for a
     257-token vocab and GPT-2's BPE otherwise, whose files come from tokenizer_dir, else $LLMPY_GPT2_DIR, else
     tiktoken's cache."""
-    from .sampler import check_sampling_options, sample_text
-    from .tokenizer import load_tokenizer
+    from .sampler import check_sampling_options, sample_text, tokenizer_for_model
     if not hasattr(model, "config") or not (hasattr(model, "forward") or hasattr(model, "logits_last")):
         raise LlmpyError(f"sample(): model {model!r:.60}: must be a model (create_model, load_model, or "
                          "train(...).model), not a path")
@@ -73,9 +72,6 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
         raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: must be a folder's path")
     if tokenizer == "bytes" and tokenizer_dir is not None:  # as `llmpy sample`: with "auto" it serves GPT-2 only
         raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: the bytes tokenizer has no files; leave it out")
-    name = tokenizer if tokenizer != "auto" else ("bytes" if model.config.vocab_size == 257 else "gpt2")
-    tok = load_tokenizer(name, tokenizer_dir)
-    if tok.vocab_size != model.config.vocab_size:
-        raise LlmpyError(f"sample(): the model's vocab of {model.config.vocab_size} does not match the {tok.name} "
-                         f"tokenizer's {tok.vocab_size}")
+    tok = tokenizer_for_model(tokenizer, model.config.vocab_size, tokenizer_dir,
+                              f"sample(): the model's vocab of {model.config.vocab_size}")
     return sample_text(model, tok, prompt, gen_tokens, temperature, top_k, seed)

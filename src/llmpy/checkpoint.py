@@ -30,7 +30,7 @@ import torch
 
 from .config import GPT2Config, parameter_views
 from .errors import LlmpyError
-from .files import atomic_path, atomic_write
+from .files import atomic_path, atomic_write, refuse_non_file
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -130,16 +130,6 @@ def _header(magic: int, version: int, *fields: int) -> bytes:
 # reading headers
 
 
-def _refuse_non_file(path: Path, what: str) -> None:
-    """One line for a directory, a pipe or a dead link where `what` belongs: reading a directory fails with a
-    misleading error and reading a pipe blocks. A path that is not there at all is the caller's to report."""
-    if path.is_dir():
-        raise LlmpyError(f"{path} is a directory, not {what}")
-    if not path.is_file() and os.path.lexists(path):
-        raise LlmpyError(f"{path}: " + ("a link to nothing (or a loop of links)" if not path.exists() else
-                                        f"not a regular file, so not {what}"))
-
-
 def _check_finite(path, config: GPT2Config, flat: torch.Tensor) -> None:
     """NaN or inf weights would only show as a NaN loss at step 1, far from the file: name it and the tensor."""
     for name, view in parameter_views(flat, config).items():
@@ -154,7 +144,7 @@ def _check_finite(path, config: GPT2Config, flat: torch.Tensor) -> None:
 
 def _read_header(path) -> np.ndarray:
     path = Path(path)
-    _refuse_non_file(path, "an llm.c model file")
+    refuse_non_file(path, "an llm.c model file")
     try:
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
@@ -379,10 +369,10 @@ def _hf_files(path: Path) -> tuple[list[Path], Path]:
     """The safetensors file(s) to read and where config.json would be."""
     if path.is_dir():
         single, index = path / HF_WEIGHTS_NAME, path / HF_INDEX_NAME
-        _refuse_non_file(single, "a safetensors file")
+        refuse_non_file(single, "a safetensors file")
         if single.is_file():
             return [single], path / HF_CONFIG_NAME
-        _refuse_non_file(index, "a safetensors index")
+        refuse_non_file(index, "a safetensors index")
         if index.is_file():  # sharded: model-0000x-of-0000n.safetensors listed in the index
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
@@ -393,7 +383,7 @@ def _hf_files(path: Path) -> tuple[list[Path], Path]:
                                  "names)")
             return [path / s for s in sorted(set(weight_map.values()))], path / HF_CONFIG_NAME
         raise LlmpyError(f"{path} is a directory without {HF_WEIGHTS_NAME}")
-    _refuse_non_file(path, "a safetensors file")
+    refuse_non_file(path, "a safetensors file")
     if not path.is_file():
         raise LlmpyError(f"{path}: no such file")
     return [path], path.parent / HF_CONFIG_NAME
@@ -402,7 +392,7 @@ def _hf_files(path: Path) -> tuple[list[Path], Path]:
 def _read_hf_config(path: Path) -> dict | None:
     if not os.path.lexists(path):
         return None
-    _refuse_non_file(path, "a JSON config")  # there but unreadable: not the same as absent
+    refuse_non_file(path, "a JSON config")  # there but unreadable: not the same as absent
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:  # deep nesting ([[[...) is a RecursionError
@@ -435,14 +425,15 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
     index: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
     dtypes: dict[str, str] = {}
     for file in files:
-        _refuse_non_file(file, "a safetensors file")
+        refuse_non_file(file, "a safetensors file")
         if not file.is_file():
             raise LlmpyError(f"{file}: no such file (listed in {path / HF_INDEX_NAME})")
         try:
             with safe_open(str(file), framework="pt") as sf:
                 for key in sf.keys():
-                    index[key.removeprefix(HF_PREFIX)] = (file, key, tuple(sf.get_slice(key).get_shape()))
-                    dtypes[key.removeprefix(HF_PREFIX)] = sf.get_slice(key).get_dtype()
+                    tensor = sf.get_slice(key)
+                    index[key.removeprefix(HF_PREFIX)] = (file, key, tuple(tensor.get_shape()))
+                    dtypes[key.removeprefix(HF_PREFIX)] = tensor.get_dtype()
         except (SafetensorError, OSError, ValueError) as e:
             raise LlmpyError(f"{file}: not a readable safetensors file ({e})") from None
 

@@ -1,5 +1,6 @@
 """Writing files safely, without torch: atomic replacement (a temp file beside the target, fsync, rename), the
-probe of an output folder before a run's work, and the removal of temporaries that killed writers left behind.
+probe of an output folder before a run's work, the removal of temporaries that killed writers left behind, and
+the one-line refusal of a folder or pipe where a file is read.
 checkpoint.py, the data and token-shard writers, prepare, export and plot all write through these."""
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ from .errors import LlmpyError
 
 # a writer's temporary beside its file: hidden, named by the writing process, matched by _TEMPORARY_NAME
 _TEMPORARY_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part)$")
+
+
+def refuse_non_file(path: Path, what: str) -> None:
+    """One line for a directory, a pipe or a dead link where `what` belongs: reading a directory fails with a
+    misleading error and reading a pipe blocks. A path that is not there at all is the caller's to report."""
+    path = Path(path)
+    if path.is_dir():
+        raise LlmpyError(f"{path} is a directory, not {what}")
+    if not path.is_file() and os.path.lexists(path):
+        raise LlmpyError(f"{path}: " + ("a link to nothing (or a loop of links)" if not path.exists() else
+                                        f"not a regular file, so not {what}"))
 
 
 def temporary_sibling(path: Path, suffix: str) -> Path:

@@ -1,6 +1,6 @@
 """Outlier detection for loss and gradient norm (llm.c's outlier_detector.h): the z-score of a new
-value against a moving window of the last 128 values, the new one included, as llm.c scores it. The training loop skips the update of a step whose
-z-score is above `-sl` (loss) or `-sg` (gradient norm)."""
+value against a moving window of the last 128 values, the new one included, as llm.c scores it. The training
+loop skips the update of a step whose z-score is above `-sl` (loss) or `-sg` (gradient norm)."""
 from __future__ import annotations
 
 import math

@@ -110,6 +110,18 @@ def check_prompt(prompt) -> None:
         raise LlmpyError(f"--prompt: not UTF-8 text (the bytes {bad!r} at character {e.start})") from None
 
 
+def tokenizer_for_model(name: str, vocab_size: int, tokenizer_dir, model_vocab: str):
+    """The tokenizer `llmpy sample` and the API sample with: "auto" is bytes for a 257-token vocab, GPT-2's BPE
+    otherwise; its vocabulary must be the model's (`model_vocab` begins the error line, naming the model)."""
+    from .tokenizer import load_tokenizer
+    if name == "auto":
+        name = "bytes" if vocab_size == 257 else "gpt2"
+    tokenizer = load_tokenizer(name, tokenizer_dir)
+    if tokenizer.vocab_size != vocab_size:
+        raise LlmpyError(f"{model_vocab} does not match the {tokenizer.name} tokenizer's {tokenizer.vocab_size}")
+    return tokenizer
+
+
 def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
                 seed: int = 1337, on_text: Callable[[str], None] | None = None) -> str:
     """Continue `prompt` with the CPU reference model (forward(inputs), then .logits) or the GPU model
@@ -144,19 +156,13 @@ def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temper
 def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_model_file
     from .reference import GPT2Reference
-    from .tokenizer import load_tokenizer
     check_sampling_options(args.gen_tokens, args.temperature, args.top_k, args.seed)
     check_prompt(args.prompt)  # before the model loads and the prompt is shown
     if args.tokenizer == "bytes" and args.tokenizer_dir is not None:  # with "auto" it serves GPT-2 models only
         raise LlmpyError(f"--tokenizer-dir {args.tokenizer_dir!r}: the bytes tokenizer has no files; leave it out")
     config, flat, _ = load_model_file(args.model)
-    name = args.tokenizer
-    if name == "auto":
-        name = "bytes" if config.vocab_size == 257 else "gpt2"
-    tokenizer = load_tokenizer(name, args.tokenizer_dir)
-    if tokenizer.vocab_size != config.vocab_size:
-        raise LlmpyError(f"{args.model}: vocab {config.vocab_size} does not match the {name} tokenizer's "
-                         f"{tokenizer.vocab_size}")
+    tokenizer = tokenizer_for_model(args.tokenizer, config.vocab_size, args.tokenizer_dir,
+                                    f"{args.model}: vocab {config.vocab_size}")
     model = GPT2Reference(config, flat.float())
 
     def show(piece: str):  # as it comes: a long sample is not silent until its end

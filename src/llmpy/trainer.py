@@ -106,7 +106,7 @@ class TrainOptions:
         """The API passes values argparse never sees: each must have its flag's type (a float flag takes an int;
         None stands for "unset" where the field's default is None)."""
         unset_ok = {f.name for f in fields(self) if f.default is None}
-        for flag, name, typ in [(f[0], f[2], f[3]) for f in FLAGS] + [(f[0], f[1], f[2]) for f in EXTRA_FLAGS]:
+        for flag, name, typ in OPTION_FLAGS:
             value = getattr(self, name)
             if value is None and name in unset_ok:
                 continue
@@ -246,6 +246,8 @@ EXTRA_FLAGS = [  # long-only flags
     ("--hellaswag-file", "hellaswag_file", str, "llm.c HellaSwag eval file for -h 1 (`llmpy prepare hellaswag`)"),
     ("--hellaswag-examples", "hellaswag_examples", int, "-h 1 scores the first N examples (0: all)"),
 ]
+# (flag, TrainOptions field, type) of every option: its one-letter flag where it has one
+OPTION_FLAGS = [(f[0], f[2], f[3]) for f in FLAGS] + [(f[0], f[1], f[2]) for f in EXTRA_FLAGS]
 
 
 def _with_default(help_: str, name: str, default) -> str:
@@ -445,8 +447,8 @@ def _names_a_model_file(desc: str) -> bool:
             parse_descriptor(desc)
         except LlmpyError:
             return os.path.exists(desc)
-        if os.path.isfile(desc) or any(os.path.isfile(os.path.join(desc, n))
-                                       for n in ("model.safetensors", "model.safetensors.index.json")):
+        from .checkpoint import HF_INDEX_NAME, HF_WEIGHTS_NAME
+        if os.path.isfile(desc) or any(os.path.isfile(os.path.join(desc, n)) for n in (HF_WEIGHTS_NAME, HF_INDEX_NAME)):
             raise LlmpyError(f"-e {desc}: both a model descriptor and the model at ./{desc}; write ./{desc} for that "
                              "model, or run from another folder for the descriptor's random init")
         return False
@@ -594,7 +596,7 @@ def _check_same_options(dp, opts: TrainOptions, device) -> None:
     differs = (dp.all_gather_scalars(mine) != mine).any(dim=0)  # by option, over the ranks
     if differs.any():
         name = names[int(differs.nonzero()[0])]
-        flag = next((f[0] for f in FLAGS if f[2] == name), None) or next(f[0] for f in EXTRA_FLAGS if f[1] == name)
+        flag = next(flag for flag, field_name, _ in OPTION_FLAGS if field_name == name)
         raise LlmpyError(f"the processes of this run were given different {flag} (this one, rank {dp.rank}: "
                          f"{getattr(opts, name)!r}): give every process the same options")
 

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import _refuse_non_file, load_llmc, save_llmc, save_safetensors
+from .checkpoint import load_llmc, save_llmc, save_safetensors
 from .config import GPT2Config
 from .errors import LlmpyError
+from .files import refuse_non_file
 
 STATE_FORMAT = "llmpy-train-state"
 STATE_FORMAT_VERSION = 1
@@ -138,7 +139,7 @@ def _check_kind(spath: Path, key: str, value, kind: str) -> None:
 def _read_meta(spath: Path) -> dict:
     from safetensors import SafetensorError, safe_open
     # a directory would read as "No such device (os error 19)", and a pipe would block
-    _refuse_non_file(spath, "a training-state file")
+    refuse_non_file(spath, "a training-state file")
     try:
         with safe_open(str(spath), framework="pt") as f:
             raw = (f.metadata() or {}).get(META_KEY)
