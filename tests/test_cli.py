@@ -579,7 +579,6 @@ def test_one_epoch_smaller_than_one_step_is_refused(tmp_path, shards):
 
 
 def test_a_tensorboard_file_where_its_folder_goes_is_one_line(tmp_path, shards):
-    pytest.importorskip("tensorboard")
     train, val = shards
     out = tmp_path / "out"
     out.mkdir()

@@ -229,7 +229,6 @@ def test_cli_plot_error_is_one_line(tmp_path):
         "decoding a JSON array from a unicode string)"]
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 def test_cli_plot_log_that_is_a_fifo(tmp_path):
     os.mkfifo(tmp_path / "main.jsonl")  # opening it would wait for a writer for ever
     r = run_cli("plot", tmp_path, timeout=60)
