@@ -186,6 +186,8 @@ def test_iter_encoded_pieces_and_batches_make_the_same_stream(tok, rng, monkeypa
     import llmpy.tokenizer as tk
     monkeypatch.setattr(tk, "PIECE_CHARS", 50)
     docs = [_random_text(rng, int(rng.integers(0, 600))) for _ in range(int(rng.integers(3, 8)))] + [""]
+    # random text may hold no space between letters or digits past 50 characters, where a cut may go: one that does
+    docs.insert(int(rng.integers(0, len(docs))), " ".join(rng.choice(["ab", "9", "日本", "Xé"], 80)))
     expect = _stream_of(tok, docs)
     for batch_chars in (1, 37, 10**6):
         parts = list(tok.iter_encoded(docs, batch_chars=batch_chars))
