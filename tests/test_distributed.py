@@ -258,6 +258,39 @@ def test_processes_given_different_options_are_refused(shards, tmp_path):
         assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
 
 
+@interpreter_only
+def test_a_rank_that_fails_before_the_group_forms_stops_the_other_at_once(shards, tmp_path):
+    # rank 0 waits for rank 1 inside init_process_group (C++, where Python's handlers do not run) and rank 1 fails:
+    # torchrun's SIGTERM must end rank 0 then, not its SIGKILL after a 30 s grace
+    train_f, _ = shards
+    waiting = tmp_path / "rank0_is_joining"
+    script = tmp_path / "fail_before_group.py"
+    script.write_text(f"""import os, sys, time
+if os.environ["RANK"] == "1":
+    while not os.path.exists({str(waiting)!r}):
+        time.sleep(0.05)
+    time.sleep(1.0)  # rank 0 is in the group's wait by now
+    sys.exit(3)
+import torch.distributed as dist
+join = dist.init_process_group
+def joining(*a, **k):
+    open({str(waiting)!r}, "w").close()
+    return join(*a, **k)
+dist.init_process_group = joining
+from llmpy.cli import main
+sys.exit(main(["train", "-i", {str(train_f)!r}, "-e", {TINY!r}, "-b", "2", "-t", "{T}", "-x", "1", "-o",
+               {str(tmp_path / "out")!r}]))
+""")
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode != 0 and waiting.exists(), res.stderr[-3000:]
+    # torchrun's report: rank 1's own exit status, and rank 0 ended by SIGTERM (SIGKILL had it ignored SIGTERM)
+    assert "exitcode  : 3 " in res.stderr and "exitcode  : -15 " in res.stderr, res.stderr[-3000:]
+    assert "SIGKILL" not in res.stderr, res.stderr[-3000:]
+
+
 def test_a_peers_closed_connection_under_gloo_is_one_line(monkeypatch, capsys):
     # gloo says a peer stopped as a plain RuntimeError; any other RuntimeError is a bug and keeps its traceback
     import llmpy.trainer as trainer

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -127,12 +129,20 @@ def init_data_parallel(device: str, zero_stage: int, timeout_s: float = 1800.0) 
     backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():
         kw = {"device_id": torch.device("cuda", local)} if device == "cuda" else {}
+        # a rank waits for the others inside C++, where Python's signal handlers never run: when another rank
+        # failed first, torchrun's SIGTERM went unanswered for its 30 s grace, until SIGKILL. Nothing is written
+        # yet, so SIGTERM's default action (exit at once) is right while the group forms.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        old_sigterm = signal.signal(signal.SIGTERM, signal.SIG_DFL) if in_main_thread else None
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
         except (RuntimeError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise LlmpyError(f"joining the torchrun group ({backend}, rank {rank} of {world}) failed: "
                              f"{first[:200]}") from None
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, old_sigterm)
     return DataParallel(rank=rank, world_size=world, zero_stage=zero_stage)
 
 
