@@ -124,9 +124,7 @@ def test_gpt2_tokens_of_pieces_are_the_whole_texts(gpt2, rng, shared_data):
     # cut at split_at_safe_spaces' spaces, the pre-tokenizer's matches and so the tokens are the whole text's
     texts = [_random_text(rng, int(rng.integers(1, 3000))) for _ in range(30)]
     texts += ["I'm sure they'll've  done it's   \n\n  ok?!  a b", "x1 2y 3 4 5\u00a0z \u3000q w", "é e\u0301 f g"]
-    shakespeare = shared_data() / SHAKESPEARE
-    if shakespeare.is_file():
-        texts.append(shakespeare.read_text(encoding="utf-8")[:200000])
+    texts.append((shared_data(SHAKESPEARE) / SHAKESPEARE).read_text(encoding="utf-8")[:200000])  # a real text
     for t in texts:
         whole = gpt2.encode(t)
         for size in (1, 7, 64, 1000):
