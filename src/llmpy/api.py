@@ -61,6 +61,7 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
     257-token vocab and GPT-2's BPE otherwise, whose files come from tokenizer_dir, else $LLMPY_GPT2_DIR, else
     tiktoken's cache."""
     from .sampler import check_sampling_options, sample_text, tokenizer_for_model
+    from .tokenizer import refuse_files_for_bytes
     if not hasattr(model, "config") or not (hasattr(model, "forward") or hasattr(model, "logits_last")):
         raise LlmpyError(f"sample(): model {model!r:.60}: must be a model (create_model, load_model, or "
                          "train(...).model), not a path")
@@ -70,8 +71,7 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
         raise LlmpyError(f"tokenizer {tokenizer!r}: must be 'auto', 'bytes' or 'gpt2'")
     if tokenizer_dir is not None and not isinstance(tokenizer_dir, (str, os.PathLike)):
         raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: must be a folder's path")
-    if tokenizer == "bytes" and tokenizer_dir is not None:  # as `llmpy sample`: with "auto" it serves GPT-2 only
-        raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: the bytes tokenizer has no files; leave it out")
+    refuse_files_for_bytes(tokenizer, tokenizer_dir, "tokenizer_dir")  # as `llmpy sample`
     tok = tokenizer_for_model(tokenizer, model.config.vocab_size, tokenizer_dir,
                               f"sample(): the model's vocab of {model.config.vocab_size}")
     return sample_text(model, tok, prompt, gen_tokens, temperature, top_k, seed)

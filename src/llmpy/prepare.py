@@ -37,7 +37,7 @@ import numpy as np
 from .files import atomic_path, remove_orphaned_temporaries, temporary_sibling, writable_dir
 from .data import ShardFile, shard_name
 from .errors import LlmpyError
-from .tokenizer import TOKENIZER_NAMES, Document, Tokenizer, load_tokenizer
+from .tokenizer import TOKENIZER_NAMES, Document, Tokenizer, load_tokenizer, refuse_files_for_bytes
 
 DEFAULT_SHARD_SIZE = 10**8  # tokens, llm.c's fineweb shard size
 MAX_SHARD_SIZE = 2**31 - 1  # the header's int32 count
@@ -456,8 +456,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
         raise LlmpyError("-o '': an empty output folder name (leave -o out for data/NAME)")
     if cache_dir is not None and not str(cache_dir).strip():
         raise LlmpyError(f"--cache-dir '': an empty folder name (leave it out for {default_download_dir()})")
-    if tokenizer_dir is not None and tokenizer.strip().lower() in ("bytes", "byte"):
-        raise LlmpyError(f"--tokenizer-dir {str(tokenizer_dir)!r}: the bytes tokenizer has no files; leave it out")
+    refuse_files_for_bytes(tokenizer, tokenizer_dir, "--tokenizer-dir")
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_download_dir()
     if source.strip().lower() == "hellaswag":  # an eval file, not train/val shards
         from .hellaswag import prepare_hellaswag

@@ -156,10 +156,10 @@ def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temper
 def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_model_file
     from .reference import GPT2Reference
+    from .tokenizer import refuse_files_for_bytes
     check_sampling_options(args.gen_tokens, args.temperature, args.top_k, args.seed)
     check_prompt(args.prompt)  # before the model loads and the prompt is shown
-    if args.tokenizer == "bytes" and args.tokenizer_dir is not None:  # with "auto" it serves GPT-2 models only
-        raise LlmpyError(f"--tokenizer-dir {args.tokenizer_dir!r}: the bytes tokenizer has no files; leave it out")
+    refuse_files_for_bytes(args.tokenizer, args.tokenizer_dir, "--tokenizer-dir")  # "auto": for GPT-2 models only
     config, flat, _ = load_model_file(args.model)
     tokenizer = tokenizer_for_model(args.tokenizer, config.vocab_size, args.tokenizer_dir,
                                     f"{args.model}: vocab {config.vocab_size}")

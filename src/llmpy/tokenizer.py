@@ -382,6 +382,13 @@ def tiktoken_cached_gpt2_files() -> tuple[Path, Path] | None:
     return (enc, bpe) if enc.is_file() and bpe.is_file() else None
 
 
+def refuse_files_for_bytes(name: str, directory, label: str) -> None:
+    """The bytes tokenizer reads no files: a folder given for it (`label`: the flag or argument) would be ignored
+    without a word, so it is one line instead. Callers check before any slow work."""
+    if directory is not None and name.strip().lower() in ("bytes", "byte"):
+        raise LlmpyError(f"{label} {str(directory)!r}: the bytes tokenizer has no files; leave it out")
+
+
 def load_tokenizer(name: str = "gpt2", directory: str | os.PathLike | None = None,
                    download: bool = False) -> Tokenizer:
     """"gpt2" or "bytes". GPT-2's files come from `directory`, else $LLMPY_GPT2_DIR, else tiktoken's cache; only
