@@ -236,19 +236,24 @@ def _rank_argv_script(tmp_path, per_rank: list[list]) -> Path:
     return script
 
 
+def _torchrun_script(script: Path) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 SCRIPT` on the CPU (gloo, Triton's interpreter)."""
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], capture_output=True, text=True, env=env, timeout=300)
+
+
 @interpreter_only
 def test_processes_given_different_options_are_refused(shards, tmp_path):
     # a torchrun job whose ranks were given different options (a command line a node) would train on without a word
     # (-b, --seed) or fail inside a collective (-e): a rank says so in one line, before any step
     train_f, val_f = shards
     base = ["-i", str(train_f), "-e", TINY, "-t", str(T), "-x", "1", "-v", "0", "-g", "0", "--progress", "0"]
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1"}
     for differing, flag, values in ((["-b"], "-b", ("2", "4")), (["--seed"], "--seed", ("1", "2"))):
         script = _rank_argv_script(tmp_path, [[*base, *differing, v, *(["-b", "2"] if flag != "-b" else [])]
                                               for v in values])
-        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              str(script)], capture_output=True, text=True, env=env, timeout=300)
+        res = _torchrun_script(script)
         # torchrun prints its own traceback of the failed child, and stops the other rank (which may not have said
         # its line yet): llmpy's lines only, none from a traceback of llmpy's code
         assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
@@ -281,10 +286,7 @@ from llmpy.cli import main
 sys.exit(main(["train", "-i", {str(train_f)!r}, "-e", {TINY!r}, "-b", "2", "-t", "{T}", "-x", "1", "-o",
                {str(tmp_path / "out")!r}]))
 """)
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script)], capture_output=True, text=True, env=env, timeout=300)
+    res = _torchrun_script(script)
     assert res.returncode != 0 and waiting.exists(), res.stderr[-3000:]
     # torchrun's report: rank 1's own exit status, and rank 0 ended by SIGTERM (SIGKILL had it ignored SIGTERM)
     assert "exitcode  : 3 " in res.stderr and "exitcode  : -15 " in res.stderr, res.stderr[-3000:]
