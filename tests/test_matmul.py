@@ -473,7 +473,7 @@ def test_weight_grad_bias_column(device, dtype, M, C, OC, pad):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-def test_weight_grad_bias_column_tuned_product_through_cublaslt(monkeypatch):
+def test_weight_grad_bias_column_tuned_product_through_cublaslt(device, monkeypatch):
     """With use_cublaslt and a "dweight_wide" entry in TUNED_ALGOS the wide product goes to cuBLASLt
     (overwriting its fp32 scratch, with the entry's algorithm); without either, torch's product serves."""
     calls = []
@@ -484,17 +484,18 @@ def test_weight_grad_bias_column_tuned_product_through_cublaslt(monkeypatch):
 
     monkeypatch.setattr(mm.cublaslt, "linear_weight_grad", fake_weight_grad)
     monkeypatch.setattr(mm, "_capability", lambda device: (9, 0))
-    rand = Rand("cpu", torch.bfloat16, 5)
+    rand = Rand(device, torch.bfloat16, 5)
     M, C, OC, pad = 32, 16, 24, 8
     dout = rand(M, OC)
-    wide_inp = torch.cat([rand(M, C), torch.ones(M, 1, dtype=torch.bfloat16),
-                          torch.zeros(M, pad - 1, dtype=torch.bfloat16)], dim=-1)
+    wide_inp = torch.cat([rand(M, C), torch.ones(M, 1, dtype=torch.bfloat16, device=device),
+                          torch.zeros(M, pad - 1, dtype=torch.bfloat16, device=device)], dim=-1)
     config = mm.cublaslt.AlgoConfig(66, tile=472, stages=35, splitk=3, reduction=2)
     monkeypatch.setitem(mm.TUNED_ALGOS, ("dweight_wide", M, OC, C + pad, (9, 0)), config)
     results = []
     for use in (True, False):
-        dweight, dbias = torch.zeros(OC, C, dtype=torch.bfloat16), torch.zeros(OC, dtype=torch.bfloat16)
-        scratch = poisoned((OC * (C + pad),), torch.float32, "cpu")
+        dweight = torch.zeros(OC, C, dtype=torch.bfloat16, device=device)
+        dbias = torch.zeros(OC, dtype=torch.bfloat16, device=device)
+        scratch = poisoned((OC * (C + pad),), torch.float32, device)
         mm.weight_grad_bias_column(dweight, dbias, dout, wide_inp, scratch, use_cublaslt=use)
         results.append((dweight, dbias))
     assert calls == [(torch.float32, (OC, C + pad), False, config)], "cuBLASLt once, with the entry's algorithm"
