@@ -172,20 +172,28 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any
       # out-of-bounds or misaligned access. One sanitizer process per test file, all at once (memcheck
-      # is slow and mostly host-bound); each file's log is $OUT/sanitize_<name>.log.
-      pids=()
-      for f in $KERNEL_TESTS; do
-        n=$(basename "$f" .py)
+      # is slow and mostly host-bound); each file's log is $OUT/sanitize_<name>.log. Kernels that only the GPU
+      # runs at CPU-test sizes (the Gluon flash backward, cuDNN attention, the TMA classifier, the cuBLASLt
+      # binding) have their "gpu" tests checked too, as SANITIZE_GPU_TESTS entries "file[::-k expression]"
+      # logged to $OUT/sanitize_gpu_<name>.log (run of session 51: 19-57 s each).
+      pids=(); logs=()
+      memcheck() {  # log, marker, -k expression, test file
         timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-          python3 -m pytest -q -p no:cacheprovider -m "not gpu" ${SANITIZE_K:+-k "$SANITIZE_K"} "$f" \
-          > "$OUT/sanitize_$n.log" 2>&1 &
-        pids+=($!)
+          python3 -m pytest -q -p no:cacheprovider -m "$2" ${3:+-k "$3"} "$4" > "$1" 2>&1 &
+        pids+=($!); logs+=("$1")
+      }
+      for f in $KERNEL_TESTS; do
+        memcheck "$OUT/sanitize_$(basename "$f" .py).log" "not gpu" "${SANITIZE_K:-}" "$f"
+      done
+      for entry in ${SANITIZE_GPU_TESTS-tests/test_flash_backward_wgmma.py tests/test_attention.py::cudnn
+                     tests/test_fused_classifier.py tests/test_cublaslt.py}; do
+        f=${entry%%::*}; k=; [ "$f" != "$entry" ] && k=${entry#*::}
+        memcheck "$OUT/sanitize_gpu_$(basename "$f" .py).log" gpu "$k" "$f"
       done
       rc=0
       for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-      for f in $KERNEL_TESTS; do
-        n=$(basename "$f" .py)
-        echo "$n: $(grep -E "ERROR SUMMARY" "$OUT/sanitize_$n.log" | tail -1) | $(grep -E "[0-9]+ (passed|failed)" "$OUT/sanitize_$n.log" | tail -1)"
+      for log in "${logs[@]}"; do
+        echo "$(basename "$log" .log): $(grep -E "ERROR SUMMARY" "$log" | tail -1) | $(grep -E "[0-9]+ (passed|failed)" "$log" | tail -1)"
       done | tee "$OUT/sanitize.log" ;;
     *)
       echo "unknown stage: $stage (see the usage line at the top of bench/gpu_check.sh)" >&2
