@@ -171,16 +171,17 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       fi ;;
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any
-      # out-of-bounds or misaligned access. One sanitizer process per test file, all at once (memcheck
-      # is slow and mostly host-bound); each file's log is $OUT/sanitize_<name>.log. Kernels that only the GPU
-      # runs at CPU-test sizes (the Gluon flash backward, cuDNN attention, the TMA classifier, the cuBLASLt
-      # binding) have their "gpu" tests checked too, as SANITIZE_GPU_TESTS entries "file[::-k expression]"
-      # logged to $OUT/sanitize_gpu_<name>.log (run of session 51: 19-57 s each).
-      pids=(); logs=()
+      # out-of-bounds or misaligned access. One sanitizer process per test file, SANITIZE_JOBS at a time
+      # (memcheck is slow and mostly host-bound; fifteen at once ran an 80 GB H100 out of memory, session 51);
+      # each file's log is $OUT/sanitize_<name>.log. Kernels that only the GPU runs at CPU-test sizes (the Gluon
+      # flash backward, cuDNN attention, the TMA classifier, the cuBLASLt binding) have their "gpu" tests
+      # checked too, as SANITIZE_GPU_TESTS entries "file[::-k expression]", logged to $OUT/sanitize_gpu_<name>.log.
+      logs=()
       memcheck() {  # log, marker, -k expression, test file
-        timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-          python3 -m pytest -q -p no:cacheprovider -m "$2" ${3:+-k "$3"} "$4" > "$1" 2>&1 &
-        pids+=($!); logs+=("$1")
+        while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-6}" ]; do wait -n; done
+        (timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+          python3 -m pytest -q -p no:cacheprovider -m "$2" ${3:+-k "$3"} "$4" > "$1" 2>&1; echo $? > "$1.rc") &
+        logs+=("$1")
       }
       for f in $KERNEL_TESTS; do
         memcheck "$OUT/sanitize_$(basename "$f" .py).log" "not gpu" "${SANITIZE_K:-}" "$f"
@@ -190,11 +191,13 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
         f=${entry%%::*}; k=; [ "$f" != "$entry" ] && k=${entry#*::}
         memcheck "$OUT/sanitize_gpu_$(basename "$f" .py).log" gpu "$k" "$f"
       done
+      wait
       rc=0
-      for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-      for log in "${logs[@]}"; do
+      for log in "${logs[@]}"; do  # not piped: rc must outlive the loop
+        r=$(cat "$log.rc" 2>/dev/null || echo 1); rm -f "$log.rc"; [ "$r" -ne 0 ] && rc=$r
         echo "$(basename "$log" .log): $(grep -E "ERROR SUMMARY" "$log" | tail -1) | $(grep -E "[0-9]+ (passed|failed)" "$log" | tail -1)"
-      done | tee "$OUT/sanitize.log" ;;
+      done > "$OUT/sanitize.log"
+      cat "$OUT/sanitize.log" ;;
     *)
       echo "unknown stage: $stage (see the usage line at the top of bench/gpu_check.sh)" >&2
       rc=2 ;;
