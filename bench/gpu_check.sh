@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernel layer: the kernel tests on the GPU (CPU-sized and
 # GPT-2 124M-sized), the per-kernel benchmark, and a compute-sanitizer memcheck over every kernel.
-# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [search] [dgelu-ab] [classifier-l2] [bias-column] [ablate] [energy] [bias] [dist] [sanitize]
-# (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; step: the whole-step benchmark against the torch.compile baseline)
+# Logs land in $OUT. Usage: bash bench/gpu_check.sh [tests] [bench] [model] [suite] [rest] [step] [train] [parity] [profile] [gemm] [flash] [flash-bwd] [ab] [options-tests] [options-ab] [overlap-tests] [overlap-ab] [blas] [lt] [search] [dgelu-ab] [classifier-l2] [bias-column] [ablate] [energy] [bias] [dist] [sanitize]
+# (model: test_gpt2 on the GPU; suite: resume/HellaSwag/CLI/API tests on the GPU; rest: every other test file; step: the whole-step benchmark against the torch.compile baseline)
 set -o pipefail
 # .vendor: the cuDNN frontend wheel unpacked for the device (carried; see bench/RESULTS.md run P)
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:.:.vendor NCCL_NVLS_ENABLE=0
@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 stages=${*:-tests bench sanitize}
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_encoder.py tests/test_layernorm.py tests/test_attention.py tests/test_flash_attention.py tests/test_flash_backward_wgmma.py
   tests/test_matmul.py tests/test_cublaslt.py tests/test_gelu.py tests/test_fused_classifier.py tests/test_adamw.py tests/test_global_norm.py"}
+SUITE_TESTS="tests/test_resume.py tests/test_hellaswag.py tests/test_cli.py tests/test_api.py"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -31,8 +32,14 @@ for stage in $stages; do
     suite)
       # the trainer-level tests (resume, HellaSwag, CLI, API) where `llmpy train` picks the GPU (run AS: more than
       # 200 s on a slow host)
-      timeout ${SUITE_TIMEOUT:-360} python3 -m pytest -q -rfEx -p no:cacheprovider tests/test_resume.py \
-        tests/test_hellaswag.py tests/test_cli.py tests/test_api.py 2>&1 | tee "$OUT/suite.log"
+      timeout ${SUITE_TIMEOUT:-360} python3 -m pytest -q -rfEx -p no:cacheprovider $SUITE_TESTS 2>&1 | tee "$OUT/suite.log"
+      rc=$? ;;
+    rest)
+      # every other test file (data, checkpoints, tokenizer, schedules, benches' helpers, ...): with tests, model
+      # and suite, the README's whole test command on a GPU machine, in parts that fit a call
+      staged=" $(echo $KERNEL_TESTS tests/test_gpt2.py $SUITE_TESTS) "  # echo: one space between names
+      rest=(); for f in tests/test_*.py; do [[ $staged == *" $f "* ]] || rest+=("$f"); done
+      timeout ${REST_TIMEOUT:-480} python3 -m pytest -q -rfEx -p no:cacheprovider "${rest[@]}" 2>&1 | tee "$OUT/rest.log"
       rc=$? ;;
     step)
       timeout ${STEP_TIMEOUT:-480} python3 -m bench.bench_step ${STEP_ARGS:-} --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log"
