@@ -32,14 +32,16 @@ for stage in $stages; do
     suite)
       # the trainer-level tests (resume, HellaSwag, CLI, API) where `llmpy train` picks the GPU (run AS: more than
       # 200 s on a slow host)
-      timeout ${SUITE_TIMEOUT:-360} python3 -m pytest -q -rfEx -p no:cacheprovider $SUITE_TESTS 2>&1 | tee "$OUT/suite.log"
+      timeout ${SUITE_TIMEOUT:-360} python3 -m pytest -q -rfEx -p no:cacheprovider $SUITE_TESTS 2>&1 \
+        | tee "$OUT/suite.log"
       rc=$? ;;
     rest)
       # every other test file (data, checkpoints, tokenizer, schedules, benches' helpers, ...): with tests, model
       # and suite, the README's whole test command on a GPU machine, in parts that fit a call
       staged=" $(echo $KERNEL_TESTS tests/test_gpt2.py $SUITE_TESTS) "  # echo: one space between names
       rest=(); for f in tests/test_*.py; do [[ $staged == *" $f "* ]] || rest+=("$f"); done
-      timeout ${REST_TIMEOUT:-480} python3 -m pytest -q -rfEx -p no:cacheprovider "${rest[@]}" 2>&1 | tee "$OUT/rest.log"
+      timeout ${REST_TIMEOUT:-480} python3 -m pytest -q -rfEx -p no:cacheprovider "${rest[@]}" 2>&1 \
+        | tee "$OUT/rest.log"
       rc=$? ;;
     step)
       timeout ${STEP_TIMEOUT:-480} python3 -m bench.bench_step ${STEP_ARGS:-} --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log"
@@ -202,7 +204,8 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       rc=0
       for log in "${logs[@]}"; do  # not piped: rc must outlive the loop
         r=$(cat "$log.rc" 2>/dev/null || echo 1); rm -f "$log.rc"; [ "$r" -ne 0 ] && rc=$r
-        echo "$(basename "$log" .log): $(grep -E "ERROR SUMMARY" "$log" | tail -1) | $(grep -E "[0-9]+ (passed|failed)" "$log" | tail -1)"
+        counts=$(grep -E "[0-9]+ (passed|failed)" "$log" | tail -1)
+        echo "$(basename "$log" .log): $(grep -E "ERROR SUMMARY" "$log" | tail -1) | $counts"
         # a clean file's log says no more than its line here; the device returns at most 8 files from $OUT
         [ "$r" -eq 0 ] && rm -f "$log"
       done > "$OUT/sanitize.log"
