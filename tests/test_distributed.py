@@ -43,19 +43,23 @@ def common_args(shards, dtype):
                 gen_tokens=0, learning_rate=1e-2, warmup_steps=1, weight_decay=0.1, dtype=dtype, progress=0)
 
 
+def launch_torchrun(nproc, *target, device="cpu", timeout=900) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N TARGET...` on the CPU (gloo, Triton's interpreter) or GPUs (NCCL)."""
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "NCCL_NVLS_ENABLE": "0"}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *map(str, target)], capture_output=True, text=True, env=env, timeout=timeout)
+
+
 def torchrun(nproc, shards, out, dtype, *extra, device="cpu"):
     """`torchrun --standalone --nproc_per_node=N -m llmpy train ...` on the CPU (gloo) or GPUs (NCCL)."""
     a = common_args(shards, dtype)
     args = ["-i", a["train_data"], "-j", a["val_data"], "-e", TINY, "-b", B, "-t", T, "-d", a["total_batch_size"],
             "-x", STEPS, "-v", 3, "-m", 1, "-s", 0, "-g", 0, "-l", a["learning_rate"], "-u", 1, "-c", 0.1,
             "--dtype", dtype, "--device", device, "--progress", 0, "-o", out, *extra]
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "NCCL_NVLS_ENABLE": "0"}
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           "-m", "llmpy", "train", *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=900)
+    return launch_torchrun(nproc, "-m", "llmpy", "train", *args, device=device)
 
 
 def train_records(out):
@@ -236,14 +240,6 @@ def _rank_argv_script(tmp_path, per_rank: list[list]) -> Path:
     return script
 
 
-def _torchrun_script(script: Path) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=2 SCRIPT` on the CPU (gloo, Triton's interpreter)."""
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], capture_output=True, text=True, env=env, timeout=300)
-
-
 @interpreter_only
 def test_processes_given_different_options_are_refused(shards, tmp_path):
     # a torchrun job whose ranks were given different options (a command line a node) would train on without a word
@@ -253,7 +249,7 @@ def test_processes_given_different_options_are_refused(shards, tmp_path):
     for differing, flag, values in ((["-b"], "-b", ("2", "4")), (["--seed"], "--seed", ("1", "2"))):
         script = _rank_argv_script(tmp_path, [[*base, *differing, v, *(["-b", "2"] if flag != "-b" else [])]
                                               for v in values])
-        res = _torchrun_script(script)
+        res = launch_torchrun(2, script, timeout=300)
         # torchrun prints its own traceback of the failed child, and stops the other rank (which may not have said
         # its line yet): llmpy's lines only, none from a traceback of llmpy's code
         assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
@@ -286,7 +282,7 @@ from llmpy.cli import main
 sys.exit(main(["train", "-i", {str(train_f)!r}, "-e", {TINY!r}, "-b", "2", "-t", "{T}", "-x", "1", "-o",
                {str(tmp_path / "out")!r}]))
 """)
-    res = _torchrun_script(script)
+    res = launch_torchrun(2, script, timeout=300)
     assert res.returncode != 0 and waiting.exists(), res.stderr[-3000:]
     # torchrun's report: rank 1's own exit status, and rank 0 ended by SIGTERM (SIGKILL had it ignored SIGTERM)
     assert "exitcode  : 3 " in res.stderr and "exitcode  : -15 " in res.stderr, res.stderr[-3000:]
