@@ -2,16 +2,11 @@
 each stage hands pytest, and the memcheck stage's job limit, exit status and logs (the device call is the only
 other place these run, and a device call is scarce)."""
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                                reason="needs bash and coreutils' timeout")
 
 # python3: records a pytest call's arguments (one line a call), passes anything else to this interpreter
 PYTHON3 = f"""#!/usr/bin/env bash
