@@ -184,21 +184,25 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       # (memcheck is slow and mostly host-bound; fifteen at once ran an 80 GB H100 out of memory, session 51);
       # each file's log is $OUT/sanitize_<name>.log. Kernels that only the GPU runs at CPU-test sizes (the Gluon
       # flash backward, cuDNN attention, the TMA classifier, the cuBLASLt binding) have their "gpu" tests
-      # checked too, as SANITIZE_GPU_TESTS entries "file[::-k expression]", logged to $OUT/sanitize_gpu_<name>.log.
+      # checked too, as SANITIZE_GPU_TESTS entries "file[::-k expression]", logged to $OUT/sanitize_gpu_<name>.log;
+      # those run at model sizes, one of them took ~50 GB under memcheck, so they start once the small files are
+      # done, SANITIZE_GPU_JOBS (default 1) at a time (run beside them they ran an H100 out of memory, session 52).
       logs=()
-      memcheck() {  # log, marker, -k expression, test file
-        while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-6}" ]; do wait -n; done
+      memcheck() {  # job limit, log, marker, -k expression, test file
+        local limit=$1; shift
+        while [ "$(jobs -rp | wc -l)" -ge "$limit" ]; do wait -n; done
         (timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
           python3 -m pytest -q -p no:cacheprovider -m "$2" ${3:+-k "$3"} "$4" > "$1" 2>&1; echo $? > "$1.rc") &
         logs+=("$1")
       }
       for f in $KERNEL_TESTS; do
-        memcheck "$OUT/sanitize_$(basename "$f" .py).log" "not gpu" "${SANITIZE_K:-}" "$f"
+        memcheck "${SANITIZE_JOBS:-6}" "$OUT/sanitize_$(basename "$f" .py).log" "not gpu" "${SANITIZE_K:-}" "$f"
       done
+      wait
       for entry in ${SANITIZE_GPU_TESTS-tests/test_flash_backward_wgmma.py tests/test_attention.py::cudnn
                      tests/test_fused_classifier.py tests/test_cublaslt.py}; do
         f=${entry%%::*}; k=; [ "$f" != "$entry" ] && k=${entry#*::}
-        memcheck "$OUT/sanitize_gpu_$(basename "$f" .py).log" gpu "$k" "$f"
+        memcheck "${SANITIZE_GPU_JOBS:-1}" "$OUT/sanitize_gpu_$(basename "$f" .py).log" gpu "$k" "$f"
       done
       wait
       rc=0

@@ -16,10 +16,10 @@ exec {sys.executable} "$@"
 # compute-sanitizer: notes when each run starts and ends, takes a while, fails where the file is named in FAIL_ON
 SANITIZER = """#!/usr/bin/env bash
 echo "args $*" >> "$RECORD"
-echo "start $$ $(date +%s%N)" >> "$RECORD"
+echo "start $$ $(date +%s%N) $*" >> "$RECORD"
 sleep 0.4
 echo "ERROR SUMMARY: 0 errors"; echo "1 passed in 0.40s"
-echo "end $$ $(date +%s%N)" >> "$RECORD"
+echo "end $$ $(date +%s%N) $*" >> "$RECORD"
 for arg in "$@"; do [ -n "$FAIL_ON" ] && [ "$arg" = "$FAIL_ON" ] && exit 99; done
 exit 0
 """
@@ -54,7 +54,7 @@ def test_the_test_stages_run_every_test_file_once(tmp_path):
 def overlap(lines):
     """The most sanitizer runs in flight at one moment, from their start and end stamps."""
     stamps = [line.split() for line in lines if line.startswith(("start ", "end "))]
-    events = sorted((int(t), kind == "start") for kind, _, t in stamps)
+    events = sorted((int(words[2]), words[0] == "start") for words in stamps)
     most = now = 0
     for _, starts in events:  # at equal stamps an end sorts before a start: touching runs do not overlap
         now += 1 if starts else -1
@@ -63,13 +63,18 @@ def overlap(lines):
 
 
 def test_memcheck_stage_runs_every_file_a_few_at_a_time(tmp_path):
-    proc, stamps, out = gpu_check(tmp_path, "sanitize", SANITIZE_JOBS="3")
+    proc, stamps, out = gpu_check(tmp_path, "sanitize", SANITIZE_JOBS="3")  # SANITIZE_GPU_JOBS: 1
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "sanitize.log").read_text().splitlines()
     kernel_files, gpu_files = 11, 4  # KERNEL_TESTS, and the default SANITIZE_GPU_TESTS
     assert len(summary) == kernel_files + gpu_files and len(stamps) == 3 * len(summary)
     assert all(line.endswith("ERROR SUMMARY: 0 errors | 1 passed in 0.40s") for line in summary), summary
-    assert 2 <= overlap(stamps) <= 3
+    small = [line for line in stamps if "-m not gpu" in line]
+    model_sized = [line for line in stamps if "-m gpu" in line]
+    assert 2 <= overlap(small) <= 3 and overlap(model_sized) == 1
+    # the model-sized runs start once every small one has ended (beside them they ran out of memory)
+    assert min(int(line.split()[2]) for line in model_sized if line.startswith("start ")) >= \
+        max(int(line.split()[2]) for line in small if line.startswith("end "))
     assert sorted(p.name for p in out.iterdir()) == ["gpu.txt", "sanitize.log"], "clean files' logs removed"
 
 
