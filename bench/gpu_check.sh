@@ -187,11 +187,16 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       # checked too, as SANITIZE_GPU_TESTS entries "file[::-k expression]", logged to $OUT/sanitize_gpu_<name>.log;
       # those run at model sizes, one of them took ~50 GB under memcheck, so they start once the small files are
       # done, SANITIZE_GPU_JOBS (default 1) at a time (run beside them they ran an H100 out of memory, session 52).
+      # Host backtraces are off by default (SANITIZE_BACKTRACE=device): compute-sanitizer 2025.3's host backtrace keeps
+      # a reference to the Python frame of every Triton launch, so each test's tensors stayed allocated until the
+      # classifier's model-sized tests ran an H100 out of memory (run BD). Errors still name the kernel and, where
+      # precise, the device backtrace; SANITIZE_BACKTRACE=yes reruns a failing file with the host's.
       logs=()
       memcheck() {  # job limit, log, marker, -k expression, test file
         local limit=$1; shift
         while [ "$(jobs -rp | wc -l)" -ge "$limit" ]; do wait -n; done
         (timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+          --show-backtrace "${SANITIZE_BACKTRACE:-device}" \
           python3 -m pytest -q -p no:cacheprovider -m "$2" ${3:+-k "$3"} "$4" > "$1" 2>&1; echo $? > "$1.rc") &
         logs+=("$1")
       }

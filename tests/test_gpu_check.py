@@ -76,11 +76,13 @@ def test_memcheck_stage_runs_every_file_a_few_at_a_time(tmp_path):
     assert min(int(line.split()[2]) for line in model_sized if line.startswith("start ")) >= \
         max(int(line.split()[2]) for line in small if line.startswith("end "))
     assert sorted(p.name for p in out.iterdir()) == ["gpu.txt", "sanitize.log"], "clean files' logs removed"
+    # no host backtraces by default: compute-sanitizer 2025.3's keeps every Triton launch's Python frame alive (run BD)
+    assert all("--show-backtrace device python3 -m pytest" in line for line in stamps if line.startswith("args "))
 
 
 def test_memcheck_stage_fails_and_keeps_the_log_of_a_failing_file(tmp_path):
     proc, record, out = gpu_check(tmp_path, "sanitize", SANITIZE_JOBS="8", FAIL_ON="tests/test_cublaslt.py",
-                             SANITIZE_GPU_TESTS="tests/test_attention.py::cudnn")
+                                  SANITIZE_GPU_TESTS="tests/test_attention.py::cudnn", SANITIZE_BACKTRACE="yes")
     assert proc.returncode == 99, proc.stdout + proc.stderr
     assert "sanitize rc=99" in proc.stdout
     # the file's "not gpu" run failed; its name and the -k expression reach pytest as given
@@ -89,3 +91,4 @@ def test_memcheck_stage_fails_and_keeps_the_log_of_a_failing_file(tmp_path):
     assert len(summary) == 12 and summary[-1].startswith("sanitize_gpu_test_attention: ")
     runs = [line.split("python3 -m pytest -q -p no:cacheprovider ")[1] for line in record if line.startswith("args ")]
     assert "-m not gpu tests/test_cublaslt.py" in runs and "-m gpu -k cudnn tests/test_attention.py" in runs
+    assert all("--show-backtrace yes python3" in line for line in record if line.startswith("args ")), "asked for"
