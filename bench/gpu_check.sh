@@ -180,17 +180,13 @@ json.dump({'capability': [9, 0], 'tuned': e}, open(sys.argv[2], 'w'))" "$r" "$OU
       fi ;;
     sanitize)
       # the CPU-sized tests exercise every kernel (and its masks) at small shapes; memcheck reports any
-      # out-of-bounds or misaligned access. One sanitizer process per test file, SANITIZE_JOBS at a time
-      # (memcheck is slow and mostly host-bound; fifteen at once ran an 80 GB H100 out of memory, session 51);
-      # each file's log is $OUT/sanitize_<name>.log. Kernels that only the GPU runs at CPU-test sizes (the Gluon
-      # flash backward, cuDNN attention, the TMA classifier, the cuBLASLt binding) have their "gpu" tests
-      # checked too, as SANITIZE_GPU_TESTS entries "file[::-k expression]", logged to $OUT/sanitize_gpu_<name>.log;
-      # those run at model sizes, one of them took ~50 GB under memcheck, so they start once the small files are
-      # done, SANITIZE_GPU_JOBS (default 1) at a time (run beside them they ran an H100 out of memory, session 52).
-      # Host backtraces are off by default (SANITIZE_BACKTRACE=device): compute-sanitizer 2025.3's host backtrace keeps
-      # a reference to the Python frame of every Triton launch, so each test's tensors stayed allocated until the
-      # classifier's model-sized tests ran an H100 out of memory (run BD). Errors still name the kernel and, where
-      # precise, the device backtrace; SANITIZE_BACKTRACE=yes reruns a failing file with the host's.
+      # out-of-bounds or misaligned access. One sanitizer process per test file, SANITIZE_JOBS at a time (memcheck is
+      # slow and mostly host-bound; fifteen at once ran an H100 out of memory); logs in $OUT/sanitize_<name>.log.
+      # Kernels the GPU runs only at model sizes (Gluon flash backward, cuDNN attention, TMA classifier, cuBLASLt)
+      # are checked through their "gpu" tests, SANITIZE_GPU_TESTS entries "file[::-k expression]", after the small
+      # files and SANITIZE_GPU_JOBS (1) at a time: one takes ~50 GB under memcheck.
+      # SANITIZE_BACKTRACE=device: compute-sanitizer 2025.3's host backtrace keeps every Triton launch's Python frame,
+      # and so each test's tensors, alive (run BD); set it to yes to rerun a failing file with host backtraces.
       logs=()
       memcheck() {  # job limit, log, marker, -k expression, test file
         local limit=$1; shift
