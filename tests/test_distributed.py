@@ -4,8 +4,11 @@ kernel model in Triton's interpreter. The same global batch gives bitwise the sa
 of the optimizer state a rank and gathers it whole into the checkpoint."""
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +20,7 @@ from llmpy.data import write_shard
 from llmpy.distributed import shard_bounds
 from llmpy.errors import LlmpyError
 from llmpy.trainer import TrainOptions, train
-from llmpy.training_state import load_checkpoint, model_path
+from llmpy.training_state import latest_complete_step, load_checkpoint, model_path
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 # the kernel model on the CPU needs Triton's interpreter for the whole process (conftest sets it where
@@ -309,3 +312,218 @@ def test_a_peers_closed_connection_under_gloo_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(trainer, "run", bug)
     with pytest.raises(RuntimeError, match="an index out of range"):
         cli.main(["train"])
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_ranks(world, *target) -> list[subprocess.Popen]:
+    """`python TARGET...` once a rank with torchrun's environment, without torchrun: the test holds every
+    process's pid (to stop one, signal another), which torchrun's children hide."""
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    return [subprocess.Popen([sys.executable, *map(str, target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+
+
+def _end(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.communicate(timeout=60)
+
+
+def stuck_line(rank, signame, where, seconds=10):
+    """The pattern of StuckRankWatch's line; `where`: a regular expression of the place."""
+    return (rf"llmpy: rank {rank} of 2: {signame} came while this process waited in {where}, and it has not moved "
+            rf"for {seconds} s: another process has stopped or hangs; ending without saving \(checkpoints already "
+            r"written are whole\)\n")
+
+
+def _signal_rank0_at_a_barrier(tmp_path, rank1_joins_after_s, patient, patient_limit_s=None):
+    """Rank 0 at a barrier (inside distributed.patient() or not) that rank 1 joins after rank1_joins_after_s, SIGTERM
+    to rank 0 half a second into its wait: (rank 0's exit status, stdout, stderr, seconds from the signal to its
+    exit). patient_limit_s: distributed.PATIENT_STUCK_AFTER_SIGNAL_S in the ranks, if given."""
+    ready = tmp_path / "rank0_at_the_barrier"
+    script = tmp_path / "wait_at_barrier.py"
+    script.write_text(f"""import contextlib, os, signal, sys, time
+from llmpy import distributed
+from llmpy.distributed import init_data_parallel, patient
+if {patient_limit_s is not None}:
+    distributed.PATIENT_STUCK_AFTER_SIGNAL_S = {patient_limit_s}
+dp = init_data_parallel("cpu", 0)
+if dp.rank == 1:
+    while not os.path.exists({str(ready)!r}):
+        time.sleep(0.05)
+    time.sleep({rank1_joins_after_s})
+else:
+    signal.signal(signal.SIGTERM, lambda signum, frame: print("handler ran"))
+    open({str(ready)!r}, "w").close()
+with patient() if {patient} else contextlib.nullcontext():
+    dp.barrier()
+print("the barrier returned")
+""")
+    procs = _launch_ranks(2, script)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), procs[0].communicate(timeout=60)
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        out, err = procs[0].communicate(timeout=60)
+        return procs[0].returncode, out, err, time.monotonic() - signalled
+    finally:
+        _end(procs)
+
+
+def test_sigterm_ends_a_rank_waiting_in_a_collective_for_a_peer_that_never_comes(tmp_path):
+    # Python's handler would run only once the barrier returned (after the group's 30 min timeout): the watch ends
+    # the process 10 s after the signal instead, with one line naming where it waited
+    rc, out, err, waited = _signal_rank0_at_a_barrier(tmp_path, 600, patient=False)
+    assert rc == 128 + signal.SIGTERM, err
+    assert 10 <= waited < 20, waited
+    where = r"barrier \(distributed_c10d\.py:\d+\) from barrier \(llmpy/distributed\.py:\d+\)"
+    assert re.fullmatch(stuck_line(0, "SIGTERM", where), err), err
+    assert out == "", out  # neither the handler (it never got to run) nor anything after the barrier
+
+
+def test_a_patient_wait_outlasts_the_watch(tmp_path):
+    # rank 0 writing a checkpoint while the others wait at the barrier: a long wait, rightly; the signal is handled
+    # once the barrier returns, 14 s on, past the 10 s after which an impatient wait would have ended the process
+    rc, out, err, waited = _signal_rank0_at_a_barrier(tmp_path, 14, patient=True)
+    assert rc == 0 and out == "handler ran\nthe barrier returned\n", (out, err)
+    assert "llmpy: rank" not in err and waited >= 13, (err, waited)
+
+
+def test_a_patient_wait_ends_too_at_its_own_limit(tmp_path):
+    # a peer may fail inside a patient stretch as well: the wait there ends at its longer limit (120 s; 3 s here)
+    rc, out, err, waited = _signal_rank0_at_a_barrier(tmp_path, 600, patient=True, patient_limit_s=3)
+    assert rc == 128 + signal.SIGTERM and out == "", (out, err)
+    assert 3 <= waited < 10, waited
+    assert re.fullmatch(stuck_line(0, "SIGTERM", r"barrier \(distributed_c10d\.py:\d+\) from .*", seconds=3), err), err
+
+
+def _train_ranks(shards, out, *extra):
+    train_f, _ = shards
+    return _launch_ranks(2, "-m", "llmpy", "train", "-i", train_f, "-e", TINY, "-b", B, "-t", T, "-x", 100000, "-v", 0,
+                         "-s", 0, "-g", 0, "-k", "constant", "-o", out, "--device", "cpu", "--progress", 0, *extra)
+
+
+def _after_steps(proc, k):
+    """Read rank 0's output up to its k-th step line."""
+    seen = 0
+    for line in proc.stdout:
+        seen += line.startswith("step ")
+        if seen == k:
+            return
+    raise AssertionError(f"rank 0 ended before step {k}: {proc.communicate(timeout=60)[1][-3000:]}")
+
+
+@interpreter_only
+def test_sigterm_ends_a_training_rank_whose_peer_hangs(shards, tmp_path):
+    # rank 1 frozen mid-run (a hung GPU or node, as far as rank 0 can tell) after rank 0 logged step 4: rank 0 waits
+    # in the ranks' agreement on signals or in step 5's reduction, where its SIGTERM handler cannot run; the watch
+    # ends it, and step 3's checkpoint stays whole
+    out = tmp_path / "o"
+    procs = _train_ranks(shards, out, "-n", 3)
+    try:
+        _after_steps(procs[0], 4)
+        procs[1].send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        procs[0].send_signal(signal.SIGTERM)
+        rest, err = procs[0].communicate(timeout=60)
+    finally:
+        _end(procs)
+    assert procs[0].returncode == 128 + signal.SIGTERM, err
+    assert re.fullmatch(r"(.*\n)*" + stuck_line(0, "SIGTERM", r"\S+ \(\S+:\d+\)( from \S+ \(llmpy/\S+:\d+\))?"), err), err
+    assert "Traceback" not in err and "stopped by SIGTERM" not in rest
+    assert latest_complete_step(out) == 3
+    load_checkpoint(out, 3)
+
+
+@interpreter_only
+def test_sigterm_to_every_rank_of_a_healthy_run_saves_and_stops(shards, tmp_path):
+    # torchrun stops a job so (its own SIGTERM or Ctrl-C, passed to every worker): the watch must not cut it short
+    out = tmp_path / "o"
+    procs = _train_ranks(shards, out)
+    try:
+        _after_steps(procs[0], 2)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        ends = [p.communicate(timeout=120) for p in procs]
+    finally:
+        _end(procs)
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, [e[1][-2000:] for e in ends]
+    assert all("llmpy: rank" not in err and "Traceback" not in err for _, err in ends), ends
+    assert "stopped by SIGTERM" in ends[0][0]
+    k = latest_complete_step(out)
+    assert k is not None and k >= 2
+    load_checkpoint(out, k)
+
+
+@interpreter_only
+def test_two_processes_sample_and_score_hellaswag_on_rank_0(shards, tmp_path):
+    # rank 0 samples and scores HellaSwag alone while the others wait at a barrier: every rank meets it the same
+    # number of times, and the run ends as a plain one does
+    from llmpy.hellaswag import Example, write_eval_file
+    rng = np.random.default_rng(3)
+    examples = [Example(i, int(rng.integers(0, 4)), rng.integers(0, 257, 5).tolist(),
+                        [rng.integers(0, 257, 3).tolist() for _ in range(4)]) for i in range(3)]
+    hs = write_eval_file(tmp_path / "hs.bin", examples)
+    train_f, val_f = shards
+    res = launch_torchrun(2, "-m", "llmpy", "train", "-i", train_f, "-j", val_f, "-e", TINY, "-b", 4, "-t", T,
+                          "-x", 3, "-v", 2, "-m", 1, "-s", 2, "-g", 3, "-h", 1, "--hellaswag-file", hs,
+                          "--device", "cpu", "--progress", 0, "-o", tmp_path / "o")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("HellaSwag: ") == 3 and res.stdout.count("--- sample at step ") == 2, res.stdout
+    assert latest_complete_step(tmp_path / "o") == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wait", ["stream", "item", "graph"])
+def test_gpu_the_watch_runs_while_the_main_thread_waits_on_the_gpu(tmp_path, wait):
+    # over NCCL a rank waiting for a peer sits in a CUDA synchronisation (the step's graph holds the collectives);
+    # the watch's thread can act only if that wait lets go of the GIL. The GPU spins 30 s here; SIGTERM comes
+    # after 0.5 s, and the watch (2 s) must end the process long before the spin does
+    script = tmp_path / "wait_on_gpu.py"
+    script.write_text(f"""import os, signal, threading, time
+import torch
+from llmpy.distributed import StuckRankWatch
+StuckRankWatch(0, 2, grace_s=2.0).start()
+signal.signal(signal.SIGTERM, lambda signum, frame: print("handler ran"))
+x = torch.ones(1, device="cuda")
+start = torch.cuda.Event(enable_timing=True); end = torch.cuda.Event(enable_timing=True)
+start.record(); torch.cuda._sleep(10_000_000); end.record(); end.synchronize()
+cycles = int(10_000_000 * 30_000 / start.elapsed_time(end))  # 30 s of spinning
+if {wait!r} == "graph":
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda._sleep(cycles)
+        y = x * 2
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+if {wait!r} == "stream":
+    torch.cuda._sleep(cycles)
+    torch.cuda.current_stream().synchronize()
+elif {wait!r} == "item":
+    torch.cuda._sleep(cycles)
+    (x * 2).item()
+else:
+    graph.replay()
+    torch.cuda.current_stream().synchronize()
+print("the wait returned")
+""")
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - t0
+    assert res.returncode == 128 + signal.SIGTERM and res.stdout == "", (res.stdout, res.stderr[-2000:])
+    assert "llmpy: rank 0 of 2: SIGTERM came while this process waited in " in res.stderr, res.stderr[-2000:]
+    assert took < 25, took  # CUDA's start, 0.5 s, the watch's 2 s: not the 30 s spin

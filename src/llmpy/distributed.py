@@ -21,10 +21,14 @@ all-to-all plus one all-gather (the bytes of a ring all-reduce) and keeps bit-ex
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import select
 import signal
+import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -143,7 +147,143 @@ def init_data_parallel(device: str, zero_stage: int, timeout_s: float = 1800.0) 
         finally:
             if in_main_thread:
                 signal.signal(signal.SIGTERM, old_sigterm)
+    _watch_for_a_stuck_wait(rank, world)
     return DataParallel(rank=rank, world_size=world, zero_stage=zero_stage)
+
+
+# How long the main thread may sit in one call after SIGINT/SIGTERM before StuckRankWatch ends the process: under
+# torchrun's 30 s grace before SIGKILL, and above any wait of a healthy run outside the stretches marked patient().
+STUCK_AFTER_SIGNAL_S = 10.0
+# The same inside patient(): above rank 0's write of a large checkpoint, which the others wait for at the barrier.
+PATIENT_STUCK_AFTER_SIGNAL_S = 120.0
+
+
+class StuckRankWatch:
+    """Ends a rank that waits for a peer which will never come, when a signal asks it to stop.
+
+    Python runs a signal's handler in the main thread, between bytecodes; a rank inside a collective waits in
+    C++ (gloo, NCCL, a CUDA synchronisation behind a graph of NCCL kernels), where it never gets there. When
+    another rank has failed, torchrun's SIGTERM then goes unanswered until its SIGKILL 30 s later, and a
+    SIGTERM or Ctrl-C sent to a hung job waits out the group's timeout (30 min). Python also writes the number
+    of every signal it catches to the file given to signal.set_wakeup_fd, from the C handler, whatever the main
+    thread is doing: a thread reads it here. From the first SIGINT or SIGTERM on, it samples where the main
+    thread is (its innermost Python frame and instruction); once that has stayed put for grace_s (patient_grace_s
+    in the stretches marked patient(), where long waits are expected), the thread writes one line and ends the
+    process with the shell's 128 + signal. Files are written atomically
+    (files.atomic_path), so nothing saved is damaged: what is lost is the step in flight and its checkpoint."""
+
+    def __init__(self, rank: int, world_size: int, grace_s: float | None = None, patient_grace_s: float | None = None,
+                 poll_s: float = 0.25):
+        self.rank, self.world_size, self.poll_s = rank, world_size, poll_s
+        self.grace_s = STUCK_AFTER_SIGNAL_S if grace_s is None else grace_s
+        self.patient_grace_s = PATIENT_STUCK_AFTER_SIGNAL_S if patient_grace_s is None else patient_grace_s
+        self._thread = None
+
+    def start(self) -> None:
+        """From the main thread (signal.set_wakeup_fd's rule)."""
+        self._signals_r, signals_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe()
+        os.set_blocking(signals_w, False)  # the C handler must never block on a full pipe
+        self._signals_w = signals_w
+        self._old_wakeup_fd = signal.set_wakeup_fd(signals_w, warn_on_full_buffer=False)
+        self._main_id = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._watch, name="llmpy-stuck-rank-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(self._old_wakeup_fd)
+        os.write(self._stop_w, b"x")
+        self._thread.join()
+        for fd in (self._signals_r, self._signals_w, self._stop_r, self._stop_w):
+            os.close(fd)
+        self._thread = None
+
+    def _main_thread_place(self):
+        """(frame id, instruction, where in words) of the main thread's innermost Python frame."""
+        frame = sys._current_frames().get(self._main_id)
+        if frame is None:
+            return None, "outside Python"
+        where = f"{frame.f_code.co_name} ({_short_path(frame.f_code.co_filename)}:{frame.f_lineno})"
+        caller = frame
+        while caller is not None and not caller.f_code.co_filename.startswith(_PACKAGE_DIR):
+            caller = caller.f_back
+        if caller is not None and caller is not frame:  # torch's function: which of ours called it
+            where += f" from {caller.f_code.co_name} ({_short_path(caller.f_code.co_filename)}:{caller.f_lineno})"
+        return (id(frame), frame.f_lasti), where
+
+    def _watch(self) -> None:
+        signum = None   # the last stopping signal seen
+        place, since = None, 0.0
+        while True:
+            ready, _, _ = select.select([self._signals_r, self._stop_r], [], [], self.poll_s if signum else None)
+            if self._stop_r in ready:
+                return
+            if self._signals_r in ready:
+                caught = [n for n in os.read(self._signals_r, 64) if n in (signal.SIGINT, signal.SIGTERM)]
+                if caught and signum is None:
+                    signum, (place, _), since = caught[-1], self._main_thread_place(), time.monotonic()
+                elif caught:
+                    signum = caught[-1]
+            if signum is None:
+                continue
+            now_place, where = self._main_thread_place()
+            limit = self.patient_grace_s if _patient_depth else self.grace_s
+            if now_place != place:
+                place, since = now_place, time.monotonic()
+            elif time.monotonic() - since >= limit:
+                self._end(signum, where, limit)
+
+    def _end(self, signum: int, where: str, waited_s: float) -> None:
+        name = signal.Signals(signum).name
+        line = (f"llmpy: rank {self.rank} of {self.world_size}: {name} came while this process waited in {where}, "
+                f"and it has not moved for {waited_s:.0f} s: another process has stopped or hangs; ending "
+                "without saving (checkpoints already written are whole)\n")
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - the line and the exit below matter more than stdout's last lines
+            pass
+        os.write(2, line.encode())
+        os._exit(128 + signum)
+
+
+_patient_depth = 0
+
+
+@contextlib.contextmanager
+def patient():
+    """A stretch in which this rank may rightly wait long for another, or work long alone: rank 0 writing a
+    checkpoint, scoring HellaSwag or sampling, and the others at the barrier after it. StuckRankWatch gives it
+    PATIENT_STUCK_AFTER_SIGNAL_S instead of STUCK_AFTER_SIGNAL_S."""
+    global _patient_depth
+    _patient_depth += 1
+    try:
+        yield
+    finally:
+        _patient_depth -= 1
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _short_path(filename: str) -> str:
+    """llmpy/trainer.py for our files, the base name for others'."""
+    if filename.startswith(_PACKAGE_DIR):
+        return "llmpy/" + filename[len(_PACKAGE_DIR):]
+    return os.path.basename(filename)
+
+
+_stuck_watch: StuckRankWatch | None = None
+
+
+def _watch_for_a_stuck_wait(rank: int, world: int) -> None:
+    """Start this process's StuckRankWatch (once; from the main thread only, as set_wakeup_fd requires)."""
+    global _stuck_watch
+    if _stuck_watch is None and threading.current_thread() is threading.main_thread():
+        _stuck_watch = StuckRankWatch(rank, world)
+        _stuck_watch.start()
 
 
 # CUDA graphs that captured NCCL collectives hold the communicator: they must be freed before it is
@@ -170,3 +310,7 @@ def shutdown():
     _release_before_shutdown.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    global _stuck_watch
+    if _stuck_watch is not None:
+        _stuck_watch.stop()
+        _stuck_watch = None

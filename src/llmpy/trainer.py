@@ -601,9 +601,10 @@ def _check_same_options(dp, opts: TrainOptions, device) -> None:
                          f"{getattr(opts, name)!r}): give every process the same options")
 
 
-def _agree_on_signal(dp, stop_signal: list[int], device) -> list[int]:
-    """The first signal any rank has seen, on every rank (0: none), so that all stop after the same step."""
-    seen = dp.all_gather_scalars(torch.tensor([stop_signal[0] if stop_signal else 0], dtype=torch.int64,
+def _agree_on_signal(dp, received_signals: list[int], device) -> list[int]:
+    """[the first signal of the lowest rank that got one] on every rank, [] if none did, so that all stop after the
+    same step."""
+    seen = dp.all_gather_scalars(torch.tensor([received_signals[0] if received_signals else 0], dtype=torch.int64,
                                               device=device)).reshape(-1).tolist()
     return [next(s for s in seen if s)] if any(seen) else []
 
@@ -740,7 +741,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     opts.validate()
     device = _resolve_device(opts)
     # under torchrun with several processes: data parallel over NCCL (GPUs) or gloo (CPU)
-    from .distributed import init_data_parallel, torchrun_env
+    from .distributed import init_data_parallel, patient, torchrun_env
     env = torchrun_env()
     several = env is not None and env[1] > 1
     kernels = device == "cuda" or several or opts.engine == "kernels"
@@ -926,6 +927,10 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 caller_log(msg)
 
     def validate(step):
+        with patient():  # the ranks' slices may differ in time; rank 0 scores HellaSwag alone
+            validate_now(step)
+
+    def validate_now(step):
         if val_loader is not None:
             losses = [backend.validate(x, y) for x, y in val_loader.batches(val_batches)]
             if dp is not None:  # every rank's slices, averaged in rank order
@@ -944,10 +949,19 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             result.eval_accuracies.append((step, hs.accuracy))
             run_log.write(step, "eval", accuracy=hs.accuracy, correct=hs.correct, total=hs.total)
             log(f"HellaSwag: {hs.correct}/{hs.total} = {hs.accuracy:.4f}")
+        if hs_examples and dp is not None:  # the others wait here, where the wait is expected, not in the next step
+            dp.barrier()
 
     def sample(step):
-        if opts.gen_tokens == 0 or not writer:
+        if opts.gen_tokens == 0:
             return None
+        with patient():  # rank 0 samples alone, the others wait at the barrier
+            text = sample_now(step) if writer else None
+            if dp is not None:
+                dp.barrier()
+        return text
+
+    def sample_now(step):
         start = [tokenizer.eot] if tokenizer is not None else [config.vocab_size - 1]
         try:
             ids = generate(backend.next_logits, start, opts.gen_tokens, config.vocab_size, config.max_seq_len,
@@ -979,18 +993,20 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 "outliers": {"loss": loss_outliers.state_dict(), "grad": grad_outliers.state_dict()},
                 "rng": {"sr_seeds": backend.seed_state()}}
         # every rank takes part (ZeRO-1 gathers the optimizer shards), rank 0 writes, the others wait
-        _save_checkpoint(out_dir, step_done, config, backend, opts, meta, final=final, write=writer)
-        if dp is not None:
-            dp.barrier()
+        with patient():
+            _save_checkpoint(out_dir, step_done, config, backend, opts, meta, final=final, write=writer)
+            if dp is not None:
+                dp.barrier()
 
     # SIGINT/SIGTERM only raise a flag, read between steps: the step in flight finishes, its checkpoint
-    # is saved, and the run ends; a second signal interrupts at once
-    stop_signal: list[int] = []
+    # is saved, and the run ends; a second signal to this process interrupts at once. The handler appends to
+    # its own list, which nothing else writes: a signal landing while the ranks agree is kept for the next step
+    received_signals: list[int] = []
 
     def on_signal(signum, frame):
-        if stop_signal:
+        if received_signals:
             raise KeyboardInterrupt
-        stop_signal.append(signum)
+        received_signals.append(signum)
     old_handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1034,8 +1050,9 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             if out_dir and opts.checkpoint_every > 0 and (step + 1) % opts.checkpoint_every == 0 and step + 1 < steps:
                 checkpoint(step + 1)
                 saved = True
-            if dp is not None:  # a signal reaches the ranks at different moments: stop together
-                stop_signal[:] = _agree_on_signal(dp, stop_signal, backend.model.device)
+            # a signal reaches the ranks at different moments (torchrun passes one to each): they stop together
+            stop_signal = (_agree_on_signal(dp, received_signals, backend.model.device) if dp is not None
+                           else received_signals[:1])
             if stop_signal and step + 1 < steps:
                 result.stopped_by = signal.Signals(stop_signal[0]).name
                 if out_dir and not saved:
