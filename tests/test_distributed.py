@@ -527,3 +527,32 @@ print("the wait returned")
     assert res.returncode == 128 + signal.SIGTERM and res.stdout == "", (res.stdout, res.stderr[-2000:])
     assert "llmpy: rank 0 of 2: SIGTERM came while this process waited in " in res.stderr, res.stderr[-2000:]
     assert took < 25, took  # CUDA's start, 0.5 s, the watch's 2 s: not the 30 s spin
+
+
+def test_the_watch_passes_signals_on_to_the_wakeup_fd_it_replaced_and_gives_it_back():
+    # an asyncio loop in the main thread hears of signals through set_wakeup_fd: the watch must not deafen it
+    from llmpy.distributed import StuckRankWatch
+    theirs_r, theirs_w = os.pipe()
+    os.set_blocking(theirs_w, False)
+    os.set_blocking(theirs_r, False)
+    before = signal.set_wakeup_fd(theirs_w)
+    old_usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    watch = StuckRankWatch(0, 2)
+    try:
+        watch.start()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        heard = b""
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.01)
+            try:
+                heard = os.read(theirs_r, 16)
+            except BlockingIOError:
+                pass
+        assert heard == bytes([signal.SIGUSR1])
+    finally:
+        watch.stop()
+        assert signal.set_wakeup_fd(before) == theirs_w  # the watch put theirs back
+        signal.signal(signal.SIGUSR1, old_usr1)
+        os.close(theirs_r)
+        os.close(theirs_w)

@@ -222,7 +222,13 @@ class StuckRankWatch:
             if self._stop_r in ready:
                 return
             if self._signals_r in ready:
-                caught = [n for n in os.read(self._signals_r, 64) if n in (signal.SIGINT, signal.SIGTERM)]
+                data = os.read(self._signals_r, 64)
+                if self._old_wakeup_fd >= 0:  # an asyncio loop's, say: it still hears of its signals
+                    try:
+                        os.write(self._old_wakeup_fd, data)
+                    except OSError:
+                        pass
+                caught = [n for n in data if n in (signal.SIGINT, signal.SIGTERM)]
                 if caught and signum is None:
                     signum, (place, _), since = caught[-1], self._main_thread_place(), time.monotonic()
                 elif caught:
