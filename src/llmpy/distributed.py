@@ -169,8 +169,8 @@ class StuckRankWatch:
     thread is doing: a thread reads it here. From the first SIGINT or SIGTERM on, it samples where the main
     thread is (its innermost Python frame and instruction); once that has stayed put for grace_s (patient_grace_s
     in the stretches marked patient(), where long waits are expected), the thread writes one line and ends the
-    process with the shell's 128 + signal. Files are written atomically
-    (files.atomic_path), so nothing saved is damaged: what is lost is the step in flight and its checkpoint."""
+    process with the shell's 128 + signal. Files are written atomically (files.atomic_path), so nothing saved is
+    damaged: what is lost is the step in flight and its checkpoint."""
 
     def __init__(self, rank: int, world_size: int, grace_s: float | None = None, patient_grace_s: float | None = None,
                  poll_s: float = 0.25):
