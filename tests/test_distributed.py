@@ -322,7 +322,7 @@ def _free_port() -> int:
 
 
 def _launch_ranks(world, *target) -> list[subprocess.Popen]:
-    """`python TARGET...` once a rank with torchrun's environment, without torchrun: the test holds every
+    """`python TARGET...` for each rank, with torchrun's environment but without torchrun: the test holds every
     process's pid (to stop one, signal another), which torchrun's children hide."""
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
            "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
@@ -443,7 +443,8 @@ def test_sigterm_ends_a_training_rank_whose_peer_hangs(shards, tmp_path):
     finally:
         _end(procs)
     assert procs[0].returncode == 128 + signal.SIGTERM, err
-    assert re.fullmatch(r"(.*\n)*" + stuck_line(0, "SIGTERM", r"\S+ \(\S+:\d+\)( from \S+ \(llmpy/\S+:\d+\))?"), err), err
+    place = r"\S+ \(\S+:\d+\)( from \S+ \(llmpy/\S+:\d+\))?"
+    assert re.fullmatch(r"(.*\n)*" + stuck_line(0, "SIGTERM", place), err), err
     assert "Traceback" not in err and "stopped by SIGTERM" not in rest
     assert latest_complete_step(out) == 3
     load_checkpoint(out, 3)
