@@ -46,12 +46,14 @@ def common_args(shards, dtype):
                 gen_tokens=0, learning_rate=1e-2, warmup_steps=1, weight_decay=0.1, dtype=dtype, progress=0)
 
 
+def child_env(**extra) -> dict:
+    """This process's environment for a child that imports llmpy from this tree, with `extra` set."""
+    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
+
+
 def launch_torchrun(nproc, *target, device="cpu", timeout=900) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=N TARGET...` on the CPU (gloo, Triton's interpreter) or GPUs (NCCL)."""
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "NCCL_NVLS_ENABLE": "0"}
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
+    env = child_env(OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0", **({"TRITON_INTERPRET": "1"} if device == "cpu" else {}))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            *map(str, target)], capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -324,9 +326,8 @@ def _free_port() -> int:
 def _launch_ranks(world, *target) -> list[subprocess.Popen]:
     """`python TARGET...` for each rank, with torchrun's environment but without torchrun: the test holds every
     process's pid (to stop one, signal another), which torchrun's children hide."""
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    env = child_env(OMP_NUM_THREADS="1", TRITON_INTERPRET="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
     return [subprocess.Popen([sys.executable, *map(str, target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
 
@@ -521,9 +522,8 @@ else:
     torch.cuda.current_stream().synchronize()
 print("the wait returned")
 """)
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=child_env(), timeout=120)
     took = time.monotonic() - t0
     assert res.returncode == 128 + signal.SIGTERM and res.stdout == "", (res.stdout, res.stderr[-2000:])
     assert "llmpy: rank 0 of 2: SIGTERM came while this process waited in " in res.stderr, res.stderr[-2000:]

@@ -202,21 +202,26 @@ class StuckRankWatch:
         self._thread = None
 
     def _main_thread_place(self):
-        """(frame id, instruction, where in words) of the main thread's innermost Python frame."""
+        """(frame id, instruction) of the main thread's innermost Python frame: unchanged while it sits in one call."""
+        frame = sys._current_frames().get(self._main_id)
+        return None if frame is None else (id(frame), frame.f_lasti)
+
+    def _main_thread_where(self) -> str:
+        """That frame in words and, inside torch, the frame of ours that called it."""
         frame = sys._current_frames().get(self._main_id)
         if frame is None:
-            return None, "outside Python"
+            return "outside Python"
         where = f"{frame.f_code.co_name} ({_short_path(frame.f_code.co_filename)}:{frame.f_lineno})"
         caller = frame
         while caller is not None and not caller.f_code.co_filename.startswith(_PACKAGE_DIR):
             caller = caller.f_back
-        if caller is not None and caller is not frame:  # torch's function: which of ours called it
+        if caller is not None and caller is not frame:
             where += f" from {caller.f_code.co_name} ({_short_path(caller.f_code.co_filename)}:{caller.f_lineno})"
-        return (id(frame), frame.f_lasti), where
+        return where
 
     def _watch(self) -> None:
-        signum = None   # the last stopping signal seen
-        place, since = None, 0.0
+        signum = None       # the last stopping signal seen
+        place = since = None
         while True:
             ready, _, _ = select.select([self._signals_r, self._stop_r], [], [], self.poll_s if signum else None)
             if self._stop_r in ready:
@@ -228,19 +233,15 @@ class StuckRankWatch:
                         os.write(self._old_wakeup_fd, data)
                     except OSError:
                         pass
-                caught = [n for n in data if n in (signal.SIGINT, signal.SIGTERM)]
-                if caught and signum is None:
-                    signum, (place, _), since = caught[-1], self._main_thread_place(), time.monotonic()
-                elif caught:
-                    signum = caught[-1]
+                signum = next((n for n in reversed(data) if n in (signal.SIGINT, signal.SIGTERM)), signum)
             if signum is None:
                 continue
-            now_place, where = self._main_thread_place()
+            now_place = self._main_thread_place()
             limit = self.patient_grace_s if _patient_depth else self.grace_s
-            if now_place != place:
+            if since is None or now_place != place:
                 place, since = now_place, time.monotonic()
             elif time.monotonic() - since >= limit:
-                self._end(signum, where, limit)
+                self._end(signum, self._main_thread_where(), limit)
 
     def _end(self, signum: int, where: str, waited_s: float) -> None:
         name = signal.Signals(signum).name
