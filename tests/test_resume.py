@@ -134,6 +134,20 @@ def test_keep_last_and_major_checkpoints(tmp_path, shards):
     assert states == [f"state_{s:08d}.safetensors" for s in (3, 6, 7, 8)]
 
 
+def test_keep_last_counts_only_complete_checkpoints(tmp_path, shards):
+    # a lone model file of a later step (a run killed while writing it, then resumed with -y 1) must not count as one
+    # of the last -nk checkpoints: it used to push out every complete one, the run's own last among them
+    out = tmp_path / "o"
+    train(options(shards, out, max_steps=6, checkpoint_every=3, val_every=0), log=quiet)
+    shutil.copy(model_path(out, 6), model_path(out, 9))
+    shutil.copy(state_path(out, 3), state_path(out, 2))  # a lone older file: a crash's leftover, pruned with the rest
+    train(options(shards, out, max_steps=8, checkpoint_every=1, checkpoints_keep=1, val_every=0, resume=1), log=quiet)
+    assert latest_complete_step(out) == 8
+    load_checkpoint(out, 8)
+    left = sorted(p.name for p in out.iterdir() if p.name.startswith(("model_", "state_")))
+    assert left == ["model_00000008.bin", "model_00000009.bin", "state_00000008.safetensors"], left
+
+
 def test_resume_ignores_an_incomplete_pair(tmp_path, shards):
     out = tmp_path / "o"
     train(options(shards, out, max_steps=6, checkpoint_every=3), log=quiet)

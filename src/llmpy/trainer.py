@@ -623,7 +623,7 @@ def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts
     save_checkpoint(out_dir, step, config, params, tensors, meta, model_dtype=opts.dtype)
     if final:
         (out_dir / f"DONE_{step:08d}").write_text("")
-    prune_checkpoints(out_dir, opts.checkpoints_keep, opts.major_checkpoint_every)
+    prune_checkpoints(out_dir, opts.checkpoints_keep, opts.major_checkpoint_every, newest=step)
 
 
 # options that only the GPU model reads: (TrainOptions field, flag)

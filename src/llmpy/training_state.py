@@ -237,16 +237,22 @@ def load_checkpoint(out_dir, step: int) -> TrainingState:
                          model_file=mpath, state_file=spath)
 
 
-def prune_checkpoints(out_dir, keep_last: int, keep_every: int) -> list[int]:
-    """-nk/-nm: keep the last `keep_last` checkpoints (0: all) and every `keep_every`-th for ever;
-    delete both files of the others. Returns the steps removed."""
+def prune_checkpoints(out_dir, keep_last: int, keep_every: int, newest: int) -> list[int]:
+    """-nk/-nm after the checkpoint of step `newest`: keep the last `keep_last` complete checkpoints up to it (0: all)
+    and every `keep_every`-th for ever; delete both files of the other steps before those kept. Only complete pairs
+    count: a lone file (a run killed while writing) must not take a kept checkpoint's place, and files of steps after
+    `newest` (an earlier run's, which -y 1 went back before) are left for the run to replace. Returns the steps
+    removed."""
     if keep_last <= 0:
         return []
     out_dir = Path(out_dir)
-    steps = sorted(_steps(out_dir, _MODEL_RE) | _steps(out_dir, _STATE_RE))
+    complete = [s for s in checkpoint_steps(out_dir) if s <= newest]
+    if len(complete) <= keep_last:
+        return []
+    first_kept = complete[-keep_last]
     removed = []
-    for s in steps[:-keep_last]:
-        if keep_every > 0 and s % keep_every == 0:
+    for s in sorted(_steps(out_dir, _MODEL_RE) | _steps(out_dir, _STATE_RE)):
+        if s >= first_kept or (keep_every > 0 and s % keep_every == 0):
             continue
         # state first: a model file without its state is already "incomplete" if we stop half-way
         for p in (state_path(out_dir, s), model_path(out_dir, s)):
