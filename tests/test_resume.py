@@ -10,6 +10,7 @@ import time
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -239,6 +240,39 @@ def test_a_full_disk_while_logging_names_the_log(saved, shards, monkeypatch):
     monkeypatch.setattr(trainer.RunLog, "_write", full_disk)
     with pytest.raises(LlmpyError, match=f"cannot write the log in {re.escape(str(saved))}: No space left"):
         train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_disk_at_the_logs_last_flush_names_the_log(saved, shards, capfd):
+    # the real buffered files on a device that is always full: the write's error, not the one closing the file
+    # raises again as it flushes what is still buffered, is the run's one line
+    (saved / "main.log").unlink()
+    (saved / "main.log").symlink_to("/dev/full")
+    with pytest.raises(LlmpyError, match=f"cannot write the log in {re.escape(str(saved))}: No space left"):
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("fails_from", [1, 4], ids=["first-event", "mid-run"])
+def test_a_full_disk_under_tensorboards_thread_is_one_line(tmp_path, shards, monkeypatch, capfd, fails_from):
+    # TensorBoard writes its events on a thread of its own: its failure (at the file's first event, or a later one)
+    # must not print that thread's traceback, and reaches the run as the same one line
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    real_write, writes = RecordWriter.write, []
+
+    def full_disk_from(self, data):
+        writes.append(len(data))
+        if len(writes) >= fails_from:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, data)
+    monkeypatch.setattr(RecordWriter, "write", full_disk_from)
+    hook_before = threading.excepthook
+    out = tmp_path / "o"
+    with pytest.raises(LlmpyError, match=f"cannot write the log in {re.escape(str(out))}: No space left"):
+        train(options(shards, out, max_steps=6), log=quiet)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    assert len(writes) >= fails_from and threading.excepthook is hook_before
 
 
 def test_resume_without_a_checkpoint_starts_the_run(tmp_path, shards):

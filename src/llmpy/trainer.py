@@ -533,7 +533,8 @@ class RunLog:
     FILES = ("main.log", "main.jsonl")  # the text log and its JSONL twin, in the run's folder
 
     def __init__(self, out_dir: Path | None):
-        self.text = self.jsonl = self.tb = self.lock = None
+        self.text = self.jsonl = self.tb = self.lock = self._thread_hook = None
+        self.folder = out_dir
         if not out_dir:
             return
         try:
@@ -544,10 +545,15 @@ class RunLog:
         if SummaryWriter is not None and (events.exists() or events.is_symlink()) and not events.is_dir():
             raise LlmpyError(f"{events}: not a folder (TensorBoard's events go there); move it away")
         self.lock = _lock_run_folder(out_dir)
-        self.text = _open_to_append(out_dir / self.FILES[0])
-        self.jsonl = _open_to_append(out_dir / self.FILES[1])
-        if SummaryWriter is not None:
-            self.tb = SummaryWriter(log_dir=str(events))
+        try:
+            self.text = _open_to_append(out_dir / self.FILES[0])
+            self.jsonl = _open_to_append(out_dir / self.FILES[1])
+            if SummaryWriter is not None:
+                self._thread_hook = _quiet_tensorboard_thread_errors()
+                self.tb = SummaryWriter(log_dir=str(events))  # writes its first event now
+        except OSError as e:
+            self.close()
+            raise LlmpyError(self._cannot_write(e)) from None
 
     def write(self, step: int, kind: str, **values):
         if self.text is None:
@@ -555,7 +561,10 @@ class RunLog:
         try:
             self._write(step, kind, **values)
         except OSError as e:  # a full disk: say which file, as a checkpoint's failure does
-            raise LlmpyError(f"cannot write the log in {Path(self.text.name).parent}: {e.strerror or e}") from None
+            raise LlmpyError(self._cannot_write(e)) from None
+
+    def _cannot_write(self, e: OSError) -> str:
+        return f"cannot write the log in {self.folder}: {e.strerror or e}"
 
     def _write(self, step: int, kind: str, **values):
         if kind == "train":
@@ -572,10 +581,36 @@ class RunLog:
                 if isinstance(values.get(key), (int, float)) and not isinstance(values.get(key), bool):
                     self.tb.add_scalar(tag, values[key], step)
 
-    def close(self):
-        for f in (self.text, self.jsonl, self.tb, self.lock):  # the lock last: the folder is free once all is out
+    def close(self) -> str | None:
+        """Close every file, the lock last (the folder is free once all is out). A failure to write what was still
+        buffered (a full disk) comes back as the error's line, for the caller to raise unless an error of its own is
+        already on its way out: raising here, in the trainer's `finally`, would put this line in that error's place."""
+        failed = None
+        for f in (self.text, self.jsonl, self.tb, self.lock):
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError as e:  # the file is closed all the same
+                    failed = failed or self._cannot_write(e)
+        if self._thread_hook is not None and threading.excepthook is self._thread_hook:
+            threading.excepthook = self._thread_hook.previous
+        self.text = self.jsonl = self.tb = self.lock = self._thread_hook = None
+        return failed
+
+
+def _quiet_tensorboard_thread_errors():
+    """TensorBoard writes its events on a thread of its own, which prints a traceback when a write fails (a full disk);
+    the same error reaches the run at its next TensorBoard write or at close, where it becomes one line naming the
+    folder. This hook keeps that thread's OSError quiet and passes everything else on; RunLog.close puts the previous
+    hook back."""
+    previous = threading.excepthook
+
+    def hook(args):
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+    hook.previous = previous
+    threading.excepthook = hook
+    return hook
 
 
 def _quiet(*_args, **_kw):
@@ -1071,7 +1106,9 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             signal.signal(sig, handler)
         if progress is not None:
             progress.close()
-        run_log.close()
+        log_failed = run_log.close()
+    if log_failed:  # reached only when nothing else failed
+        raise LlmpyError(log_failed)
     if len(result.step_ms) > 1 and writer:
         timed = sorted(result.step_ms[1:])
         log(f"done: {result.last_step - start_step} steps, median {timed[len(timed) // 2]:.1f} ms/step, "
