@@ -121,6 +121,29 @@ def test_two_processes_are_bitwise_one_process_with_accumulation(shards, one_pro
         assert hi0 - lo0 < n and lo1 == hi0 and hi1 == n
 
 
+@interpreter_only
+def test_zero_1_with_a_model_of_one_norm_chunk(tmp_path):
+    # one rank's shard is then the whole buffer and the other's empty: both must still join the sharded norm's
+    # all-gather (a rank that chose by its shard's size skipped it, and gloo aborted on the mismatch)
+    model, tokens, steps = "layers=1,channels=8,heads=1,seq=8,vocab=100", 2 * 8 * 2, 3
+    data = tmp_path / "v_train_000000.bin"
+    write_shard(data, np.random.default_rng(11).integers(0, 100, 2000))
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(TrainOptions(train_data=str(data), model=model, batch_size=2, seq_len=8, total_batch_size=tokens,
+                       max_steps=steps, val_every=0, sample_every=0, gen_tokens=0, learning_rate=1e-2, warmup_steps=1,
+                       weight_decay=0.1, dtype="bfloat16", engine="kernels", device="cpu", output_dir=str(one),
+                       progress=0), log=lambda *_: None)
+    res = launch_torchrun(2, "-m", "llmpy", "train", "-i", data, "-e", model, "-b", 2, "-t", 8, "-d", tokens, "-x",
+                          steps, "-v", 0, "-s", 0, "-g", 0, "-l", 1e-2, "-u", 1, "-c", 0.1, "-z", 1, "--dtype", "bfloat16",
+                          "--device", "cpu", "--progress", 0, "-o", two)
+    assert res.returncode == 0, res.stderr[-3000:]
+    n = load_checkpoint(one, steps).config.num_parameters
+    assert [hi - lo for lo, hi in shard_bounds(n, 2, _norm_chunk())] == [0, n]
+    for a, b in zip(train_records(one), train_records(two), strict=True):
+        assert (a["loss"], a["norm"]) == (b["loss"], b["norm"]), (a, b)
+    assert model_path(two, steps).read_bytes() == model_path(one, steps).read_bytes()
+
+
 def _norm_chunk() -> int:
     from llmpy.kernels.global_norm import NORM_CHUNK
     return NORM_CHUNK

@@ -1132,14 +1132,16 @@ class GPT2Model:
     # ------------------------------------------------------------------------------------------------
     # update
 
-    def _compute_norm(self, grads: torch.Tensor | None = None):
+    def _compute_norm(self, grads: torch.Tensor | None = None, shard: bool = False):
         """The squared global norm of grads (default: the gradient buffer) into _norm_sq, on the device.
-        With ZeRO-1 and grads = this rank's reduced shard: the shard's chunk partials, gathered from every
-        rank in chunk order, then summed - the bits one GPU gets over the whole buffer."""
+        shard (ZeRO-1, grads = this rank's reduced shard): the shard's chunk partials, gathered from every
+        rank in chunk order, then summed - the bits one GPU gets over the whole buffer. Every rank must take the
+        same branch (the gather is a collective), so it is not told by the shard's size: a model of one norm chunk
+        has one rank's shard the whole buffer and the others' empty."""
         grads = self.grads_memory if grads is None else grads
         partials = self.acts["norm_partials"]
         count = knorm.num_norm_partials(self.config.num_parameters)
-        if grads.numel() == self.config.num_parameters:
+        if not shard:
             knorm.global_norm_squared(self._norm_sq, grads, partials)
         else:
             c0 = self._lo // knorm.NORM_CHUNK
@@ -1364,7 +1366,7 @@ class GPT2Model:
                 self._update_grads = self.dp.all_gather_uneven(self._reduce_bufs["whole"], reduced, self._shards)
             else:
                 self._update_grads = reduced
-        self._compute_norm(self._update_grads)
+        self._compute_norm(self._update_grads, shard=self.zero_stage == 1)
         self._clip(grad_clip)
 
     def _read(self, accum: int) -> tuple[float, float]:
