@@ -285,9 +285,9 @@ def test_processes_given_different_options_are_refused(shards, tmp_path):
         # torchrun prints its own traceback of the failed child, and stops the other rank (which may not have said
         # its line yet): llmpy's lines only, none from a traceback of llmpy's code
         assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
-        lines = [l.split("llmpy train: error: ", 1)[1] for l in res.stderr.splitlines() if "llmpy train: error:" in l]
-        wants = [f"the processes of this run were given different {flag} (this one, rank {rank}: {int(value)}): give "
-                 "every process the same options" for rank, value in enumerate(values)]
+        lines = re.findall(r"^llmpy train: rank (\d) of 2: error: (.*)$", res.stderr, re.M)
+        wants = [(str(rank), f"the processes of this run were given different {flag} (this one, rank {rank}: "
+                  f"{int(value)}): give every process the same options") for rank, value in enumerate(values)]
         assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
 
 
@@ -336,6 +336,15 @@ def test_a_peers_closed_connection_under_gloo_is_one_line(monkeypatch, capsys):
                    "pair.cc:561] Connection closed by peer [127.0.0.1]:41234); another process may have stopped "
                    "first: see its output"]
 
+    # under torchrun every rank writes to the same output: each line says whose it is
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["train"]) == 1
+    assert capsys.readouterr().err.startswith("llmpy train: rank 1 of 2: error: data-parallel communication failed")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cli.main(["train"]) == 1
+    assert capsys.readouterr().err.startswith("llmpy train: error: data-parallel communication failed")
+
     def bug(args):
         raise RuntimeError("an index out of range somewhere")
     monkeypatch.setattr(trainer, "run", bug)
@@ -350,14 +359,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_ranks(world, *target, device="cpu") -> list[subprocess.Popen]:
-    """`python TARGET...` for each rank, with torchrun's environment but without torchrun: the test holds every
-    process's pid (to stop one, signal another), which torchrun's children hide."""
+def _launch_ranks(world, *target, device="cpu", ranks=None) -> list[subprocess.Popen]:
+    """`python TARGET...` for each rank (of `ranks`, default all), with torchrun's environment but without torchrun:
+    the test holds every process's pid (to stop one, signal another), which torchrun's children hide."""
     backend_env = {"TRITON_INTERPRET": "1"} if device == "cpu" else {"NCCL_NVLS_ENABLE": "0"}
     env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), **backend_env)
     return [subprocess.Popen([sys.executable, *map(str, target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+                             text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in (range(world) if ranks is None else ranks)]
 
 
 def _end(procs):
@@ -383,7 +393,7 @@ def _signal_rank0_at_a_barrier(tmp_path, rank1_joins_after_s, patient, patient_l
     script = tmp_path / "wait_at_barrier.py"
     script.write_text(f"""import contextlib, os, signal, sys, time
 from llmpy import distributed
-from llmpy.distributed import init_data_parallel, patient
+from llmpy.distributed import init_data_parallel, patient, signals_watched
 if {patient_limit_s is not None}:
     distributed.PATIENT_STUCK_AFTER_SIGNAL_S = {patient_limit_s}
 dp = init_data_parallel("cpu", 0)
@@ -394,7 +404,7 @@ if dp.rank == 1:
 else:
     signal.signal(signal.SIGTERM, lambda signum, frame: print("handler ran"))
     open({str(ready)!r}, "w").close()
-with patient() if {patient} else contextlib.nullcontext():
+with signals_watched(), patient() if {patient} else contextlib.nullcontext():
     dp.barrier()
 print("the barrier returned")
 """)
@@ -530,8 +540,9 @@ def test_gpu_the_watch_runs_while_the_main_thread_waits_on_the_gpu(tmp_path, wai
     script = tmp_path / "wait_on_gpu.py"
     script.write_text(f"""import os, signal, threading, time
 import torch
-from llmpy.distributed import StuckRankWatch
+from llmpy.distributed import StuckRankWatch, signals_watched
 StuckRankWatch(0, 2, grace_s=2.0).start()
+signals_watched().__enter__()
 signal.signal(signal.SIGTERM, lambda signum, frame: print("handler ran"))
 x = torch.ones(1, device="cuda")
 start = torch.cuda.Event(enable_timing=True); end = torch.cuda.Event(enable_timing=True)
@@ -589,3 +600,125 @@ def test_the_watch_passes_signals_on_to_the_wakeup_fd_it_replaced_and_gives_it_b
         signal.signal(signal.SIGUSR1, old_usr1)
         os.close(theirs_r)
         os.close(theirs_w)
+
+
+def _run_script(tmp_path, text, timeout=120) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=child_env(), timeout=timeout)
+    return res, time.monotonic() - t0
+
+
+def test_the_watch_counts_signals_only_inside_a_run_and_waits_out_a_few_steps(tmp_path):
+    # a wait of under three steps' length is a step, not a hang (a graphed step is one wait); a signal belongs to
+    # the run it came in: once that run has returned, a long call of the caller's is none of the watch's business
+    res, took = _run_script(tmp_path, """import os, signal, time
+from llmpy.distributed import StuckRankWatch, note_step_seconds, signals_watched
+StuckRankWatch(0, 2, grace_s=1.0).start()
+signal.signal(signal.SIGTERM, lambda signum, frame: None)
+def wait(seconds, said):
+    time.sleep(seconds)  # one call: the main thread's place does not move
+    print(said, flush=True)
+with signals_watched():
+    note_step_seconds(1.0)  # limit 3 s
+    os.kill(os.getpid(), signal.SIGTERM)
+    wait(2.0, "a wait of two steps")
+wait(2.0, "the signal ended with its run")
+os.kill(os.getpid(), signal.SIGTERM)
+wait(2.0, "a signal between runs")
+with signals_watched():  # a new run: 1 s, its steps not yet timed
+    os.kill(os.getpid(), signal.SIGTERM)
+    t0 = time.monotonic()
+    wait(30.0, "never")
+""")
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-2000:]
+    assert res.stdout == "a wait of two steps\nthe signal ended with its run\na signal between runs\n", res.stdout
+    assert re.fullmatch(stuck_line(0, "SIGTERM", r"wait \(script\.py:\d+\)", seconds=1), res.stderr), res.stderr
+    assert took < 25, took
+
+
+def test_the_watch_stopped_from_another_thread_leaves_its_pipe_registered_and_open():
+    # set_wakeup_fd can only be changed from the main thread: closing the pipe it names would have Python's C
+    # handler write signal numbers into whatever file took that number next
+    import threading as th
+    from llmpy.distributed import StuckRankWatch
+    before = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before)
+    old_usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    watch = StuckRankWatch(0, 2)
+    watch.start()
+    fds = (watch._signals_r, watch._signals_w, watch._stop_r, watch._stop_w)
+    try:
+        stopper = th.Thread(target=watch.stop)
+        stopper.start()
+        stopper.join()
+        assert watch._thread is None
+        for fd in fds:
+            os.fstat(fd)  # still open
+        assert signal.set_wakeup_fd(fds[1]) == fds[1]  # still registered
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert os.read(fds[0], 16) == bytes([signal.SIGUSR1])
+    finally:
+        signal.set_wakeup_fd(before)
+        signal.signal(signal.SIGUSR1, old_usr1)
+        for fd in fds:
+            os.close(fd)
+
+
+@interpreter_only
+def test_sigint_ends_a_rank_at_once_while_the_group_forms(tmp_path):
+    # rank 0 waits inside init_process_group for a rank 1 that never comes; torchrun passes a Ctrl-C on as SIGINT,
+    # whose Python handler could not run there
+    joining = tmp_path / "joining"
+    script = tmp_path / "join.py"
+    script.write_text(f"""import torch.distributed as dist
+join = dist.init_process_group
+def joining(*a, **k):
+    open({str(joining)!r}, "w").close()
+    return join(*a, **k)
+dist.init_process_group = joining
+from llmpy.distributed import init_data_parallel
+init_data_parallel("cpu", 0)
+print("joined")
+""")
+    (rank0,) = _launch_ranks(2, script, ranks=[0])
+    try:
+        deadline = time.monotonic() + 120
+        while not joining.exists() and time.monotonic() < deadline and rank0.poll() is None:
+            time.sleep(0.05)
+        assert joining.exists(), rank0.communicate(timeout=60)
+        time.sleep(1.0)
+        rank0.send_signal(signal.SIGINT)
+        out, err = rank0.communicate(timeout=10)
+    finally:
+        _end([rank0])
+    assert rank0.returncode == -signal.SIGINT and out == "", (rank0.returncode, out, err[-2000:])
+
+
+@interpreter_only
+def test_after_a_run_stopped_by_sigterm_returns_the_callers_long_call_is_not_cut_short(shards, tmp_path):
+    # llmpy.train under torchrun returns stopped_by=SIGTERM with its checkpoint; the script goes on in one long
+    # call, which the signal the run already acted on must not end
+    train_f, _ = shards
+    script = tmp_path / "api_then_wait.py"
+    script.write_text(f"""import time
+import llmpy
+res = llmpy.train(train_data={str(train_f)!r}, model={TINY!r}, batch_size={B}, seq_len={T}, max_steps=100000,
+                  val_every=0, sample_every=0, gen_tokens=0, lr_schedule="constant", device="cpu", progress=0,
+                  output_dir={str(tmp_path / "o")!r})
+print("stopped by", res.stopped_by, flush=True)
+time.sleep(13)
+print("script finished", flush=True)
+""")
+    procs = _launch_ranks(2, script)
+    try:
+        _after_steps(procs[0], 2)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        ends = [p.communicate(timeout=120) for p in procs]
+    finally:
+        _end(procs)
+    assert [p.returncode for p in procs] == [0, 0], [e[1][-2000:] for e in ends]
+    assert ends[0][0].endswith("stopped by SIGTERM\nscript finished\n"), ends[0][0][-2000:]
+    assert ends[1][0] == "stopped by SIGTERM\nscript finished\n" and "llmpy: rank" not in ends[1][1], ends[1]

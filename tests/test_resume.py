@@ -367,6 +367,40 @@ def _rewrite_meta(spath, edit):
               metadata={training_state.META_KEY: raw if isinstance(raw, str) else json.dumps(raw)})
 
 
+@pytest.mark.parametrize("seeds", ["x", [1.5], [True], [2**64], {"a": 1}], ids=["str", "float", "bool", "big", "dict"])
+def test_malformed_rounding_seeds_are_named(saved, shards, seeds):
+    spath = state_path(saved, 4)
+    _rewrite_meta(spath, lambda meta: {**meta, "rng": {**meta["rng"], "sr_seeds": seeds}})
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert str(e.value).startswith(f"{spath}: malformed training-state metadata ('rng.sr_seeds' should be a list")
+
+
+def test_a_state_without_its_parameters_is_named(saved, shards):
+    # the checksums cover the tensors a file holds: one re-saved without "params" passes them
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    spath = state_path(saved, 4)
+    with safe_open(str(spath), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(spath))
+    del tensors["params"]
+    save_file(tensors, str(spath), metadata=metadata)
+    with pytest.raises(LlmpyError, match=re.escape(f"{spath}: no parameters 'params' tensor")):
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+
+
+def test_a_wrong_count_of_rounding_seeds_names_the_state_file(tmp_path, shards):
+    # the kernel model's stochastic rounding resumes from one seed a call site: another count is a foreign state
+    out = tmp_path / "o"
+    kernel_run = dict(engine="kernels", dtype="bfloat16", val_every=0)
+    train(options(shards, out, max_steps=2, **kernel_run), log=quiet)
+    spath = state_path(out, 2)
+    _rewrite_meta(spath, lambda meta: {**meta, "rng": {**meta["rng"], "sr_seeds": [1]}})
+    with pytest.raises(LlmpyError, match=re.escape(f"{spath}: checkpoint has 1 rounding seeds, the model ")):
+        train(options(shards, out, max_steps=4, resume=1, **kernel_run), log=quiet)
+
+
 @pytest.mark.parametrize("key, value, what", [
     ("batch_size", "2", "an integer"), ("seed", "42", "an integer"), ("seed", 42.0, "an integer"),
     ("grad_accumulation", True, "an integer"), ("learning_rate", "x", "a finite number"),

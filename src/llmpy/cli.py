@@ -88,6 +88,17 @@ def _raise_terminated(signum, frame):
     raise Terminated
 
 
+def _speaker(command: str) -> str:
+    """How this process's error lines begin: `llmpy train`, and under torchrun with several processes `llmpy train:
+    rank 1 of 2`, since every rank writes to the same terminal or log and only one may have failed. From the
+    environment alone (no torch import here); a malformed one is train's own error to report."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return f"llmpy {command}"
+    return f"llmpy {command}: rank {rank} of {world}" if world > 1 else f"llmpy {command}"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     names = [name for name, _, _ in COMMANDS]
@@ -101,35 +112,36 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     _warnings_as_notes(args.command)
+    who = _speaker(args.command)
     in_main_thread = threading.current_thread() is threading.main_thread()
     old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         return args.func(args) or 0
     except LlmpyError as e:
         # one write: under torchrun every rank says the same line, and two half-written lines would run together
-        sys.stderr.write(f"llmpy {args.command}: error: {e}\n")
+        sys.stderr.write(f"{who}: error: {e}\n")
         return 1
     except (MemoryError, _torch_oom()) as e:
         detail = str(e).splitlines()[0] if str(e) else "host memory exhausted"
-        print(f"llmpy {args.command}: error: out of memory ({detail[:200]}); lower the batch size -b, "
+        print(f"{who}: error: out of memory ({detail[:200]}); lower the batch size -b, "
               "raise recompute -r, or use a smaller model", file=sys.stderr)
         return 1
     except OSError as e:  # the system refused a read or write the checks could not foresee (disk full, ...)
         where = f"{e.filename}: " if e.filename else ""
-        print(f"llmpy {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"{who}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except (_dist_error(), RuntimeError) as e:
         if not isinstance(e, _dist_error()) and not _from_a_collective(e):
             raise  # a bug: its traceback
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"llmpy {args.command}: error: data-parallel communication failed ({detail[:200]}); another "
+        print(f"{who}: error: data-parallel communication failed ({detail[:200]}); another "
               "process may have stopped first: see its output", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"llmpy {args.command}: interrupted", file=sys.stderr)
+        print(f"{who}: interrupted", file=sys.stderr)
         return 130
     except Terminated:
-        print(f"llmpy {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        print(f"{who}: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
         if in_main_thread:

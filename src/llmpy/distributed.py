@@ -134,10 +134,12 @@ def init_data_parallel(device: str, zero_stage: int, timeout_s: float = 1800.0) 
     if not dist.is_initialized():
         kw = {"device_id": torch.device("cuda", local)} if device == "cuda" else {}
         # a rank waits for the others inside C++, where Python's signal handlers never run: when another rank
-        # failed first, torchrun's SIGTERM went unanswered for its 30 s grace, until SIGKILL. Nothing is written
-        # yet, so SIGTERM's default action (exit at once) is right while the group forms.
+        # failed first, torchrun's SIGTERM went unanswered for its 30 s grace, until SIGKILL, and a Ctrl-C (which
+        # torchrun passes on as SIGINT) until the group's timeout. Nothing is written yet, so the signals' default
+        # action (exit at once) is right while the group forms.
         in_main_thread = threading.current_thread() is threading.main_thread()
-        old_sigterm = signal.signal(signal.SIGTERM, signal.SIG_DFL) if in_main_thread else None
+        stopping = (signal.SIGINT, signal.SIGTERM)
+        old_handlers = [signal.signal(sig, signal.SIG_DFL) for sig in stopping] if in_main_thread else []
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
         except (RuntimeError, ValueError) as e:
@@ -145,15 +147,17 @@ def init_data_parallel(device: str, zero_stage: int, timeout_s: float = 1800.0) 
             raise LlmpyError(f"joining the torchrun group ({backend}, rank {rank} of {world}) failed: "
                              f"{first[:200]}") from None
         finally:
-            if in_main_thread:
-                signal.signal(signal.SIGTERM, old_sigterm)
+            for sig, handler in zip(stopping, old_handlers):
+                signal.signal(sig, handler)
     _watch_for_a_stuck_wait(rank, world)
     return DataParallel(rank=rank, world_size=world, zero_stage=zero_stage)
 
 
 # How long the main thread may sit in one call after SIGINT/SIGTERM before StuckRankWatch ends the process: under
-# torchrun's 30 s grace before SIGKILL, and above any wait of a healthy run outside the stretches marked patient().
+# torchrun's 30 s grace before SIGKILL, and above any wait of a healthy run outside the stretches marked patient(),
+# or STEP_WAIT_FACTOR times the longest step seen (note_step_seconds), if longer: a graphed step is one wait.
 STUCK_AFTER_SIGNAL_S = 10.0
+STEP_WAIT_FACTOR = 3.0
 # The same inside patient(): above rank 0's write of a large checkpoint, which the others wait for at the barrier.
 PATIENT_STUCK_AFTER_SIGNAL_S = 120.0
 
@@ -166,11 +170,13 @@ class StuckRankWatch:
     another rank has failed, torchrun's SIGTERM then goes unanswered until its SIGKILL 30 s later, and a
     SIGTERM or Ctrl-C sent to a hung job waits out the group's timeout (30 min). Python also writes the number
     of every signal it catches to the file given to signal.set_wakeup_fd, from the C handler, whatever the main
-    thread is doing: a thread reads it here. From the first SIGINT or SIGTERM on, it samples where the main
-    thread is (its innermost Python frame and instruction); once that has stayed put for grace_s (patient_grace_s
-    in the stretches marked patient(), where long waits are expected), the thread writes one line and ends the
-    process with the shell's 128 + signal. Files are written atomically (files.atomic_path), so nothing saved is
-    damaged: what is lost is the step in flight and its checkpoint."""
+    thread is doing: a thread reads it here. From the first SIGINT or SIGTERM inside signals_watched() (the
+    trainer's run, whose handler is to act on it) on, it samples where the main thread is (its innermost Python
+    frame and instruction); once that has stayed put for grace_s (patient_grace_s in the stretches marked
+    patient(), where long waits are expected; either at least STEP_WAIT_FACTOR times the longest step seen), the
+    thread writes one line and ends the process with the shell's 128 + signal. A signal outside signals_watched()
+    is not its business, and leaving that stretch forgets the one heard in it. Files are written atomically
+    (files.atomic_path), so nothing saved is damaged: what is lost is the step in flight and its checkpoint."""
 
     def __init__(self, rank: int, world_size: int, grace_s: float | None = None, patient_grace_s: float | None = None,
                  poll_s: float = 0.25):
@@ -191,13 +197,17 @@ class StuckRankWatch:
         self._thread.start()
 
     def stop(self) -> None:
+        """From the main thread, the wakeup fd it replaced goes back and its pipe is closed. From another thread
+        (set_wakeup_fd's rule again) only the watching thread ends: the pipe stays registered and open, since
+        Python's C handler would otherwise write the signal numbers into whatever file took its number next."""
         if self._thread is None:
             return
-        if threading.current_thread() is threading.main_thread():
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if in_main_thread:
             signal.set_wakeup_fd(self._old_wakeup_fd)
         os.write(self._stop_w, b"x")
         self._thread.join()
-        for fd in (self._signals_r, self._signals_w, self._stop_r, self._stop_w):
+        for fd in (self._signals_r, self._signals_w, self._stop_r, self._stop_w) if in_main_thread else ():
             os.close(fd)
         self._thread = None
 
@@ -219,8 +229,12 @@ class StuckRankWatch:
             where += f" from {caller.f_code.co_name} ({_short_path(caller.f_code.co_filename)}:{caller.f_lineno})"
         return where
 
+    def _limit(self) -> float:
+        return max(self.patient_grace_s if _patient_depth else self.grace_s, STEP_WAIT_FACTOR * _longest_step_s)
+
     def _watch(self) -> None:
-        signum = None       # the last stopping signal seen
+        signum = None       # the last stopping signal seen inside signals_watched()
+        heard_in = None     # the stretch (_watched_stretch) it came in
         place = since = None
         while True:
             ready, _, _ = select.select([self._signals_r, self._stop_r], [], [], self.poll_s if signum else None)
@@ -233,11 +247,15 @@ class StuckRankWatch:
                         os.write(self._old_wakeup_fd, data)
                     except OSError:
                         pass
-                signum = next((n for n in reversed(data) if n in (signal.SIGINT, signal.SIGTERM)), signum)
+                stopping = next((n for n in reversed(data) if n in (signal.SIGINT, signal.SIGTERM)), None)
+                if stopping is not None and _watched_depth:
+                    signum, heard_in = stopping, _watched_stretch
+            if signum is not None and heard_in != _watched_stretch:  # the stretch ended: its signal was handled
+                signum = place = since = None
             if signum is None:
                 continue
             now_place = self._main_thread_place()
-            limit = self.patient_grace_s if _patient_depth else self.grace_s
+            limit = self._limit()
             if since is None or now_place != place:
                 place, since = now_place, time.monotonic()
             elif time.monotonic() - since >= limit:
@@ -257,6 +275,33 @@ class StuckRankWatch:
 
 
 _patient_depth = 0
+_watched_depth = 0      # inside signals_watched()
+_watched_stretch = 0    # counts entries to and exits from signals_watched(): a signal belongs to one stretch
+_longest_step_s = 0.0   # of the current stretch, from note_step_seconds
+
+
+@contextlib.contextmanager
+def signals_watched():
+    """The stretch in which a stopping signal is this process's to act on: a training run, from the group's
+    forming to its return. Only there does StuckRankWatch count SIGINT/SIGTERM; a signal heard in it is forgotten
+    when it ends (the run has acted on it), and so are the steps' times."""
+    global _watched_depth, _watched_stretch, _longest_step_s
+    _watched_depth += 1
+    _watched_stretch += 1
+    _longest_step_s = 0.0
+    try:
+        yield
+    finally:
+        _watched_depth -= 1
+        _watched_stretch += 1
+        _longest_step_s = 0.0
+
+
+def note_step_seconds(seconds: float) -> None:
+    """A training step's wall time (not the first, which compiles and captures): a wait of a few steps' length
+    is not a hang, however long steps are (a large model, many accumulation steps, one graph)."""
+    global _longest_step_s
+    _longest_step_s = max(_longest_step_s, seconds)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ the model. On the CPU the step runs the fp32 reference (`reference.GPT2Reference
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import numbers
@@ -760,6 +761,12 @@ class TrainResult:
 
 def train(opts: TrainOptions, log=print) -> TrainResult:
     """Run one training as the options say; returns the losses and the trained model."""
+    from .distributed import signals_watched
+    with signals_watched():  # a SIGINT/SIGTERM until it returns is this run's to act on (StuckRankWatch)
+        return _run_training(opts, log)
+
+
+def _run_training(opts: TrainOptions, log) -> TrainResult:
     from .data import DataLoader, EvalLoader, default_dataset
     from .sampler import generate, printable
 
@@ -776,7 +783,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     opts.validate()
     device = _resolve_device(opts)
     # under torchrun with several processes: data parallel over NCCL (GPUs) or gloo (CPU)
-    from .distributed import init_data_parallel, patient, torchrun_env
+    from .distributed import init_data_parallel, note_step_seconds, patient, torchrun_env
     env = torchrun_env()
     several = env is not None and env[1] > 1
     kernels = device == "cuda" or several or opts.engine == "kernels"
@@ -907,7 +914,10 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     else:
         backend = CPUBackend(config, params)
     if state is not None:
-        backend.load_state(state.tensors, state.meta.get("rng", {}).get("sr_seeds"))
+        try:
+            backend.load_state(state.tensors, state.meta.get("rng", {}).get("sr_seeds"))
+        except LlmpyError as e:  # the seeds' count: say which file
+            raise LlmpyError(f"{state.state_file}: {e}") from None
     model = backend.model
     log(f"llmpy train | device {device} | {backend.describe()}")
     log(f"model {opts.model}: {config.describe()} | padded vocab {config.padded_vocab_size} | "
@@ -1055,14 +1065,21 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 sample(step)
             t0 = time.perf_counter()
             batches = []
-            for _ in range(accum):
-                if opts.overfit_single_batch:
-                    first_batch = first_batch or train_loader.next_batch()
-                    batches.append(first_batch)
-                else:
-                    batches.append(train_loader.next_batch())
+            with patient():  # a new shard from a slow file system may take long: no peer is waited for here
+                for _ in range(accum):
+                    if opts.overfit_single_batch:
+                        first_batch = first_batch or train_loader.next_batch()
+                        batches.append(first_batch)
+                    else:
+                        batches.append(train_loader.next_batch())
             lr = schedule(step)
-            loss, norm = backend.train_step(batches, lr, step + 1, opts.weight_decay, opts.grad_clip, skip=skip_fn)
+            stepped = time.perf_counter()
+            # this process's first step compiles kernels and captures the graph: long, rightly
+            with patient() if step == start_step else contextlib.nullcontext():
+                loss, norm = backend.train_step(batches, lr, step + 1, opts.weight_decay, opts.grad_clip,
+                                                skip=skip_fn)
+            if step > start_step:
+                note_step_seconds(time.perf_counter() - stepped)
             if not math.isfinite(loss):
                 raise LlmpyError(f"step {step + 1}: the loss is {loss}; stopping (lower -l, or check the data)")
             skip = backend.last_step_skipped

@@ -167,6 +167,11 @@ def _read_meta(spath: Path) -> dict:
     for key in CONFIG_FIELDS:
         if key in options.get("config", {}):
             _check_kind(spath, f"options.config.{key}", options["config"][key], "int")
+    seeds = meta.get("rng", {}).get("sr_seeds")  # the stochastic-rounding seeds (int64 on the device), or null
+    if seeds is not None and not (isinstance(seeds, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63 for x in seeds)):
+        raise LlmpyError(f"{spath}: malformed training-state metadata ('rng.sr_seeds' should be a list of 64-bit "
+                         f"integers, not {json.dumps(seeds)[:40]})")
     return meta
 
 
@@ -230,9 +235,9 @@ def load_checkpoint(out_dir, step: int) -> TrainingState:
         if name in tensors and tensors[name].numel() != config.num_parameters:
             raise LlmpyError(f"{spath}: tensor '{name}' has {tensors[name].numel()} elements, the model "
                              f"has {config.num_parameters}")
-    for name in ("m", "v"):
+    for name, what in (("params", "parameters"), ("m", "AdamW"), ("v", "AdamW")):
         if name not in tensors:
-            raise LlmpyError(f"{spath}: no AdamW '{name}' tensor")
+            raise LlmpyError(f"{spath}: no {what} '{name}' tensor")
     return TrainingState(step=step, meta=meta, tensors=tensors, config=config, params_fp32=flat.float(),
                          model_file=mpath, state_file=spath)
 
