@@ -86,6 +86,16 @@ def test_the_cpu_reference_names_the_gpu_options_it_ignores(shards):
         assert [line for line in lines if line.startswith("note:")] == ([note] if note else []), lines
 
 
+def test_checkpoint_flags_without_an_output_folder_say_nothing_is_saved(shards):
+    import llmpy
+    train, _ = shards
+    lines = []
+    llmpy.train(log=lines.append, train_data=str(train), model=TINY, batch_size=2, seq_len=16, max_steps=2,
+                val_every=0, gen_tokens=0, device="cpu", checkpoint_every=1, checkpoints_keep=1)
+    assert [line for line in lines if line.startswith("note:")] == [
+        "note: -n 1, -nk 1 without -o: no checkpoints are written"]
+
+
 def test_hellaswag_with_validation_off_says_it_never_runs(shards):
     import llmpy
     train, _ = shards

@@ -942,6 +942,10 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
                    if getattr(opts, name) != getattr(defaults, name)]
         if ignored:
             log(f"note: the CPU reference ignores GPU options: {', '.join(ignored)}")
+    checkpoint_flags = (("checkpoint_every", "-n"), ("checkpoints_keep", "-nk"), ("major_checkpoint_every", "-nm"))
+    unsaved = [f"{flag} {getattr(opts, name)}" for name, flag in checkpoint_flags if getattr(opts, name)]
+    if unsaved and not opts.output_dir:
+        log(f"note: {', '.join(unsaved)} without -o: no checkpoints are written")
     if opts.hellaswag and opts.val_every == 0:  # HellaSwag is scored at the validation steps
         log("note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs")
     if state is not None:
