@@ -543,7 +543,8 @@ def test_gpu_the_watch_runs_while_the_main_thread_waits_on_the_gpu(tmp_path, wai
 import torch
 from llmpy.distributed import StuckRankWatch, signals_watched
 StuckRankWatch(0, 2, grace_s=2.0).start()
-signals_watched().__enter__()
+watched = signals_watched()  # held: a context manager's generator left unreferenced would be closed at once
+watched.__enter__()
 signal.signal(signal.SIGTERM, lambda signum, frame: print("handler ran"))
 x = torch.ones(1, device="cuda")
 start = torch.cuda.Event(enable_timing=True); end = torch.cuda.Event(enable_timing=True)
