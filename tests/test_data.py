@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import json
 import os
@@ -188,6 +189,17 @@ def test_no_files_match(tmp_path):
         DataLoader(str(tmp_path / "nothing_*.bin"), 2, 2)
     with pytest.raises(LlmpyError, match=r"missing\.bin: no such token shard"):
         DataLoader(tmp_path / "missing.bin", 2, 2)
+
+
+def test_a_folder_or_file_name_with_brackets_is_its_own_name(tmp_path):
+    # prepare -o "run[1]" prints "train on run[1]/x_train_*.bin": both that and a shard's own path must find the files
+    folder = tmp_path / "run[1]"
+    folder.mkdir()
+    toks = np.random.default_rng().integers(0, 50, 300)
+    write_shard(folder / "x_train_000000.bin", toks)
+    for name in ("x_train_000000.bin", "x_train_*.bin"):
+        assert torch.equal(DataLoader(str(folder / name), 2, 8).next_batch()[0].reshape(-1),
+                           torch.from_numpy(toks[:16].astype(np.int64)))
 
 
 def test_a_pipe_is_no_shard(tmp_path):
@@ -999,6 +1011,71 @@ def test_prepare_split_by_fraction_spills_the_stream_and_leaves_no_trace(tmp_pat
     with pytest.raises(LlmpyError, match=rf"t\.txt: not UTF-8 text \(byte {len(head)}: invalid start byte\)"):
         run_prepare([src, "-o", out, "--tokenizer", "bytes", "--shard-size", 1000])
     assert len(spilled) == 2 and _snapshot(out) == before
+
+
+def test_a_prepare_that_fails_while_moving_its_shards_in_leaves_the_earlier_ones(tmp_path, monkeypatch):
+    # the new shards replace the old ones all together or not at all: a train must never read a mix of two prepares
+    src = tmp_path / "c.txt"
+    src.write_text("".join(np.random.default_rng().choice(list("abc \n"), 4000)))
+    out = tmp_path / "o"
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    before = _snapshot(out)
+    real_replace, moves = os.replace, []
+
+    def failing_third_move(a, b):
+        if Path(a).name.endswith(".part"):
+            moves.append(b)
+            if len(moves) == 3:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_replace(a, b)
+    monkeypatch.setattr(os, "replace", failing_third_move)
+    with pytest.raises(LlmpyError, match=r"c_train_000001\.bin: cannot move the new shard into place \(Input/output "
+                                         r"error\); the shards already there are as they were"):
+        run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 300, "--shard-size", 1000])
+    monkeypatch.undo()
+    assert len(moves) == 3 and _snapshot(out) == before  # no temporaries either
+    # a folder where a new shard goes is refused before anything moves
+    (out / "c_train_000002.bin").unlink()
+    (out / "c_train_000002.bin").mkdir()
+    files = lambda: {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}  # noqa: E731
+    before = files()
+    with pytest.raises(LlmpyError, match=r"c_train_000002\.bin: not a file, where a new shard goes; move it away"):
+        run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 300, "--shard-size", 1000])
+    assert files() == before and len(os.listdir(out)) == len(before) + 1
+
+
+def test_prepare_reads_gzip_and_folders_whatever_their_case_and_names_what_it_cannot_read(tmp_path, monkeypatch):
+    import gzip
+    good = json.dumps({"text": "fine"}) + "\n"
+    (tmp_path / "UPPER.JSONL.GZ").write_bytes(gzip.compress(good.encode()))
+    run_prepare([tmp_path / "UPPER.JSONL.GZ", "-o", tmp_path / "o1", "--tokenizer", "bytes", "--val-tokens", 0])
+    assert _split_tokens(tmp_path / "o1", "UPPER", "train")[1].tolist() == [256, *b"fine"]
+    # damaged compressed data: zlib's own error, a traceback before
+    (tmp_path / "damaged.jsonl.gz").write_bytes(gzip.compress(b"")[:10] + b"\xff" * 20)  # a reserved block type
+    with pytest.raises(LlmpyError, match=r"damaged\.jsonl\.gz: cannot read \("):
+        run_prepare([tmp_path / "damaged.jsonl.gz", "-o", tmp_path / "o2", "--tokenizer", "bytes"])
+    # a subfolder that cannot be listed (root may list any; so the refusal is simulated): Path.rglob skipped it
+    folder = tmp_path / "docs"
+    (folder / "locked").mkdir(parents=True)
+    (folder / "a.TXT").write_text("first")
+    (folder / "locked" / "b.txt").write_text("second")
+    real_scandir = os.scandir
+
+    def refuse_locked(path="."):
+        if os.fspath(path).endswith("locked"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real_scandir(path)
+    monkeypatch.setattr(os, "scandir", refuse_locked)
+    locked = re.escape(str(folder / "locked"))
+    with pytest.raises(LlmpyError, match=rf"^{locked}: cannot list this folder \(Permission"):
+        run_prepare([folder, "-o", tmp_path / "o3", "--tokenizer", "bytes"])
+    monkeypatch.undo()
+    run_prepare([folder, "-o", tmp_path / "o3", "--tokenizer", "bytes", "--val-tokens", 0])
+    assert _split_tokens(tmp_path / "o3", "docs", "train")[1].tolist() == [256, *b"first", 256, *b"second"]
+    # a ~user that has no home folder: a RuntimeError traceback before
+    for flags in (["~no_such_user_llmpy/a.txt"], [folder / "a.TXT", "-o", "~no_such_user_llmpy/o"]):
+        with pytest.raises(LlmpyError, match=r"~no_such_user_llmpy/[\w.]+: no home folder is known for the user"):
+            run_prepare([*flags, "--tokenizer", "bytes"])
 
 
 def test_failed_prepare_removes_only_the_folders_it_made(tmp_path):

@@ -262,6 +262,17 @@ def test_a_bad_jsonl_record_names_the_jsonl_and_its_line(tmp_path, record, needl
     assert str(e.value).startswith(f"{jsonl}: line 3 is not a HellaSwag example") and needle in str(e.value)
 
 
+def test_line_and_paragraph_separators_inside_a_record_stay_in_its_text(tmp_path):
+    # JSON strings may hold U+2028, U+2029 and U+0085 unescaped; str.splitlines() cut a record at them
+    from llmpy.tokenizer import ByteTokenizer
+    ctx = "A man\u2028sits\u2029down\u0085."
+    jsonl = tmp_path / "hellaswag_val.jsonl"
+    jsonl.write_text(json.dumps({"ctx": ctx, "label": 1, "endings": list("abcd")}, ensure_ascii=False) + "\r\n",
+                     encoding="utf-8")
+    (example,) = hs.examples_from_jsonl(jsonl, ByteTokenizer())
+    assert example.context == list(ctx.encode("utf-8")) and example.label == 1
+
+
 def test_a_label_written_as_the_text_of_its_number_is_read(tmp_path):
     # HuggingFace's copies of HellaSwag write the label as "0".."3"
     from llmpy.tokenizer import ByteTokenizer

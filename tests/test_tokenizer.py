@@ -1,6 +1,7 @@
 """Tokenizers: GPT-2 BPE from the verified local files (offline) and the byte tokenizer."""
 from __future__ import annotations
 
+import json
 import secrets
 
 import numpy as np
@@ -232,6 +233,16 @@ def test_an_encoder_json_nested_too_deep_is_one_line(tmp_path, gpt2_dir):
     (tmp_path / "encoder.json").write_text("[" * 100_000)  # json.loads raises RecursionError, not a ValueError
     with pytest.raises(LlmpyError, match=r"encoder\.json / .*vocab\.bpe: cannot read the GPT-2 tokenizer files "
                                          r"\(maximum recursion depth"):
+        gpt2_mergeable_ranks(tmp_path / "encoder.json", gpt2_dir / "vocab.bpe")
+
+
+@pytest.mark.parametrize("bad_id", ["0", 0.0, False], ids=["str", "float", "bool"])
+def test_an_encoder_json_with_ids_that_are_not_integers_is_one_line(tmp_path, gpt2_dir, bad_id):
+    # a string id made sorting fail with a TypeError traceback; a float id passed the checks and failed in tiktoken
+    encoder = json.loads((gpt2_dir / "encoder.json").read_text(encoding="utf-8"))
+    encoder[next(token for token, i in encoder.items() if i == 0)] = bad_id  # equal to 0, but not an integer
+    (tmp_path / "encoder.json").write_text(json.dumps(encoder), encoding="utf-8")
+    with pytest.raises(LlmpyError, match=r"encoder\.json: expected a JSON object of token -> integer id"):
         gpt2_mergeable_ranks(tmp_path / "encoder.json", gpt2_dir / "vocab.bpe")
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 from .errors import LlmpyError
 
 # a writer's temporary beside its file: hidden, named by the writing process, matched by _TEMPORARY_NAME
-_TEMPORARY_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part)$")
+_TEMPORARY_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part|old)$")
 
 
 def refuse_non_file(path: Path, what: str) -> None:
@@ -29,9 +29,19 @@ def refuse_non_file(path: Path, what: str) -> None:
                                         f"not a regular file, so not {what}"))
 
 
+def expand_user(path) -> Path:
+    """Path(path) with a leading ~ or ~user expanded; a user with no known home folder is one line naming the path
+    (Path.expanduser raises a bare RuntimeError)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise LlmpyError(f"{path}: no home folder is known for the user it names") from None
+
+
 def temporary_sibling(path: Path, suffix: str) -> Path:
-    """`.NAME.PID.TAG.SUFFIX` beside `path` (suffix "tmp": atomic_path's; "part": prepare's staged shards), so
-    that remove_orphaned_temporaries can tell a killed writer's leftovers by the process id."""
+    """`.NAME.PID.TAG.SUFFIX` beside `path` (suffix "tmp": atomic_path's; "part": prepare's staged shards; "old":
+    the shards they replace, set aside while they move in), so that remove_orphaned_temporaries can tell a killed
+    writer's leftovers by the process id."""
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}")
 
 

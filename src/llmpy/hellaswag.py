@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .errors import LlmpyError
+from .files import expand_user
 
 EVAL_MAGIC = 20240522
 EVAL_VERSION = 1
@@ -257,7 +258,8 @@ def examples_from_jsonl(path: Path, tokenizer) -> list[Example]:
     """llm.c's render_example: context = encode(ctx), completion i = encode(" " + endings[i])."""
     examples = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # lines end at "\n" only: splitlines() would also cut at U+2028, U+2029 or U+0085 inside a JSON string
+        lines = path.read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise LlmpyError(f"{path}: cannot read the HellaSwag jsonl ({e})") from None
     for lineno, line in enumerate(lines, 1):
@@ -278,7 +280,7 @@ def prepare_hellaswag(outdir, cache: Path, tokenizer: str = "gpt2", tokenizer_di
     """Download hellaswag_val.jsonl (kept in the cache), tokenize it, write OUTDIR/hellaswag_val.bin."""
     from .prepare import download
     from .tokenizer import load_tokenizer
-    out = Path(outdir).expanduser() if outdir is not None else Path("data") / "hellaswag"
+    out = expand_user(outdir) if outdir is not None else Path("data") / "hellaswag"
     jsonl = download(HELLASWAG_VAL_URL, Path(cache) / "hellaswag" / "hellaswag_val.jsonl")
     tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # `llmpy prepare hellaswag` fetches anyway
     examples = examples_from_jsonl(jsonl, tok)

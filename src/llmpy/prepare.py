@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .files import atomic_path, remove_orphaned_temporaries, temporary_sibling, writable_dir
+from .files import atomic_path, expand_user, remove_orphaned_temporaries, temporary_sibling, writable_dir
 from .data import ShardFile, shard_name
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Document, Tokenizer, load_tokenizer, refuse_files_for_bytes
@@ -153,8 +153,9 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
     """The documents of a JSON-lines file, a line at a time: each non-blank line a JSON object whose `field` is
     the document's text (fineweb's and most web dumps' form); a line that is not is an error naming it."""
     import gzip
+    import zlib
 
-    opener = gzip.open if path.name.endswith(".gz") else open
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
             for number, line in enumerate(f, 1):
@@ -180,8 +181,8 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                     raise LlmpyError(f"{path}: line {number}: field {field!r} holds a lone surrogate "
                                      f"({text[e.start]!r} at character {e.start}), not Unicode text") from None
                 yield text
-    except (OSError, EOFError) as e:  # gzip's BadGzipFile is an OSError; EOFError: a cut-off .gz
-        reason = (e.strerror or e) if isinstance(e, OSError) else e
+    except (OSError, EOFError, zlib.error) as e:  # gzip's BadGzipFile is an OSError; EOFError: a cut-off .gz;
+        reason = (e.strerror or e) if isinstance(e, OSError) else e  # zlib.error: damaged compressed data
         raise LlmpyError(f"{path}: cannot read ({reason})") from None
 
 
@@ -195,8 +196,22 @@ def _jsonl_suffix(path: Path) -> str | None:
     return next((x for x in JSONL_SUFFIXES if path.name.lower().endswith(x)), None)
 
 
+def _is_text_file(path: Path) -> bool:
+    return path.suffix.lower() == ".txt"
+
+
+def _files_under(folder: Path) -> Iterator[Path]:
+    """Every file below folder (symbolic links to folders not followed); a subfolder that cannot be listed is an
+    error naming it, where Path.rglob would skip it and its documents without a word."""
+    def cannot_list(e: OSError):
+        raise LlmpyError(f"{e.filename}: cannot list this folder ({e.strerror or e})")
+    for top, _dirs, names in os.walk(folder, onerror=cannot_list):
+        for name in names:
+            yield Path(top) / name
+
+
 def _local_folder(folder: Path, field: str) -> Source:
-    files = sorted((p for p in folder.rglob("*") if p.is_file() and (p.suffix == ".txt" or _jsonl_suffix(p))),
+    files = sorted((p for p in _files_under(folder) if p.is_file() and (_is_text_file(p) or _jsonl_suffix(p))),
                    key=lambda p: p.relative_to(folder).as_posix())
     if not files:
         raise LlmpyError(f"{folder}: folder holds no .txt, .jsonl or .jsonl.gz files")
@@ -206,7 +221,7 @@ def _local_folder(folder: Path, field: str) -> Source:
     def documents():
         # a .txt file is a document, read block by block as the tokenizer reaches it; a .jsonl file a document a line
         for p in files:
-            if p.suffix == ".txt":
+            if _is_text_file(p):
                 yield _text_blocks(p)
             else:
                 yield from _jsonl_documents(p, field)
@@ -296,7 +311,7 @@ def _fineweb(name: str, shard_size: int) -> Source:
 
 def resolve_source(source: str, cache: Path, shard_size: int, text_field: str | None = None) -> Source:
     key = source.strip().lower()
-    path = Path(source).expanduser()
+    path = expand_user(source)
     jsonl = _jsonl_suffix(path)
     if text_field is not None and (key in NAMED_DATASETS or not (jsonl or path.is_dir())):
         raise LlmpyError(f"--text-field {text_field!r}: only a .jsonl source (or a folder of them) has fields")
@@ -338,13 +353,35 @@ class Staging:
         return tmp
 
     def commit(self) -> None:
-        while self.pending:
-            tmp, final = self.pending[0]
-            try:
+        """Every new shard into place, or none: a shard being replaced is first set aside under a temporary name and
+        put back if a later move fails, so that a train never reads a mix of two prepares."""
+        for _, final in self.pending:
+            if os.path.lexists(final) and not (os.path.islink(final) or os.path.isfile(final)):
+                raise LlmpyError(f"{final}: not a file, where a new shard goes; move it away")
+        moved, set_aside, final = [], [], None  # finals holding new shards; (temporary, final) of the old ones
+        try:
+            for tmp, final in self.pending:
+                if os.path.lexists(final):
+                    backup = temporary_sibling(final, "old")
+                    os.replace(final, backup)
+                    set_aside.append((backup, final))
                 os.replace(tmp, final)
-            except OSError as e:
-                raise LlmpyError(f"{final}: cannot move the new shard into place ({e.strerror or e})") from None
-            self.pending.pop(0)
+                moved.append(final)
+        except BaseException as e:  # Ctrl-C too
+            for path in moved:
+                _unlink(path)
+            for backup, old in reversed(set_aside):
+                try:
+                    os.replace(backup, old)
+                except OSError:
+                    pass
+            if isinstance(e, OSError):
+                raise LlmpyError(f"{final}: cannot move the new shard into place ({e.strerror or e}); the shards "
+                                 "already there are as they were") from None
+            raise
+        self.pending = []
+        for backup, _ in set_aside:
+            _unlink(backup)
 
     def discard(self) -> None:
         for tmp, _ in self.pending:
@@ -457,7 +494,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     if cache_dir is not None and not str(cache_dir).strip():
         raise LlmpyError(f"--cache-dir '': an empty folder name (leave it out for {default_download_dir()})")
     refuse_files_for_bytes(tokenizer, tokenizer_dir, "--tokenizer-dir")
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_download_dir()
+    cache = expand_user(cache_dir) if cache_dir is not None else default_download_dir()
     if source.strip().lower() == "hellaswag":  # an eval file, not train/val shards
         from .hellaswag import prepare_hellaswag
         if val_fraction is not None or val_tokens is not None or name is not None or text_field is not None:
@@ -469,7 +506,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     if name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise LlmpyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
     name = name or re.sub(r"[^A-Za-z0-9._-]+", "_", src.name) or "data"
-    out = Path(outdir).expanduser() if outdir is not None else Path("data") / name
+    out = expand_user(outdir) if outdir is not None else Path("data") / name
     use_hints = src.hinted_split and val_fraction is None and val_tokens is None
     # val tokens from the start of the stream; None: a fraction of the total, counted below
     n_val = val_tokens if val_tokens is not None or val_fraction is not None else src.default_val_tokens

@@ -21,6 +21,7 @@ from typing import Iterable, Iterator, Sequence, Union
 import numpy as np
 
 from .errors import LlmpyError
+from .files import expand_user
 
 GPT2_EOT = 50256
 GPT2_VOCAB_SIZE = 50257
@@ -251,8 +252,8 @@ def gpt2_mergeable_ranks(encoder_json: str | os.PathLike, vocab_bpe: str | os.Pa
         raise LlmpyError(f"{e.filename}: GPT-2 tokenizer file not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise LlmpyError(f"{enc_path} / {bpe_path}: cannot read the GPT-2 tokenizer files ({e})") from None
-    if not isinstance(encoder, dict):
-        raise LlmpyError(f"{enc_path}: expected a JSON object of token -> id")
+    if not isinstance(encoder, dict) or not all(type(v) is int for v in encoder.values()):
+        raise LlmpyError(f"{enc_path}: expected a JSON object of token -> integer id")
     ranks = {to_bytes(k, enc_path): v for k, v in encoder.items() if k != ENDOFTEXT}
     if encoder.get(ENDOFTEXT) != GPT2_EOT or len(ranks) != GPT2_EOT or sorted(ranks.values()) != list(range(GPT2_EOT)):
         raise LlmpyError(f"{enc_path}: not GPT-2's encoder (expected ids 0..{GPT2_EOT - 1} and "
@@ -339,7 +340,7 @@ class GPT2Tokenizer(Tokenizer):
 
 def find_gpt2_files(directory: str | os.PathLike) -> tuple[Path, Path]:
     """(encoder.json, vocab.bpe) in `directory`, or HuggingFace's (vocab.json, merges.txt)."""
-    d = Path(directory).expanduser()
+    d = expand_user(directory)
     if not d.is_dir():
         if d.exists():
             raise LlmpyError(f"{d}: not a folder (give the folder that holds GPT-2's encoder.json and vocab.bpe)")
@@ -357,14 +358,14 @@ def find_gpt2_dir(directory: str | os.PathLike | None = None) -> Path | None:
             raise LlmpyError(f"--tokenizer-dir '': an empty folder name (leave it out for ${GPT2_DIR_ENV} or "
                              "tiktoken's cache)")
         find_gpt2_files(directory)
-        return Path(directory).expanduser()
+        return expand_user(directory)
     env = os.environ.get(GPT2_DIR_ENV)
     if env:
         try:
             find_gpt2_files(env)
         except LlmpyError as e:
             raise LlmpyError(f"{GPT2_DIR_ENV}={env}: {e}") from None
-        return Path(env).expanduser()
+        return expand_user(env)
     return None
 
 
