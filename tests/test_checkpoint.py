@@ -1,6 +1,7 @@
 """Model files: llm.c .bin (v3/v5), HF safetensors, llm.c debug state, format detection, atomicity."""
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -441,6 +442,11 @@ def test_hf_config_mismatch_and_unknown_tensor(tmp_path):
     tensors = hand_made_hf(SMALL, rand_params(SMALL))
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(ck.hf_config_dict(ODD)))
+    with pytest.raises(LlmpyError, match=r"model\.safetensors: its tensors hold 2 layer\(s\), layers 0\.\.1; "
+                                         r".*config\.json says 3"):
+        ck.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(ck.hf_config_dict(GPT2Config(
+        num_layers=2, channels=48, num_heads=3, vocab_size=77, max_seq_len=20))))
     with pytest.raises(LlmpyError, match=r"model\.safetensors: tensor 'wte\.weight' has shape"):
         ck.load_hf(tmp_path)
     tensors["score.weight"] = torch.zeros(2, 64)
@@ -539,10 +545,18 @@ def test_hf_non_finite_weights_are_refused_naming_the_tensor(tmp_path, value):
     ("layer_norm_epsilon", float("nan"), "layer_norm_epsilon must be a positive number, not NaN"),
     ("llmc_padded_vocab_size", "x", 'llmc_padded_vocab_size must be a positive integer, not "x"'),
     ("llmc_padded_vocab_size", 10, "llmc_padded_vocab_size 10 is smaller than vocab_size 300"),
+    # a traceback from the allocation of a 4-petabyte model
+    ("llmc_padded_vocab_size", 10**15, "llmc_padded_vocab_size 1000000000000000 is far above vocab_size 300 (llm.c "
+                                       "pads to the next multiple of 128)"),
+    # transformers' options that change the attention's arithmetic were loaded without a word
+    ("scale_attn_weights", False, "scale_attn_weights false: llm.c's GPT-2 has true, and loading this model so would "
+                                  "change its outputs"),
+    ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx true: llm.c's GPT-2 has false, and "
+                                              "loading this model so would change its outputs"),
     ("activation_function", ["gelu_new"],
      'activation_function ["gelu_new"] is not the tanh GELU (gelu_new) llm.c uses'),
 ], ids=["float", "str", "bool", "zero", "null", "eps-str", "eps-negative", "eps-nan", "padded-str", "padded-small",
-        "activation-list"])
+        "padded-huge", "unscaled-attention", "attention-scaled-by-layer", "activation-list"])
 def test_hf_config_value_of_the_wrong_type_or_range_is_named(tmp_path, key, value, message):
     # was truncated (64.5), parsed ("64"), given a note ("abc") or ignored (the padded vocab)
     ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=18))
@@ -552,6 +566,24 @@ def test_hf_config_value_of_the_wrong_type_or_range_is_named(tmp_path, key, valu
     with pytest.raises(LlmpyError) as e:
         ck.load_model_file(tmp_path)
     assert str(e.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+def test_hf_layer_count_that_the_tensors_do_not_hold_is_one_line_at_once(tmp_path):
+    # a config.json (or one tensor's name) saying a million layers cost minutes and gigabytes before its error
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=20))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["n_layer"] = 10**6
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LlmpyError, match=re.escape(f"model.safetensors: its tensors hold 2 layer(s), layers 0..1; "
+                                                   f"{tmp_path / 'config.json'} says 1000000")):
+        ck.load_hf(tmp_path)
+    (tmp_path / "config.json").unlink()
+    tensors = hand_made_hf(SMALL, rand_params(SMALL))
+    tensors["h.100000000.ln_1.weight"] = torch.ones(64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(LlmpyError, match=re.escape("model.safetensors: its tensors hold 3 layer(s), layers "
+                                                   "0..100000000; numbered from 0 without gaps")):
+        ck.load_hf(tmp_path)
 
 
 def test_hf_config_padded_vocab_and_epsilon_that_are_right_are_used(tmp_path):

@@ -308,6 +308,11 @@ def test_sample_command_refuses_impossible_options(tmp_path):
         assert_one_line_error(llmpy("sample", model, flag, value), f"{flag} {value}")
     res = llmpy("sample", model, "-g", 5, "--temperature", 0)
     assert res.returncode == 0, res.stderr
+    # a prompt beyond the context is cropped as the tokens come: said, not silent
+    res = llmpy("sample", model, "-g", 2, "--prompt", "x" * 40)
+    assert res.returncode == 0 and res.stderr.splitlines() == [
+        "note: the prompt is 41 tokens with the end-of-text before it, and the model's context 32: each token is "
+        "drawn from the last 32 only"], res.stderr
 
 
 def test_sample_of_a_gpt2_model_reads_the_tokenizer_locally(tmp_path, shared_data):

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -442,6 +443,21 @@ def test_export_errors(tmp_path):
     with pytest.raises(LlmpyError, match=r"new/x\.safetensors: the export is a folder .* without the \.safetensors"):
         export_hf(tmp_path / "m.bin", tmp_path / "new" / "x.safetensors")
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("blocked", ["config.json", "generation_config.json"])
+def test_export_over_a_folder_in_the_way_changes_nothing(tmp_path, blocked):
+    # the new weights were written before the folder where a config goes failed its rename: a mixed export
+    save_llmc(tmp_path / "m.bin", TINY, rand_params(TINY, seed=2))
+    out = export_hf(tmp_path / "m.bin", tmp_path / "hf")
+    (out / blocked).unlink()
+    (out / blocked).mkdir()
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    save_llmc(tmp_path / "m2.bin", TINY, rand_params(TINY, seed=3))
+    with pytest.raises(LlmpyError, match=re.escape(f"{out / blocked} is a directory, not a file the export may")):
+        export_hf(tmp_path / "m2.bin", out)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_export_refuses_an_empty_folder_name(tmp_path, monkeypatch):

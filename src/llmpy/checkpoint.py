@@ -354,6 +354,8 @@ def save_hf(dir_or_file, config: GPT2Config, flat_params: torch.Tensor) -> Path:
     """
     weights, cfg_path = _hf_target(dir_or_file)
     _check_flat(weights, config, flat_params)
+    for target in (weights, cfg_path):  # checked before either is replaced: never one new file beside an old one
+        refuse_non_file(target, "a file the export may replace")
     weights.parent.mkdir(parents=True, exist_ok=True)
     tensors = {HF_PREFIX + k: v for k, v in hf_tensors(config, flat_params).items()}
     text = json.dumps(hf_config_dict(config), indent=2) + "\n"
@@ -452,6 +454,13 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
                              f"(expected {', '.join(_HF_FLOAT_DTYPES)})")
 
     config = _hf_config(label, cfg_path, index)
+    # the layers' tensors against the layer count, before anything is built per layer: a config.json (or a tensor
+    # name) saying a million layers would otherwise cost minutes and gigabytes before "missing tensor h.12..."
+    layers = {int(k.split(".")[1]) for k in index if _is_hf_param(k) and k.startswith("h.")}
+    if len(layers) != config.num_layers or (layers and (min(layers), max(layers)) != (0, config.num_layers - 1)):
+        found = f"layers {min(layers)}..{max(layers)}" if layers else "no layers"
+        said = f"{cfg_path} says {config.num_layers}" if cfg_path.is_file() else "numbered from 0 without gaps"
+        raise LlmpyError(f"{label}: its tensors hold {len(layers)} layer(s), {found}; {said}")
     shapes = _expected_hf_shapes(config)
     for name, shape in shapes.items():
         if name not in index:
@@ -463,7 +472,11 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
         raise LlmpyError(f"{label}: tensor {extra_layers[0]!r} is beyond the {config.num_layers} layers "
                          f"in {cfg_path}")
 
-    flat = torch.zeros(config.num_parameters, dtype=torch.float32)  # padded wte rows stay zero
+    try:
+        flat = torch.zeros(config.num_parameters, dtype=torch.float32)  # padded wte rows stay zero
+    except (RuntimeError, MemoryError):
+        raise LlmpyError(f"{label}: {config.num_parameters:,} parameters ({4 * config.num_parameters / 1e9:.1f} GB in "
+                         "fp32) do not fit in this machine's memory") from None
     p = parameter_views(flat, config)
     with contextlib.ExitStack() as stack:
         opened = {file: stack.enter_context(safe_open(str(file), framework="pt")) for file in files}
@@ -548,12 +561,20 @@ def _hf_config(label, cfg_path: Path, index) -> GPT2Config:
             raise LlmpyError(f"{cfg_path}: layer_norm_epsilon must be a positive number, not {json.dumps(eps)[:40]}")
         if abs(eps - 1e-5) > 1e-9:
             warnings.warn(f"{cfg_path}: layer_norm_epsilon {eps} differs from llm.c's 1e-5", stacklevel=3)
+        # transformers' options that change the attention's arithmetic, which llm.c's model does not have
+        for key, llmc in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+            if cfg.get(key, llmc) is not llmc:
+                raise LlmpyError(f"{cfg_path}: {key} {json.dumps(cfg[key])[:40]}: llm.c's GPT-2 has "
+                                 f"{json.dumps(llmc)}, and loading this model so would change its outputs")
         values["padded_vocab_size"] = 0  # absent: llm.c's padding
         if "llmc_padded_vocab_size" in cfg:
             padded = _config_int(cfg_path, cfg, "llmc_padded_vocab_size")
             if padded < values["vocab_size"]:
                 raise LlmpyError(f"{cfg_path}: llmc_padded_vocab_size {padded} is smaller than vocab_size "
                                  f"{values['vocab_size']}")
+            if padded > 2 * values["vocab_size"] + 128:  # padding rows are zeros that the file does not hold
+                raise LlmpyError(f"{cfg_path}: llmc_padded_vocab_size {padded} is far above vocab_size "
+                                 f"{values['vocab_size']} (llm.c pads to the next multiple of 128)")
             values["padded_vocab_size"] = padded
         where = cfg_path
     else:

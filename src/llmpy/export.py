@@ -35,7 +35,7 @@ def generation_config_dict(eos: int) -> dict:
 def export_hf(model_path, out_dir) -> Path:
     """Write the HF folder for `model_path` into out_dir; returns out_dir."""
     from .checkpoint import hf_config_dict, load_model_file, save_hf
-    from .files import atomic_write, writable_dir
+    from .files import atomic_write, refuse_non_file, writable_dir
 
     if not str(out_dir).strip():  # Path("") is the current folder: not what was meant
         raise LlmpyError("an empty export folder name")
@@ -50,6 +50,7 @@ def export_hf(model_path, out_dir) -> Path:
         raise LlmpyError(f"{out}: exporting a folder onto itself")
     config, flat, _ = load_model_file(model_path)
     writable_dir(out, "export folder")
+    refuse_non_file(out / GENERATION_CONFIG_NAME, "a file the export may replace")  # save_hf checks its two
     save_hf(out, config, flat.float())  # HF's GPT-2 is fp32 here; a bf16 .bin widens exactly
     eos = hf_config_dict(config)["eos_token_id"]
     text = json.dumps(generation_config_dict(eos), indent=2) + "\n"

@@ -164,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tokenizer_for_model(args.tokenizer, config.vocab_size, args.tokenizer_dir,
                                     f"{args.model}: vocab {config.vocab_size}")
     model = GPT2Reference(config, flat.float())
+    seen = 1 + len(tokenizer.encode(args.prompt)) if args.prompt else 1  # the end-of-text token leads
+    if seen > config.max_seq_len:
+        print(f"note: the prompt is {seen} tokens with the end-of-text before it, and the model's context "
+              f"{config.max_seq_len}: each token is drawn from the last {config.max_seq_len} only", file=sys.stderr)
 
     def show(piece: str):  # as it comes: a long sample is not silent until its end
         sys.stdout.write(printable(piece))
