@@ -467,6 +467,18 @@ def _after_steps(proc, k):
     raise AssertionError(f"rank 0 ended before step {k}: {proc.communicate(timeout=60)[1][-3000:]}")
 
 
+def _sigterm_every_rank_after_step_2(procs) -> list[tuple[str, str]]:
+    """SIGTERM to every rank once rank 0 has logged step 2, as torchrun passes a stop on; each rank's (the rest of its
+    stdout, stderr)."""
+    try:
+        _after_steps(procs[0], 2)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        return [p.communicate(timeout=120) for p in procs]
+    finally:
+        _end(procs)
+
+
 @on_gloo_or_nccl
 def test_sigterm_ends_a_training_rank_whose_peer_hangs(shards, tmp_path, device):
     # rank 1 frozen mid-run (a hung GPU or node, as far as rank 0 can tell) after rank 0 logged step 4: rank 0 waits
@@ -499,13 +511,7 @@ def test_sigterm_to_every_rank_of_a_healthy_run_saves_and_stops(shards, tmp_path
     # torchrun stops a job so (its own SIGTERM or Ctrl-C, passed to every worker): the watch must not cut it short
     out = tmp_path / "o"
     procs = _train_ranks(shards, out, device=device)
-    try:
-        _after_steps(procs[0], 2)
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        ends = [p.communicate(timeout=120) for p in procs]
-    finally:
-        _end(procs)
+    ends = _sigterm_every_rank_after_step_2(procs)
     assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, [e[1][-2000:] for e in ends]
     assert all("llmpy: rank" not in err and "Traceback" not in err for _, err in ends), ends
     assert "stopped by SIGTERM" in ends[0][0]
@@ -714,13 +720,7 @@ time.sleep(13)
 print("script finished", flush=True)
 """)
     procs = _launch_ranks(2, script)
-    try:
-        _after_steps(procs[0], 2)
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        ends = [p.communicate(timeout=120) for p in procs]
-    finally:
-        _end(procs)
+    ends = _sigterm_every_rank_after_step_2(procs)
     assert [p.returncode for p in procs] == [0, 0], [e[1][-2000:] for e in ends]
     assert ends[0][0].endswith("stopped by SIGTERM\nscript finished\n"), ends[0][0][-2000:]
     assert ends[1][0] == "stopped by SIGTERM\nscript finished\n" and "llmpy: rank" not in ends[1][1], ends[1]
