@@ -61,6 +61,12 @@ TINY = "layers=1,channels=16,heads=2,seq=16,vocab=257"
     (lambda m: llmpy.sample(m, "hi", gen_tokens=2.5), "-g 2.5: must be an integer"),
     (lambda m: llmpy.sample(m, "hi", seed=2**64), "--seed 18446744073709551616: must be an integer from 0"),
     (lambda m: llmpy.sample(m, tokenizer=None), "tokenizer None: must be 'auto', 'bytes' or 'gpt2'"),
+    # an OverflowError traceback from float()
+    (lambda m: llmpy.sample(m, "hi", temperature=10**400), "--temperature 10000000000000000000...: too large"),
+    (lambda m: llmpy.train(learning_rate=10**400), "-l (learning_rate=10000000000000000000...): too large"),
+    # the demo run (no data, no model) looked the device up before checking it: a KeyError traceback
+    (lambda m: llmpy.train(device="gpu", max_steps=1), "--device gpu: must be auto, cpu or cuda"),
+    (lambda m: llmpy.train(device=3, max_steps=1), "--device 3: must be auto, cpu or cuda"),
 ])
 def test_api_refuses_wrong_values_by_name(call, message):
     """The API's callers pass values the command line's parser never sees: each wrong one is an LlmpyError

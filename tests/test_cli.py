@@ -252,6 +252,11 @@ def test_a_total_batch_beyond_the_hosts_memory_is_refused(shards, monkeypatch):
     with pytest.raises(LlmpyError, match="-d 320000000: a step of 10,000,000 micro-batches of B=2, T=16 needs "
                                          r"[0-9.]+ GB of host memory .* the 1.0 GB available"):
         trainer.train(opts, log=lambda *_: None)
+    # without accumulation the zeros are in -b (the line named a -d -1 the user never gave)
+    opts = trainer.TrainOptions(train_data=str(train), model=TINY, batch_size=10**8, seq_len=16, max_steps=1,
+                                val_every=0, gen_tokens=0, progress=0)
+    with pytest.raises(LlmpyError, match="^-b 100000000: a step of 1 micro-batches of B=100000000, T=16 needs "):
+        trainer.train(opts, log=lambda *_: None)
 
 
 def test_impossible_flag_on_the_command_line(shards):

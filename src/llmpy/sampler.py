@@ -25,6 +25,10 @@ def check_sampling_options(gen_tokens: int, temperature: float, top_k: int, seed
         raise LlmpyError(f"--temperature {temperature!r}: must be a number")
     if seed is not None:
         check_seed(seed)
+    try:
+        float(temperature)
+    except OverflowError:  # an integer beyond a float's range
+        raise LlmpyError(f"--temperature {str(temperature)[:20]}...: too large for a number") from None
     if not math.isfinite(temperature):  # a NaN passes the comparison below
         raise LlmpyError(f"--temperature {temperature}: must be a finite number")
     for value, flag, zero in ((gen_tokens, "-g", ""), (temperature, "--temperature", " (0: greedy)"),

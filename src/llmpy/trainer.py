@@ -118,7 +118,11 @@ class TrainOptions:
             if isinstance(value, bool) or not isinstance(value, allowed):
                 kind = {int: "an integer", float: "a number", str: "text (a str)"}[typ]
                 raise LlmpyError(f"{flag} ({name}={value!r}): must be {kind}")
-            setattr(self, name, typ(value))  # numpy's numbers as Python's: the state's JSON takes only those
+            try:
+                value = typ(value)
+            except OverflowError:  # an integer beyond a float's range, say 10**400
+                raise LlmpyError(f"{flag} ({name}={str(value)[:20]}...): too large for a number") from None
+            setattr(self, name, value)  # numpy's numbers as Python's: the state's JSON takes only those
 
     def validate(self):
         """One LlmpyError naming the flag for the first impossible value (RUN_DEFAULTS fields still unset take
@@ -291,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
 # building the pieces
 
 def _resolve_device(opts: TrainOptions) -> str:
+    if not isinstance(opts.device, str) or opts.device not in ("auto", "cpu", "cuda"):  # before the demo's lookup
+        raise LlmpyError(f"--device {opts.device}: must be auto, cpu or cuda")
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise LlmpyError("--device cuda: no CUDA GPU is visible to torch")
     if opts.device == "auto":
@@ -696,7 +702,9 @@ def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
     from . import config as config_module  # its host_memory_available, as tests replace it
     free = config_module.host_memory_available()
     if free is not None and accum * per_micro > free:
-        raise LlmpyError(f"-d {opts.total_batch_size}: a step of {accum:,} micro-batches of B={B}, T={T} needs "
+        # the flag with the zeros too many: -d when it asks for accumulation, else -b
+        flag = f"-d {opts.total_batch_size}" if accum > 1 else f"-b {B}"
+        raise LlmpyError(f"{flag}: a step of {accum:,} micro-batches of B={B}, T={T} needs "
                          f"{accum * per_micro / 1e9:,.1f} GB of host memory for its batches, more than the "
                          f"{free / 1e9:.1f} GB available")
 
