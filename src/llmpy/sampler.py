@@ -26,10 +26,10 @@ def check_sampling_options(gen_tokens: int, temperature: float, top_k: int, seed
     if seed is not None:
         check_seed(seed)
     try:
-        float(temperature)
+        finite = math.isfinite(temperature)  # a NaN passes the comparison below
     except OverflowError:  # an integer beyond a float's range
         raise LlmpyError(f"--temperature {str(temperature)[:20]}...: too large for a number") from None
-    if not math.isfinite(temperature):  # a NaN passes the comparison below
+    if not finite:
         raise LlmpyError(f"--temperature {temperature}: must be a finite number")
     for value, flag, zero in ((gen_tokens, "-g", ""), (temperature, "--temperature", " (0: greedy)"),
                               (top_k, "--top-k", " (0: all)")):

@@ -155,8 +155,7 @@ class TrainOptions:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be one of {', '.join(map(str, allowed))}")
         if self.lr_schedule not in SCHEDULES:
             raise LlmpyError(f"-k {self.lr_schedule}: unknown schedule; choose one of {', '.join(SCHEDULES)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise LlmpyError(f"--device {self.device}: must be auto, cpu or cuda")
+        _check_device(self.device)
         if self.dtype not in ("", "bfloat16", "float32"):
             raise LlmpyError(f"--dtype {self.dtype}: must be bfloat16 or float32")
         if self.engine not in ("auto", "kernels", "reference"):
@@ -294,9 +293,13 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------
 # building the pieces
 
+def _check_device(device) -> None:
+    if device not in ("auto", "cpu", "cuda"):
+        raise LlmpyError(f"--device {device}: must be auto, cpu or cuda")
+
+
 def _resolve_device(opts: TrainOptions) -> str:
-    if not isinstance(opts.device, str) or opts.device not in ("auto", "cpu", "cuda"):  # before the demo's lookup
-        raise LlmpyError(f"--device {opts.device}: must be auto, cpu or cuda")
+    _check_device(opts.device)  # the demo run resolves it before validate() runs
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise LlmpyError("--device cuda: no CUDA GPU is visible to torch")
     if opts.device == "auto":
