@@ -201,3 +201,52 @@ def test_set_hyper_from_a_staging_buffer():
         set_hyper(staged, 6e-4, step, 0.9, 0.95, 1e-8, 0.1, host=host)
         assert torch.equal(fresh, staged)
         assert staged[GRAD_SCALE] == 0.25
+
+
+def test_shard_crossing_2_31_decays_by_64_bit_index(device):
+    """A ZeRO-1 shard whose global indices cross 2^31 (d60, 2.75 G parameters, over two GPUs: rank 1 holds
+    [1.38 G, 2.75 G)): the element index in the whole model (offset + local) must not wrap in 32 bits, or
+    the decay ranges past 2^31 are missed."""
+    n, offset = 3000, 2 ** 31 - 1000
+    span = (1500, 2500)  # decayed, local indices: global [2^31 + 500, 2^31 + 1500)
+    params = torch.randn(n, device=device)
+    grad = torch.randn(n, device=device)
+    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    hyper, seed = hyper_tensor(device), torch.tensor([7], dtype=torch.int64, device=device)
+    ranges = decay_ranges_tensor([(offset + span[0], offset + span[1])], device)
+    set_hyper(hyper, HP["lr"], 1, HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], 1.0)
+    p, mr, vr = params.cpu().clone(), torch.zeros(n), torch.zeros(n)
+    adamw_update(params, grad, m, v, hyper, seed, ranges, offset=offset)
+    g = grad.cpu()
+    for a, b in ((0, span[0]), span, (span[1], n)):
+        wd = HP["weight_decay"] if (a, b) == span else 0.0
+        ref.adamw_update(p[a:b], g[a:b], mr[a:b], vr[a:b], 1, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], wd, 1.0)
+    assert torch.allclose(params.cpu(), p, rtol=1e-5, atol=1e-6)
+
+    # bf16, stochastic rounding: the same shard cut at 2^31 into two (the second's offset a 64-bit argument)
+    # rounds bit for bit as the uncut one (the counter is the index modulo 2^32 either way)
+    whole = torch.randn(n, device=device).bfloat16()
+    cut = whole.clone()
+    g16 = grad.bfloat16()
+    for buf, pieces in ((whole, [(0, n)]), (cut, [(0, 1000), (1000, n)])):
+        m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+        for lo, hi in pieces:
+            adamw_update(buf[lo:hi], g16[lo:hi], m[lo:hi], v[lo:hi], hyper, seed, ranges, offset=offset + lo)
+    assert torch.equal(whole, cut)
+
+
+def test_update_rejects_strided_buffers(device):
+    """The kernels index params and master as contiguous: a strided view is an error, not writes beside it."""
+    n = 100
+    state = setup(device, torch.float32, master=False)
+    hyper, seed, ranges = state["hyper"], state["seed"], state["ranges"]
+    grads, m, v = torch.zeros(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device)
+    strided = torch.zeros(2 * n, device=device)[::2]
+    with pytest.raises(AssertionError):
+        adamw_update(strided, grads, m, v, hyper, seed, ranges)
+    with pytest.raises(AssertionError):
+        adamw_update(torch.zeros(n, device=device), grads, m, v, hyper, seed, ranges, master=strided)
+    with pytest.raises(AssertionError):
+        init_from_master(strided, torch.zeros(n, device=device), seed)
+    with pytest.raises(AssertionError):
+        init_from_master(torch.zeros(n, device=device), strided, seed)

@@ -196,6 +196,20 @@ def test_encoder_backward_scratch_contents_do_not_matter(device):
         run_backward(dout, inp, dwte0, dwpe0, device, piece=2, scratch=small)
 
 
+def test_encoder_backward_strided_scratch_rejected(device):
+    """The kernels read the sorted ids and the permutation as contiguous rows (torch.sort writes strided
+    ones faithfully): a strided scratch is an error, not a scatter by the wrong ids."""
+    from llmpy.kernels.encoder import EncoderBackwardScratch
+    B, T, C, Vp, maxT = 2, 5, 24, 16, 8
+    inp, dout, dwte0, dwpe0 = backward_case(B, T, C, Vp, maxT, torch.float32, "mixed", seed=6)
+    good = encoder_backward_scratch(B, T, C, device, torch.int64, piece=2)
+    for field, dtype in (("sorted_ids", torch.int64), ("perm", torch.int64)):
+        strided = torch.zeros(2 * B * T, dtype=dtype, device=device)[::2]
+        scratch = EncoderBackwardScratch(**{**vars(good), field: strided})
+        with pytest.raises(AssertionError):
+            run_backward(dout, inp, dwte0, dwpe0, device, piece=2, scratch=scratch)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_encoder_backward_deterministic_and_scratch(device, dtype):
     """Same inputs and seed: the same bits; a preallocated scratch and a tensor seed give the same bits."""

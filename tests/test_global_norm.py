@@ -54,6 +54,18 @@ def test_sharded_partials_give_the_same_bits(device, dtype, world):
     assert torch.equal(whole, sharded)
 
 
+def test_strided_partials_rejected(device):
+    """Both levels index the partials as one contiguous row: a strided view is an error, not a wrong norm."""
+    n = 3 * NORM_CHUNK + 5
+    grads = torch.randn(n, device=device)
+    strided = torch.full((2 * num_norm_partials(n),), float("nan"), device=device)[::2]
+    out = torch.zeros(1, device=device)
+    with pytest.raises(AssertionError):
+        global_norm_squared(out, grads, strided)
+    with pytest.raises(AssertionError):
+        norm_aggregate(out, strided, num_norm_partials(n))
+
+
 @pytest.mark.parametrize("norm,max_norm", [(4.0, 1.0), (0.5, 1.0), (3.0, 0.0)])
 def test_clip_scale(device, norm, max_norm):
     scale = torch.full((1,), float("nan"), device=device)

@@ -342,6 +342,28 @@ def test_matmul_backward_bias(device, dtype, M, OC, num_chunks):
     assert torch.equal(results[0], results[1]), "bias reduction is not deterministic"
 
 
+@pytest.mark.parametrize("num_chunks", [None, 1, 3])
+def test_bias_gradients_of_no_rows(device, num_chunks):
+    """An empty gradient (no rows: B*T = 0) adds nothing: dbias and dweight keep their values, for the plain
+    reduction, the fused dGELU one and matmul_backward (no division by zero in the chunk plan)."""
+    dtype = torch.float32
+    OC, C = 40, 24
+    rand = Rand(device, dtype, 26)
+    dbias0, dweight0, weight = rand(OC), rand(OC, C), rand(OC, C)
+    dbias = dbias0.clone()
+    mm.matmul_backward_bias(dbias, torch.empty(0, OC, device=device), num_chunks=num_chunks)
+    assert torch.equal(dbias, dbias0)
+    dbias = dbias0.clone()
+    mm.bias_gelu_backward(dbias, None, torch.empty(2, 0, OC, device=device), torch.empty(2, 0, OC, device=device),
+                          num_chunks=num_chunks)
+    assert torch.equal(dbias, dbias0)
+    dbias, dweight = dbias0.clone(), dweight0.clone()
+    dinp = torch.empty(0, C, device=device)
+    mm.matmul_backward(dinp, dweight, dbias, torch.empty(0, OC, device=device), torch.empty(0, C, device=device),
+                       weight)
+    assert torch.equal(dbias, dbias0) and torch.equal(dweight, dweight0)
+
+
 def test_bias_scratch_too_small_uses_fewer_chunks(device):
     dtype = torch.float32
     M, OC = 200, 40
@@ -599,6 +621,17 @@ def test_qkv_bias_backward_from_q_sums(device, dtype):
     check(got[:C], up(dbias0[:C], dtype) + up(rows[:, :C], dtype).double().sum(0), dtype, "query part")
     without = mm.qkv_bias_backward(dbias0.clone(), dqkv, seed=seed, **extra)
     assert torch.equal(got[C:], without[C:])
+
+
+def test_qkv_bias_backward_rejects_strided_q_sums(device):
+    """q_sums and dbias are read and written as contiguous rows: strided ones are an error, not another sum."""
+    C, blocks = 8, 5
+    q_sums = torch.randn(C, blocks, device=device).t()  # (blocks, C), column-major
+    dqkv = torch.randn(4, 3 * C, device=device)
+    with pytest.raises(AssertionError):
+        mm.qkv_bias_backward(torch.zeros(3 * C, device=device), dqkv, q_sums=q_sums)
+    with pytest.raises(AssertionError):  # a strided dbias
+        mm.qkv_bias_backward(torch.zeros(6 * C, device=device)[::2], dqkv, q_sums=q_sums.contiguous())
 
 
 def test_qkv_bias_backward_full_pass(device, monkeypatch):

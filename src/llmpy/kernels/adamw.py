@@ -50,8 +50,9 @@ def adamw_kernel(params_ptr, master_ptr, grads_ptr, m_ptr, v_ptr, hyper_ptr, see
                  n, offset,
                  NUM_RANGES: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
                  BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    local = pid * BLOCK + tl.arange(0, BLOCK)
+    # 64-bit indices: d60 and larger models have more than 2^31 parameters, and a ZeRO-1 shard's global
+    # indices (offset + local) can cross 2^31 where its offset and length do not
+    local = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = local < n
     # the element's index in the whole model: decay ranges and rounding streams are defined on it,
     # so a shard (ZeRO-1) updates its elements exactly as the unsharded update would
@@ -86,16 +87,17 @@ def adamw_kernel(params_ptr, master_ptr, grads_ptr, m_ptr, v_ptr, hyper_ptr, see
     tl.store(v_ptr + local, v, mask=mask)
     if HAS_MASTER:
         tl.store(master_ptr + local, param, mask=mask)
-    store_rounded(params_ptr + local, param, mask, tl.load(seed_ptr), offs, STOCHASTIC)
+    # the rounding stream's counter: the index modulo 2^32 (32-bit Philox, as before indices were 64-bit)
+    store_rounded(params_ptr + local, param, mask, tl.load(seed_ptr), offs.to(tl.int32), STOCHASTIC)
 
 
 @triton.jit
 def init_from_master_kernel(params_ptr, master_ptr, seed_ptr, n, offset, STOCHASTIC: tl.constexpr,
                             BLOCK: tl.constexpr):
-    local = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    local = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: see adamw_kernel
     mask = local < n
     x = tl.load(master_ptr + local, mask=mask)
-    store_rounded(params_ptr + local, x, mask, tl.load(seed_ptr), local + offset, STOCHASTIC)
+    store_rounded(params_ptr + local, x, mask, tl.load(seed_ptr), (local + offset).to(tl.int32), STOCHASTIC)
 
 
 def decay_ranges_tensor(ranges, device) -> torch.Tensor:
@@ -136,11 +138,11 @@ def adamw_update(params, grads, m, v, hyper, seed, decay_ranges, master=None, of
     the whole model (non-zero for a ZeRO-1 shard). stochastic: round bf16 parameters stochastically
     (False only to show what round-to-nearest does)."""
     n = params.numel()
-    for t in (grads, m, v):
+    for t in (params, grads, m, v):
         assert t.numel() == n and t.is_contiguous()
     assert m.dtype == torch.float32 and v.dtype == torch.float32
     if master is not None:
-        assert master.dtype == torch.float32 and master.numel() == n
+        assert master.dtype == torch.float32 and master.numel() == n and master.is_contiguous()
     sr = stochastic and params.dtype == torch.bfloat16
     adamw_kernel[(triton.cdiv(n, UPDATE_BLOCK),)](
         params, master if master is not None else params, grads, m, v, hyper, seed, decay_ranges, n, offset,
@@ -153,6 +155,7 @@ def init_from_master(params, master, seed, offset: int = 0):
     used when resuming from a checkpoint that holds master weights."""
     n = params.numel()
     assert master.numel() == n and master.dtype == torch.float32
+    assert params.is_contiguous() and master.is_contiguous()
     init_from_master_kernel[(triton.cdiv(n, BLOCK),)](params, master, seed, n, offset,
                                                       STOCHASTIC=params.dtype == torch.bfloat16, BLOCK=BLOCK,
                                                       num_warps=8)

@@ -414,6 +414,8 @@ def wte_backward(dwte: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor, seed
     assert piece >= 1
     assert scratch.sorted_ids.shape == (N,) and scratch.sorted_ids.dtype == inp.dtype
     assert scratch.perm.shape == (N,) and scratch.perm.dtype == torch.int64
+    # the kernels read both as contiguous rows (torch.sort would fill strided ones faithfully)
+    assert scratch.sorted_ids.is_contiguous() and scratch.perm.is_contiguous(), "scratch: contiguous sort buffers"
     assert scratch.partial.dtype == torch.float32 and scratch.partial.is_contiguous()
     assert scratch.partial.shape[1] == C and scratch.partial.shape[0] >= 2 * cdiv(N, piece), \
         f"scratch.partial {tuple(scratch.partial.shape)}: need >= {2 * cdiv(N, piece)} rows for piece={piece}"

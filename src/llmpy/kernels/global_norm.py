@@ -74,6 +74,7 @@ def norm_partials(partials: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     of grads (a flat buffer, or a shard of one that starts at a chunk boundary)."""
     count = num_norm_partials(grads.numel())
     assert grads.is_contiguous() and partials.dtype == torch.float32 and partials.numel() >= count
+    assert partials.is_contiguous(), "partials: a contiguous fp32 buffer"
     if count:
         global_norm_squared_kernel[(count,)](grads, partials, grads.numel(), CHUNK=NORM_CHUNK, BLOCK=BLOCK,
                                              num_warps=8)
@@ -84,6 +85,7 @@ def norm_aggregate(out: torch.Tensor, partials: torch.Tensor, count: int, accumu
     """Level 2: out (1-element fp32) = the sum of partials[:count] in a fixed order (+ out when
     accumulate)."""
     assert out.dtype == torch.float32 and out.numel() == 1 and partials.numel() >= count
+    assert partials.is_contiguous() and partials.dtype == torch.float32, "partials: a contiguous fp32 buffer"
     global_norm_aggregate_kernel[(1,)](partials, out, count, ACCUMULATE=accumulate, BLOCK=AGGREGATE_BLOCK,
                                        num_warps=4)
     return out

@@ -577,7 +577,8 @@ def bias_backward_chunks(M: int, N: int, device, gelu: bool = False) -> tuple[in
 
 
 def _chunking(M: int, chunks: int, block_m: int) -> tuple[int, int]:
-    rows = cdiv(cdiv(M, chunks), block_m) * block_m  # whole row tiles per chunk
+    # whole row tiles per chunk (at least one: no rows, M = 0, gives no chunks, not a division by zero)
+    rows = max(1, cdiv(cdiv(M, chunks), block_m)) * block_m
     return cdiv(M, rows), rows
 
 
@@ -598,6 +599,8 @@ def _bias_reduce(dbias, scratch, d2, pre2, seed, num_chunks, col0: int = 0):
     if chunks > 1 and scratch is not None and scratch.numel() < chunks * N:
         # a smaller scratch than the default plan: fewer, longer chunks (still a fixed order)
         chunks, rows = _chunking(M, max(1, scratch.numel() // N), block_m)
+    if not chunks:  # no rows: nothing to add
+        return
     if chunks > 1:
         if scratch is None:
             scratch = torch.empty(chunks * N, dtype=torch.float32, device=d2.device)  # not for CUDA graphs
@@ -740,13 +743,15 @@ def qkv_bias_backward(dbias, dqkv, scratch=None, seed=None, proj_bias_grad=None,
     QKV_BIAS_FROM_IDENTITIES = False: one reduction over all of dqkv instead (llm.c's; for comparison)."""
     C3 = dbias.shape[0]
     assert C3 % 3 == 0 and dqkv.shape[-1] == C3, (tuple(dbias.shape), tuple(dqkv.shape))
+    assert dbias.dim() == 1 and dbias.is_contiguous() and dbias.dtype in _FLOAT_DTYPES, "dbias: contiguous (3C,)"
     C = C3 // 3
     d2 = _rows(dqkv, C3)
     if not QKV_BIAS_FROM_IDENTITIES:
         _bias_reduce(dbias, scratch, d2, None, seed, None)
         return dbias
     if q_sums is not None:
-        assert q_sums.dim() == 2 and q_sums.shape[1] == C, tuple(q_sums.shape)
+        assert q_sums.dim() == 2 and q_sums.shape[1] == C and q_sums.is_contiguous(), (tuple(q_sums.shape),
+                                                                                        q_sums.stride())
         _finish_bias(dbias[:C], q_sums, seed, q_sums.shape[0], col0=0, tiles=Q_SUMS_FINISH_TILES)
     else:
         _bias_reduce(dbias[:C], scratch, d2[:, :C], None, seed, None, col0=0)
