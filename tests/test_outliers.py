@@ -93,3 +93,15 @@ def test_z_matches_llmc_window_including_the_new_value():
         if i >= w:
             win = xs[i - w + 1:i + 1]
             assert z == pytest.approx((x - win.mean()) / win.std(), rel=1e-9)
+
+
+@pytest.mark.parametrize("state", [{"window": 0, "values": []}, {"window": -3, "values": [1.0]},
+                                   {"window": 2.5, "values": []}, {"window": "x", "values": []},
+                                   {"window": 4, "values": ["a"]}, {"window": 4, "values": 7}])
+def test_load_state_dict_refuses_a_malformed_state(state):
+    # a checkpoint's detector state that cannot be a window is a ValueError or TypeError, which `-y 1` reports as
+    # a malformed training state in one line; a window of 0 loaded and then failed at the next step's update with
+    # a ZeroDivisionError traceback
+    d = OutlierDetector(window=4)
+    with pytest.raises((ValueError, TypeError)):
+        d.load_state_dict(state)

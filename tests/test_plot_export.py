@@ -121,6 +121,18 @@ def test_thin_keeps_each_runs_extremes_in_order():
     assert short_x.tolist() == xs[:50].tolist() and short_y.tolist() == ys[:50].tolist()
 
 
+def test_thin_keeps_the_first_and_the_last_point():
+    # the line must span the whole run and end at the last logged value (the final loss), noisy or not
+    rng = torch.Generator().manual_seed(3)
+    for n, max_points in ((1_000_000, pl.MAX_POINTS), (10_007, 100), (1001, 10)):
+        xs = torch.arange(1, n + 1).numpy()
+        ys = torch.randn(n, generator=rng, dtype=torch.float64).numpy()
+        tx, ty = pl.thin(xs, ys, max_points=max_points)
+        assert len(tx) <= max_points and (tx[1:] > tx[:-1]).all()
+        assert (tx[0], ty[0]) == (xs[0], ys[0]) and (tx[-1], ty[-1]) == (xs[-1], ys[-1]), n
+        assert ty.min() == ys.min() and ty.max() == ys.max()
+
+
 def test_thin_keeps_a_run_of_nan_as_a_gap():
     ys = [float(i % 5) for i in range(1000)]
     ys[400:600] = [float("nan")] * 200  # a diverged stretch: all NaN over whole runs of 10
@@ -302,6 +314,23 @@ def test_plot_on_a_full_disk_keeps_the_earlier_charts_and_names_the_file(tmp_pat
 
 
 @needs_mpl
+def test_plot_run_leaves_the_callers_matplotlib_backend_and_figures_alone(tmp_path):
+    # called from Python (a notebook with its inline backend, a GUI), plot_run switched the whole process to Agg,
+    # so the caller's own charts no longer showed
+    import matplotlib.pyplot as plt
+    write_log(tmp_path)
+    before = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")
+        own = plt.figure()
+        assert len(pl.plot_run(tmp_path)) == len(ALL_CHARTS)
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [own.number]
+    finally:
+        plt.close("all")
+        matplotlib.use(before)
+
+
+@needs_mpl
 def test_plot_run_skips_what_the_log_lacks(tmp_path):
     write_log(tmp_path, extra=False)
     out = tmp_path / "elsewhere" / "charts"
@@ -384,6 +413,23 @@ def test_cli_plot(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(Path(line).name for line in r.stdout.split()) == sorted(ALL_CHARTS)
     assert_pngs(tmp_path / "out", ALL_CHARTS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# sample (a command beside plot and export)
+
+def test_cli_sample_to_an_output_that_cannot_encode_the_text(tmp_path):
+    # stdout in ASCII (PYTHONIOENCODING, a Latin-1 locale, a Windows console or file) and a prompt or sample with a
+    # character it lacks: the sample, with that character escaped, not a UnicodeEncodeError traceback
+    config = GPT2Config(num_layers=1, channels=32, num_heads=2, vocab_size=257, max_seq_len=32)
+    save_llmc(tmp_path / "m.bin", config, rand_params(config))
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONIOENCODING": "ascii"}
+    r = subprocess.run([sys.executable, "-m", "llmpy", "sample", str(tmp_path / "m.bin"),
+                        "--prompt", "h\u00e9 \U0001F642", "-g", "40", "--seed", "3"], capture_output=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr.decode(errors="replace")
+    assert r.stdout.startswith(b"h\\xe9 \\U0001f642")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -107,3 +107,30 @@ def test_bad_kind_names_the_choices():
     with pytest.raises(LlmpyError) as e:
         LRSchedule(kind="cosinus")
     assert "-k cosinus" in str(e.value) and all(k in str(e.value) for k in SCHEDULES)
+
+
+def _llmc(kind, lr, warmup, total, frac, step):
+    """llm.c's schedulers.h, transcribed (its float32 arithmetic aside); "constant" is ours, warmed up (llm.c's
+    constant schedule ignores -u)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    min_lr = lr * frac
+    if kind == "wsd":
+        decay_point = int(0.8 * total)
+        if step < decay_point:
+            return lr
+        return min_lr + (1 - math.sqrt((step - decay_point) / (total - decay_point))) * (lr - min_lr)
+    ratio = (step - warmup) / (total - warmup)
+    if kind == "cosine":
+        return min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (lr - min_lr)
+    return lr - ratio * (lr - min_lr) if kind == "linear" else lr
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("warmup, total", [(0, 1), (0, 7), (1, 2), (3, 10), (9, 10), (700, 19073)])
+def test_every_step_matches_llmc(kind, warmup, total):
+    s = LRSchedule(kind, 6e-4, warmup, total, 0.0)
+    steps = sorted({0, warmup - 1, warmup, warmup + 1, int(0.8 * total), total - 1, total} & set(range(total + 1))
+                   | set(range(0, total + 1, max(1, total // 50))))
+    for step in steps:
+        assert s(step) == pytest.approx(_llmc(kind, 6e-4, warmup, total, 0.0, step), rel=1e-9, abs=1e-15), step

@@ -4,6 +4,7 @@ loop skips the update of a step whose z-score is above `-sl` (loss) or `-sg` (gr
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
 
 OUTLIER_WINDOW = 128
@@ -31,5 +32,10 @@ class OutlierDetector:
         return {"window": self.window, "values": list(self.values)}
 
     def load_state_dict(self, state: dict):
-        self.window = int(state["window"])
-        self.values = deque((float(v) for v in state["values"]), maxlen=self.window)
+        """A state_dict's window and values; one that cannot be a window (a checkpoint's damaged state) is a
+        ValueError or TypeError, here and not at the next update."""
+        window = state["window"]
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:  # numpy's too
+            raise ValueError(f"outlier window {window!r}: must be a positive integer")
+        self.values = deque((float(v) for v in state["values"]), maxlen=int(window))
+        self.window = int(window)

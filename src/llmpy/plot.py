@@ -179,15 +179,16 @@ MAX_POINTS = 4000  # a line's points drawn at most: a chart is ~900 pixels wide
 
 
 def thin(xs, ys, max_points: int = MAX_POINTS):
-    """At most ~max_points of a line (xs ascending) that look the same drawn: in equal runs of points, the
+    """At most max_points of a line (xs ascending) that look the same drawn: in equal runs of points, the
     lowest and the highest of each, in order, so spikes and the noise's band survive where every k-th point
-    would lose them. A run of NaN only stays as one NaN (a gap in the line); lines short enough are as they
-    are."""
+    would lose them; and the first and the last point, so that the line spans the whole run and ends at its last
+    value (the final loss). A run of NaN only stays as one NaN (a gap in the line); lines short enough are as
+    they are."""
     import numpy as np
     xs, ys = np.asarray(xs), np.asarray(ys, dtype=np.float64)
     if len(xs) <= max_points:
         return xs, ys
-    per_run = -(-len(xs) // (max_points // 2))
+    per_run = -(-len(xs) // max(1, (max_points - 2) // 2))  # two points a run, and room for the ends
     runs = -(-len(xs) // per_run)
     padded = np.full(runs * per_run, np.nan)
     padded[:len(ys)] = ys
@@ -196,9 +197,13 @@ def thin(xs, ys, max_points: int = MAX_POINTS):
     filled = np.where(all_nan[:, None], 0.0, blocks)  # nanargmin/nanargmax refuse an all-NaN row
     lows, highs = np.nanargmin(filled, axis=1), np.nanargmax(filled, axis=1)
     picks = np.sort(np.stack([lows, highs], axis=1), axis=1) + (np.arange(runs) * per_run)[:, None]
-    picks = np.minimum(picks, len(xs) - 1)  # the last run's padding: never picked unless the run is all NaN
-    out_x, out_y = xs[picks].ravel(), ys[picks].ravel()
+    picks = np.minimum(picks, len(xs) - 1).ravel()  # the last run's padding: never picked unless the run is all NaN
     gap = np.repeat(all_nan, 2)
+    # the first and the last point, where their runs' extremes are others
+    head, tail = int(picks[0] != 0), int(picks[-1] != len(xs) - 1)
+    picks = np.concatenate([[0]] * head + [picks] + [[len(xs) - 1]] * tail)
+    gap = np.concatenate([[False]] * head + [gap] + [[False]] * tail)
+    out_x, out_y = xs[picks], ys[picks]
     out_y[gap] = np.nan
     return out_x, out_y
 
@@ -228,14 +233,14 @@ def leave_out_undrawable(columns: LogColumns, log) -> str | None:
             f"left out of the charts{more}")
 
 
-def _pyplot():
+def _figure_class():
+    """matplotlib's Figure: drawn to files by its own canvas (Agg for PNG), with no display (servers, CI) and without
+    pyplot, so a caller's backend and open figures (a notebook's, a GUI's) stay as they were."""
     try:
-        import matplotlib
+        import matplotlib.figure
     except ImportError:
         raise LlmpyError("plotting needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")  # files only, no display needed (servers, CI)
-    import matplotlib.pyplot as plt
-    return plt
+    return matplotlib.figure.Figure
 
 
 def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path]:
@@ -272,7 +277,7 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
-    plt = _pyplot()
+    Figure = _figure_class()
     import numpy as np
     from .files import atomic_path, writable_dir
     writable_dir(out, "plot folder")
@@ -286,12 +291,11 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
                 fig.savefig(tmp, dpi=110, format="png")
         except OSError as e:  # matplotlib's and PIL's errors name no file
             raise OSError(e.errno, e.strerror or str(e), str(path)) from None
-        finally:
-            plt.close(fig)
         written.append(path)
 
     def new(ylabel, what):
-        fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+        fig = Figure(figsize=(8, 4.5), layout="constrained")
+        ax = fig.subplots()
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{title}: {what}")

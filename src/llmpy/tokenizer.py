@@ -313,10 +313,14 @@ class GPT2Tokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         # text "<|endoftext|>" is ordinary text here, as in llm.c's data scripts
+        _refuse_surrogates(text)
         return self.encoding.encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.encoding.encode_ordinary_batch(list(texts), num_threads=ENCODE_THREADS)
+        texts = list(texts)
+        for text in texts:
+            _refuse_surrogates(text)
+        return self.encoding.encode_ordinary_batch(texts, num_threads=ENCODE_THREADS)
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         # tiktoken's numpy form skips the list of Python ints, which is built holding Python's lock (so threads
@@ -336,6 +340,13 @@ class GPT2Tokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.encoding.decode(self._check_ids(ids), errors="replace")
+
+
+def _refuse_surrogates(text: str) -> None:
+    """A UnicodeEncodeError for a lone surrogate (JSON's "\\ud800" escape makes one), as encode_arrays and the
+    bytes tokenizer raise: tiktoken's encode_ordinary would put U+FFFD's token in its place without a word."""
+    if not text.isascii():  # ASCII, the common case, holds none; the check is then free
+        text.encode("utf-8")
 
 
 def find_gpt2_files(directory: str | os.PathLike) -> tuple[Path, Path]:
