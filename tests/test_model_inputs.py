@@ -135,3 +135,237 @@ def test_reference_refuses_a_dtype_that_is_no_float(dtype):
     config = parse_descriptor(TINY)
     message = _one_line_error(lambda: GPT2Reference(config, torch.randn(config.num_parameters), dtype=dtype))
     assert message == f"GPT2Reference: dtype {dtype!r}: must be a floating-point torch dtype"
+
+
+# ----------------------------------------------------------------------------------------------------
+# llmpy.model.GPT2Model: token ids, batches, state loading (a tiny model through Triton's interpreter on the CPU)
+
+MODEL = "layers=1,channels=16,heads=2,seq=32,vocab=257"
+MB, MT = 2, 8
+
+
+def _gpt2(device, **kw):
+    from llmpy.model import GPT2Model
+    config = parse_descriptor(MODEL)
+    params = init_parameters(config, seed=int(np.random.default_rng().integers(2**31)))
+    kw = {"dtype": torch.float32, "attention": "flash", **kw}
+    return GPT2Model(config, params, MB, MT, device=device, **kw), config, params
+
+
+def _ids(config, rng, shape=(MB, MT), dtype=np.int64):
+    return torch.from_numpy(rng.integers(0, config.vocab_size, shape).astype(dtype))
+
+
+def test_model_checks_int32_ids_already_on_its_device(device):
+    # (B, T) int32 tensors on the model's device skip the copy; on the CPU that must not skip the check
+    # (an id past the vocabulary read past wte: garbage losses, or a segfault further out)
+    model, config, _ = _gpt2(device)
+    rng = np.random.default_rng()
+    x, y = _ids(config, rng, dtype=np.int32).to(device), _ids(config, rng, dtype=np.int32).to(device)
+    bad = x.clone()
+    bad[rng.integers(MB), rng.integers(MT)] = int(rng.integers(config.vocab_size, config.padded_vocab_size))
+    if bad.device.type == "cpu":
+        assert _one_line_error(lambda: model.forward(bad, y)) == "inputs hold token ids outside [0, 257)"
+        assert _one_line_error(lambda: model.forward(x, bad)) == "targets hold token ids outside [0, 257)"
+    model.forward(x, y)
+    assert 4.5 < model.loss() < 7.0
+
+
+@pytest.mark.parametrize("make, dtype", [
+    (lambda x: x.float() + 0.5, "torch.float32"),
+    (lambda x: torch.full(x.shape, float("nan")), "torch.float32"),
+    (lambda x: x.to(torch.bfloat16), "torch.bfloat16"),
+    (lambda x: x.numpy().astype(np.float64), "float64"),
+])
+def test_model_refuses_token_ids_that_are_not_integers(device, make, dtype):
+    # a float was truncated to another token (3.5 -> 3), a NaN or bf16 tensor was numpy's or torch's traceback
+    model, config, _ = _gpt2(device)
+    rng = np.random.default_rng()
+    x, y = _ids(config, rng), _ids(config, rng)
+    bad = make(x)
+    assert _one_line_error(lambda: model.forward(bad, y)) == f"inputs of dtype {dtype}: token ids must be integers"
+    assert _one_line_error(lambda: model.validate(x, bad)) == f"targets of dtype {dtype}: token ids must be integers"
+    assert _one_line_error(lambda: model.train_step([(x, bad)], 1e-3, 1)) == \
+        f"targets of dtype {dtype}: token ids must be integers"
+    assert _one_line_error(lambda: model.logits_last(bad[0])) == \
+        f"logits_last: tokens of dtype {dtype}: token ids must be integers"
+
+
+def test_model_refuses_ragged_token_lists(device):
+    model, config, _ = _gpt2(device)
+    rng = np.random.default_rng()
+    ragged = [list(range(MT)), list(range(MT - 1))]
+    y = _ids(config, rng)
+    for call in (lambda: model.forward(ragged, y), lambda: model.train_step([(ragged, y)], 1e-3, 1)):
+        assert _one_line_error(call).startswith("inputs: not an array of token ids (")
+
+
+def test_bad_targets_leave_the_last_training_forward_intact(device):
+    # the targets were checked only after the whole forward had run on the new inputs: the logit gradient
+    # (and, from a CPU batch, the inputs the backward's encoder reads) of the training forward before were gone
+    model, config, params = _gpt2(device)
+    rng = np.random.default_rng()
+    x, y, x2 = _ids(config, rng), _ids(config, rng), _ids(config, rng)
+    bad = _ids(config, rng)
+    bad[rng.integers(MB), rng.integers(MT)] = config.vocab_size
+    model.zero_grad()
+    model.forward(x, y, dloss=1.0 / (MB * MT))
+    loss = model.loss()
+    assert _one_line_error(lambda: model.validate(x2, bad)) == "targets hold token ids outside [0, 257)"
+    assert model.loss() == loss
+    model.backward()
+    from llmpy.model import GPT2Model
+    fresh = GPT2Model(config, params, MB, MT, device=device, dtype=torch.float32, attention="flash")
+    fresh.zero_grad()
+    fresh.forward(x, y, dloss=1.0 / (MB * MT))
+    fresh.backward()
+    assert fresh.loss() == loss and 4.5 < loss < 7.0
+    assert torch.equal(model.gradients_fp32(), fresh.gradients_fp32())
+
+
+def test_a_refused_step_changes_nothing(device):
+    # step 0 was refused only after the forward and backward had run: the rounding seeds had moved on, so
+    # the run went on with other bits than one that never made the call (bf16: the seeds decide them)
+    seed = int(np.random.default_rng().integers(2**31))
+    model, config, params = _gpt2(device, dtype=torch.bfloat16, seed=seed)
+    rng = np.random.default_rng()
+    batches = [[(_ids(config, rng), _ids(config, rng))] for _ in range(2)]
+    assert _one_line_error(lambda: model.train_step(batches[0], 1e-2, 0)) == "AdamW step 0: steps count from 1"
+    from llmpy.model import GPT2Model
+    fresh = GPT2Model(config, params, MB, MT, device=device, attention="flash", seed=seed)
+    for m in (model, fresh):  # the step by step API: a gradient, and (model only) a refused update of it
+        m.zero_grad()
+        m.forward(*batches[0][0], dloss=1.0 / (MB * MT))
+        m.backward()
+    assert _one_line_error(lambda: model.update(1e-2, 0)) == "AdamW step 0: steps count from 1"
+    got = [model.train_step(b, 1e-2, s + 1) for s, b in enumerate(batches)]
+    want = [fresh.train_step(b, 1e-2, s + 1) for s, b in enumerate(batches)]
+    assert got == want and 4.5 < got[0][0] < 7.0
+    assert torch.equal(model.params_memory, fresh.params_memory)
+
+
+def test_train_step_wants_a_list_of_pairs(device):
+    model, config, _ = _gpt2(device)
+    rng = np.random.default_rng()
+    x, y = _ids(config, rng), _ids(config, rng)
+    assert _one_line_error(lambda: model.train_step((x, y), 1e-3, 1)) == \
+        "train_step: micro-batch 0 is a Tensor, not an (inputs, targets) pair (batches: a list of pairs)"
+    assert _one_line_error(lambda: model.train_step([(x, y, x)], 1e-3, 1)) == \
+        "train_step: micro-batch 0 is a tuple of 3, not an (inputs, targets) pair (batches: a list of pairs)"
+    assert _one_line_error(lambda: model.train_step(x, 1e-3, 1)) == \
+        "train_step: micro-batch 0 is a Tensor, not an (inputs, targets) pair (batches: a list of pairs)"
+    loss, norm = model.train_step(((x, y) for _ in range(2)), 1e-3, 1)  # a generator of pairs: two micro-steps
+    assert 4.5 < loss < 7.0 and norm > 0
+
+
+def test_logits_last_checks_ids_before_narrowing_them(device):
+    # ids were cast to int32 before the check: 2**32 + 5 was read as token 5; and b = 0 passed
+    model, config, _ = _gpt2(device)
+    rng = np.random.default_rng()
+    row = _ids(config, rng, shape=(int(rng.integers(1, MT + 1)),))
+    huge = row.clone()
+    huge[-1] = 2**32 + int(rng.integers(config.vocab_size))
+    assert _one_line_error(lambda: model.logits_last(huge)) == "logits_last: tokens hold token ids outside [0, 257)"
+    assert _one_line_error(lambda: model.logits_last(torch.zeros(0, 3, dtype=torch.int64))) == \
+        f"logits_last: tokens of shape [0, 3]; want (b, t), 1 <= b <= {MB}, t >= 1"
+    logits = model.logits_last(row)
+    assert logits.shape == (1, config.vocab_size) and 0 < float(logits.abs().max()) < 10
+
+
+def test_optimizer_state_of_another_size_is_refused_whole(device):
+    model, config, _ = _gpt2(device, dtype=torch.bfloat16)
+    N = config.num_parameters
+    m, v = torch.randn(N), torch.rand(N)
+    model.load_optimizer_state(m, v)
+    # one element was broadcast over all of m and v; a wrong v was refused after m was overwritten
+    message = f"load_optimizer_state: m has 1 elements, v 1; the model has {N:,} parameters"
+    assert _one_line_error(lambda: model.load_optimizer_state(torch.randn(1), torch.randn(1))) == message
+    message = f"load_optimizer_state: m has {N:,} elements, v {N - 1:,}; the model has {N:,} parameters"
+    assert _one_line_error(lambda: model.load_optimizer_state(torch.randn(N), torch.rand(N - 1))) == message
+    got_m, got_v = model.optimizer_state()
+    assert torch.equal(got_m, m) and torch.equal(got_v, v)
+    master = torch.randn(N)
+    model.load_master(master)
+    assert _one_line_error(lambda: model.load_master(torch.randn(1))) == \
+        f"load_master: the master weights have 1 elements, the model {N:,} parameters"
+    assert torch.equal(model.master_fp32(), master)
+    fp32, _, _ = _gpt2(device)
+    assert _one_line_error(lambda: fp32.load_master(master)) == \
+        "load_master: this model keeps no master weights (only bf16 storage with master_weights=True has them)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda c, p: (MODEL, p, MB, MT), f"GPT2Model: config {MODEL!r}: must be a GPT2Config (llmpy.parse_descriptor "
+                                      "makes one from a descriptor)"),
+    (lambda c, p: (c, p.numpy(), MB, MT), "GPT2Model: params is a ndarray; it must be the flat parameter buffer, "
+                                          "a floating-point torch tensor"),
+    (lambda c, p: (c, None, MB, MT), "GPT2Model: params is None; it must be the flat parameter buffer, "
+                                     "a floating-point torch tensor"),
+    (lambda c, p: (c, p.long(), MB, MT), "GPT2Model: params is a torch.int64 tensor; it must be the flat parameter "
+                                         "buffer, a floating-point torch tensor"),
+    (lambda c, p: (c, p, float(MB), MT), f"B={float(MB)!r}, T={MT}: the micro-batch must be positive integers"),
+    (lambda c, p: (c, p, MB, 0), f"B={MB}, T=0: the micro-batch must be positive integers"),
+])
+def test_model_refuses_what_is_no_config_buffer_or_size(device, args, message):
+    from llmpy.model import GPT2Model
+    config = parse_descriptor(MODEL)
+    params = init_parameters(config, seed=int(np.random.default_rng().integers(2**31)))
+    assert _one_line_error(lambda: GPT2Model(*args(config, params), device=device)) == message
+
+
+@pytest.mark.parametrize("seed", [None, -5, 2**32, 1.5, True])
+def test_model_seed_is_checked(device, seed):
+    # None drew the rounding seeds from the OS (two models "of the same seed" then differed), -5 gave the bits of 5
+    from llmpy.model import GPT2Model
+    config = parse_descriptor(MODEL)
+    params = init_parameters(config, seed=int(np.random.default_rng().integers(2**31)))
+    message = _one_line_error(lambda: GPT2Model(config, params, MB, MT, device=device, seed=seed))
+    assert message == f"GPT2Model: seed {seed!r}: must be an integer from 0 to 4294967295"
+    good = int(np.random.default_rng().integers(2**32))
+    a, b = (GPT2Model(config, params, MB, MT, device=device, seed=good) for _ in range(2))
+    assert a.seed_state() == b.seed_state() and len(set(a.seed_state())) == 3 + 6 * config.num_layers
+
+
+def test_model_device_is_checked():
+    from llmpy.model import GPT2Model
+    config = parse_descriptor(MODEL)
+    params = init_parameters(config, seed=int(np.random.default_rng().integers(2**31)))
+    n = torch.cuda.device_count()
+    past = f"cuda:{n}"  # one past the last GPU (cuda:0 where there is none): torch's RuntimeError before
+    want = (f"GPT2Model: device {past!r}: torch sees {n} CUDA device(s)" if n
+            else f"GPT2Model: device {past!r}: no CUDA GPU is visible to torch")
+    assert _one_line_error(lambda: GPT2Model(config, params, MB, MT, device=past)) == want
+    for device in ("meta", "tpu"):
+        assert _one_line_error(lambda: GPT2Model(config, params, MB, MT, device=device)) == \
+            f"GPT2Model: device {device!r}: must be cuda (a GPU) or cpu (Triton's interpreter)"
+
+
+def test_loss_before_any_forward_with_targets_is_refused(device):
+    # the losses buffer is allocated uninitialised: loss() read back whatever was in that memory
+    model, config, _ = _gpt2(device)
+    rng = np.random.default_rng()
+    for call in (model.loss, model.position_losses):
+        assert _one_line_error(call) == "no forward with targets has run yet: no loss to read"
+    model.forward(_ids(config, rng))
+    assert _one_line_error(model.loss) == "no forward with targets has run yet: no loss to read"
+    x, y = _ids(config, rng), _ids(config, rng)
+    loss = model.validate(x, y)
+    assert 4.5 < loss < 7.0 and model.position_losses().shape == (MB, MT)
+    model.logits_last(x[0])  # a forward without targets: loss() still reads the last one with targets
+    assert model.loss() == loss
+
+
+def test_logits_and_losses_handed_out_are_copies(device):
+    # fp32 on the CPU: .float().cpu() returned views of the model's buffers, which the next forward overwrote
+    model, config, _ = _gpt2(device, classifier_chunks=1)
+    rng = np.random.default_rng()
+    row = _ids(config, rng, shape=(MT,))
+    logits = model.logits_last(row)
+    kept = logits.clone()
+    x, y = _ids(config, rng), _ids(config, rng)
+    model.validate(x, y)
+    losses = model.position_losses()
+    kept_losses = losses.clone()
+    assert torch.equal(logits, kept) and 0 < float(kept.abs().max()) < 10
+    model.validate(_ids(config, rng), _ids(config, rng))
+    assert torch.equal(losses, kept_losses) and float(losses.mean()) == pytest.approx(model.validate(x, y), rel=1e-6)

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import random
 from dataclasses import dataclass
 
@@ -103,6 +104,7 @@ from .kernels import matmul as kmm
 from .kernels.common import interpreting
 from .kernels.fused_classifier import fused_classifier
 from .kernels.gelu import gelu_forward
+from .rand import check_seed
 from .streams import OVERLAP_MODES, Lanes
 
 RECOMPUTE_LEVELS = (0, 1, 2)
@@ -395,11 +397,35 @@ def format_memory(plan: dict) -> str:
             + " | largest: " + ", ".join(f"{n} {b / gib:.2f}" for n, b in big))
 
 
-def _host_ids(ids) -> np.ndarray:
-    """Token ids as a numpy array on the host (a torch tensor's own memory when it is on the CPU)."""
+def _check_integer_ids(dtype, what: str):
+    """Token ids must be integers (a float would be truncated to another token, a NaN to anything)."""
+    if isinstance(dtype, torch.dtype):
+        integer = not (dtype.is_floating_point or dtype.is_complex)
+    else:
+        integer = dtype.kind in "iub"
+    if not integer:
+        raise LlmpyError(f"{what} of dtype {dtype}: token ids must be integers")
+
+
+def _host_ids(ids, what: str) -> np.ndarray:
+    """Token ids as a numpy array of integers on the host (a torch tensor's own memory when it is on the CPU)."""
     if isinstance(ids, torch.Tensor):
+        _check_integer_ids(ids.dtype, what)
         return ids.detach().cpu().numpy()
-    return np.asarray(ids)
+    try:
+        ids = np.asarray(ids)
+    except (ValueError, TypeError) as e:
+        raise LlmpyError(f"{what}: not an array of token ids ({(str(e).splitlines() or [type(e).__name__])[0]})") \
+            from None
+    _check_integer_ids(ids.dtype, what)
+    return ids
+
+
+def _check_flat_buffer(flat, who: str):
+    if not isinstance(flat, torch.Tensor) or not flat.is_floating_point():
+        got = (f"a {flat.dtype} tensor" if isinstance(flat, torch.Tensor)
+               else "None" if flat is None else f"a {type(flat).__name__}")
+        raise LlmpyError(f"{who} is {got}; it must be the flat parameter buffer, a floating-point torch tensor")
 
 
 class _Arena:
@@ -481,14 +507,20 @@ class GPT2Model:
                  use_cublaslt: bool | None = None, proj_bias_in_layernorm: bool = True,
                  residual_in_product: bool = False, overlap_weight_grads: str = "off",
                  fc_bias_in_product: bool | None = None):
+        if not isinstance(config, GPT2Config):
+            raise LlmpyError(f"GPT2Model: config {config!r:.60}: must be a GPT2Config (llmpy.parse_descriptor "
+                             "makes one from a descriptor)")
+        _check_flat_buffer(params, "GPT2Model: params")
         self.config = config
-        self.device = torch.device(device)
+        self.device = self._check_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if dtype not in (torch.bfloat16, torch.float32):
             raise LlmpyError(f"dtype {dtype}: the model trains in torch.bfloat16 or torch.float32")
-        if B <= 0 or T <= 0:
-            raise LlmpyError(f"B={B}, T={T}: the micro-batch must be positive")
+        if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0 for n in (B, T)):
+            raise LlmpyError(f"B={B!r}, T={T!r}: the micro-batch must be positive integers")
+        B, T = int(B), int(T)
+        check_seed(seed, "GPT2Model: seed")  # None would draw the rounding seeds from the OS: not repeatable
         if T > config.max_seq_len:
             raise LlmpyError(f"-t {T}: longer than the model's context of {config.max_seq_len} tokens")
         if recompute not in RECOMPUTE_LEVELS:
@@ -611,6 +643,7 @@ class GPT2Model:
         # the last forward was a training one: the logit gradient is in place (unchunked), or dlnf is in
         # scratch_bt4c and dwte has the classifier's share (chunked)
         self._have_dlogits = False
+        self._have_losses = False    # a forward with targets has written the losses (the arena starts uninitialised)
         self._norm_fresh = False     # _norm_sq holds the norm of the current gradients
         self._graphs: dict = {}      # key -> (main graph, update graph or None)
         if self.world_size > 1:  # the graphs will hold NCCL work: free them before the group goes
@@ -620,6 +653,22 @@ class GPT2Model:
         self._micro_losses: dict = {}  # accum -> (accum,) fp32: each micro-step's loss sum
         self._readout = None           # pinned fp32: the step's loss sums and squared norm, read back (_fetch)
         self.last_step_skipped = False
+
+    @staticmethod
+    def _check_device(device) -> torch.device:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            dev = None
+        if dev is None or dev.type not in ("cuda", "cpu"):
+            raise LlmpyError(f"GPT2Model: device {str(device)!r}: must be cuda (a GPU) or cpu (Triton's interpreter)")
+        if dev.type == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if n == 0:
+                raise LlmpyError(f"GPT2Model: device {str(device)!r}: no CUDA GPU is visible to torch")
+            if dev.index is not None and dev.index >= n:
+                raise LlmpyError(f"GPT2Model: device {str(device)!r}: torch sees {n} CUDA device(s)")
+        return dev
 
     # ------------------------------------------------------------------------------------------------
     # memory
@@ -668,6 +717,7 @@ class GPT2Model:
     def load_parameters(self, flat: torch.Tensor):
         """Set the weights from a flat fp32 (or bf16) buffer in llm.c's order. With master weights the
         fp32 copy takes the values and the bf16 working copy their round-to-nearest."""
+        _check_flat_buffer(flat, "load_parameters: flat")
         if flat.numel() != self.config.num_parameters:
             raise LlmpyError(f"parameter buffer has {flat.numel()} elements, the model needs "
                              f"{self.config.num_parameters}")
@@ -709,11 +759,21 @@ class GPT2Model:
 
     def load_optimizer_state(self, m: torch.Tensor, v: torch.Tensor):
         """Whole (m, v) as optimizer_state() returns them; ZeRO-1 keeps this rank's shard."""
+        N = self.config.num_parameters
+        if m.numel() != N or v.numel() != N:  # both checked before either is written (copy_ would broadcast one)
+            raise LlmpyError(f"load_optimizer_state: m has {m.numel():,} elements, v {v.numel():,}; the model has "
+                             f"{N:,} parameters")
         self.m_memory.copy_(self._mine(m))
         self.v_memory.copy_(self._mine(v))
 
     def load_master(self, master: torch.Tensor):
         """Whole fp32 master weights (a checkpoint's); ZeRO-1 keeps this rank's shard."""
+        if self.master_memory is None:
+            raise LlmpyError("load_master: this model keeps no master weights (only bf16 storage with "
+                             "master_weights=True has them)")
+        if master.numel() != self.config.num_parameters:
+            raise LlmpyError(f"load_master: the master weights have {master.numel():,} elements, the model "
+                             f"{self.config.num_parameters:,} parameters")
         self.master_memory.copy_(self._mine(master))
 
     def gradients_fp32(self) -> torch.Tensor:
@@ -727,16 +787,27 @@ class GPT2Model:
     # ------------------------------------------------------------------------------------------------
     # inputs
 
-    def _device_ids(self, ids, buf: torch.Tensor, what: str) -> torch.Tensor:
-        """A (B, T) int32 device tensor for ids: ids itself when it already is one, else copied into buf."""
-        if isinstance(ids, torch.Tensor) and ids.device == self.device and ids.dtype == torch.int32 \
-                and ids.shape == (self.B, self.T) and ids.is_contiguous():
+    def _checked_ids(self, ids, what: str) -> torch.Tensor:
+        """ids as a (B, T) tensor of integers, refused otherwise; its values inside the vocabulary wherever they
+        are on the host (the CPU model's own int32 tensors too). A tensor on a GPU is taken as it is: reading it
+        back would cost a sync (train_step checks its CPU batches before it copies them there)."""
+        if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
+            _check_integer_ids(ids.dtype, what)
+            host = None
+        else:
+            host = _host_ids(ids, what)
+        shape = tuple(ids.shape if host is None else host.shape)
+        if shape != (self.B, self.T):
+            raise LlmpyError(f"{what} of shape {list(shape)}: the model was built for B={self.B}, T={self.T}")
+        if host is None:
             return ids
-        ids = torch.as_tensor(ids)
-        if ids.shape != (self.B, self.T):
-            raise LlmpyError(f"{what} of shape {list(ids.shape)}: the model was built for B={self.B}, T={self.T}")
-        if ids.device.type == "cpu":
-            self._check_ids(_host_ids(ids), what)
+        self._check_ids(host, what)
+        return ids if isinstance(ids, torch.Tensor) else torch.as_tensor(host)
+
+    def _device_ids(self, ids: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """A (B, T) int32 device tensor for checked ids: ids itself when it already is one, else copied into buf."""
+        if ids.device == self.device and ids.dtype == torch.int32 and ids.is_contiguous():
+            return ids
         buf.copy_(ids)
         return buf
 
@@ -806,7 +877,10 @@ class GPT2Model:
         NH, L = cfg.num_heads, cfg.num_layers
         if dloss is not None and targets is None:
             raise ValueError("forward: dloss (training) needs targets")
-        inp = self._device_ids(inputs, self.inputs, "inputs")
+        # both checked before anything is written: refused targets leave the last forward's state as it was
+        inputs = self._checked_ids(inputs, "inputs")
+        targets = None if targets is None else self._checked_ids(targets, "targets")
+        inp = self._device_ids(inputs, self.inputs)
         self._cur_inputs = inp
         self._have_dlogits = False
         kenc.encoder_forward(a["encoded"], inp, p["wte"], p["wpe"])
@@ -852,16 +926,18 @@ class GPT2Model:
                 kln.fused_residual_forward(b["residual3"], *ln_out, b["residual2"], proj, ln_w, ln_b)
         if self.classifier_chunks > 1:
             if targets is not None:
-                self._chunked_classifier(self._device_ids(targets, self.targets, "targets"), dloss)
+                self._chunked_classifier(self._device_ids(targets, self.targets), dloss)
                 self._have_dlogits = dloss is not None
+                self._have_losses = True
             return
         logits = self.logits_view()
         kmm.matmul_forward(logits, a["lnf"], p["wte"], use_cublaslt=lt)
         if targets is not None:
-            tgt = self._device_ids(targets, self.targets, "targets")
+            tgt = self._device_ids(targets, self.targets)
             fused_classifier(logits, a["losses"], 0.0 if dloss is None else dloss, tgt, cfg.vocab_size,
                              write_dlogits=dloss is not None)
             self._have_dlogits = dloss is not None
+            self._have_losses = True
 
     def _dlnf(self) -> torch.Tensor:
         # the first B*T*C of scratch_bt4c: free from the end of one backward's layers to the start of the
@@ -889,11 +965,17 @@ class GPT2Model:
 
     def loss(self) -> float:
         """Mean loss of the last forward with targets (one host sync)."""
+        self._check_losses()
         return float(self.acts["losses"].double().mean())
 
     def position_losses(self) -> torch.Tensor:
         """(B, T) fp32 per-position losses of the last forward with targets, on the CPU (HellaSwag)."""
-        return self.acts["losses"].float().cpu()
+        self._check_losses()
+        return self.acts["losses"].to("cpu", torch.float32, copy=True)  # a copy (the CPU's .cpu() is a view)
+
+    def _check_losses(self):
+        if not self._have_losses:
+            raise LlmpyError("no forward with targets has run yet: no loss to read")
 
     def seed_state(self) -> list[int]:
         """The stochastic-rounding seeds (one per rounding call site), for a checkpoint."""
@@ -917,18 +999,20 @@ class GPT2Model:
         tokens. The rows go into a (B, T) batch padded with token 0 (causal attention: the padding after
         a row's last token does not change that token's logits), as llm.c samples."""
         lt = self.use_cublaslt
-        x = torch.as_tensor(tokens, dtype=torch.int64)
-        if x.dim() == 1:
-            x = x[None]
-        if x.dim() != 2 or x.shape[0] > self.B or x.shape[1] == 0:
-            raise LlmpyError(f"logits_last: tokens of shape {list(x.shape)}; want (b, t), 1 <= b <= {self.B}, t >= 1")
-        x = x[:, -self.T:]
+        ids = _host_ids(tokens, "logits_last: tokens")
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or not 1 <= ids.shape[0] <= self.B or ids.shape[1] == 0:
+            raise LlmpyError(f"logits_last: tokens of shape {list(ids.shape)}; want (b, t), 1 <= b <= {self.B}, t >= 1")
+        self._check_ids(ids, "logits_last: tokens")  # before any narrowing (2**32 + 5 in int32 is 5)
+        x = torch.as_tensor(ids.astype(np.int64))[:, -self.T:]
         t = x.shape[1]
         batch = torch.zeros(self.B, self.T, dtype=torch.int32)
         batch[:x.shape[0], :t] = x
         self.forward(batch)
         if self.classifier_chunks == 1:
-            return self.logits_view()[:x.shape[0], t - 1, :self.config.vocab_size].float().cpu()
+            # a copy: the next forward rewrites the buffer (.float().cpu() of fp32 on the CPU is a view)
+            return self.logits_view()[:x.shape[0], t - 1, :self.config.vocab_size].to("cpu", torch.float32, copy=True)
         # chunked: only the b rows asked for, at most one chunk of them at a time (not inside a graph:
         # the gathered rows are a small fresh tensor)
         Vp = self.config.padded_vocab_size
@@ -1155,9 +1239,14 @@ class GPT2Model:
     def _clip(self, grad_clip: float):
         knorm.clip_scale(self._hyper[kadamw.GRAD_SCALE:kadamw.GRAD_SCALE + 1], self._norm_sq, grad_clip)
 
-    def _set_hyper(self, lr, step, beta1, beta2, eps, weight_decay):
+    @staticmethod
+    def _check_step(step):
+        # before any work: a refused step must leave the gradients and the rounding seeds as they were
         if step < 1:
             raise LlmpyError(f"AdamW step {step}: steps count from 1")
+
+    def _set_hyper(self, lr, step, beta1, beta2, eps, weight_decay):
+        self._check_step(step)
         if self._hyper_host is None:
             kadamw.set_hyper(self._hyper, lr, step, beta1, beta2, eps, weight_decay)
             return
@@ -1196,6 +1285,7 @@ class GPT2Model:
         or not. train_step(..., skip=fn) does that inside the graphed step."""
         if self.world_size > 1:
             raise LlmpyError("update(): with several ranks the gradients must be reduced first; use train_step")
+        self._check_step(step)
         if not self._norm_fresh:
             self._compute_norm()
         self._update_grads = self.grads_memory
@@ -1222,7 +1312,7 @@ class GPT2Model:
         dev_in, dev_tg, host, dev = self._staging[accum]
         host_np = host.numpy()
         for k, (x, y) in enumerate(batches):
-            x, y = _host_ids(x), _host_ids(y)
+            x, y = _host_ids(x, "inputs"), _host_ids(y, "targets")
             if x.shape != (self.B, self.T) or y.shape != (self.B, self.T):
                 raise LlmpyError(f"micro-batch {k}: inputs {list(x.shape)}, targets {list(y.shape)}; the model was "
                                  f"built for B={self.B}, T={self.T}")
@@ -1431,8 +1521,16 @@ class GPT2Model:
         trainer's outlier detection, -sl/-sg), recorded in last_step_skipped. Without skip the whole step
         is one CUDA graph; with it, two (forward/backward/norm, then AdamW) with the decision between.
         """
+        if not isinstance(batches, (list, tuple)):
+            batches = list(batches)  # a generator of pairs, say (iterated once: the checks below, then _stage)
         if not batches:
             raise LlmpyError("train_step needs at least one micro-batch")
+        self._check_step(step)
+        for k, b in enumerate(batches):
+            if not isinstance(b, (tuple, list)) or len(b) != 2:
+                what = f"a {type(b).__name__} of {len(b)}" if isinstance(b, (tuple, list)) else f"a {type(b).__name__}"
+                raise LlmpyError(f"train_step: micro-batch {k} is {what}, not an (inputs, targets) pair "
+                                 "(batches: a list of pairs)")
         accum = len(batches)
         hp = (beta1, beta2, eps, weight_decay)
         self._prepare(accum)
