@@ -363,8 +363,8 @@ def test_a_tiny_temperature_samples_among_the_largest_logits():
 
 def test_sample_streams_whole_characters_as_they_come():
     """sample_text's on_text pieces: whole UTF-8 characters although their bytes come one token at a time, joined
-    equal to the continuation it returns; bytes that cannot complete a character are let out, after four tokens at
-    the most, and an incomplete character at the end with the last piece."""
+    equal to the continuation it returns; bytes that cannot complete a character are let out, as U+FFFD, as soon as
+    that is certain, and an incomplete character at the end as one U+FFFD after the last token."""
     from types import SimpleNamespace
     from llmpy.sampler import sample_text
     from llmpy.tokenizer import ByteTokenizer
@@ -381,7 +381,8 @@ def test_sample_streams_whole_characters_as_they_come():
     pieces = []
     text = sample_text(Scripted(), ByteTokenizer(), "", gen_tokens=len(script), temperature=0, on_text=pieces.append)
     assert text == bytes(script).decode("utf-8", errors="replace") and "".join(pieces) == text
-    assert [p for p in pieces if "\ufffd" in p] == ["\ufffdA", "\ufffd" * 4, "\ufffd"]
+    # E2 then A; F0 four times (each broken by the next), then B; F0 9D, cut off by the sample's end
+    assert [p for p in pieces if "\ufffd" in p] == ["\ufffdA"] + ["\ufffd"] * 3 + ["\ufffdB", "\ufffd"]
     assert "€" in pieces and "𝄞" in pieces  # three and four bytes, one piece each
 
 

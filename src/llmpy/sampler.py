@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import math
 import numbers
 import re
@@ -141,19 +142,20 @@ def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temper
             return model.logits_last([ctx])[0]
         model.forward(torch.tensor([ctx]))
         return model.logits[0, -1]
-    pending: list[int] = []
+    # the tokens' bytes through an incremental UTF-8 decoder: a piece is let out as soon as its characters are
+    # whole or certainly broken (at most 3 bytes held), and the pieces join to the decoded sample exactly
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def stream(token: int):
-        pending.append(token)
-        piece = tokenizer.decode(pending)
-        # a character's bytes may span tokens: hold a piece that ends in a partial one, up to its 4 bytes' worth
-        if not piece.endswith("\ufffd") or len(pending) >= 4:
+        piece = utf8.decode(tokenizer.token_bytes(token))
+        if piece:
             on_text(piece)
-            pending.clear()
     ids = generate(next_logits, start, gen_tokens, config.vocab_size, config.max_seq_len, seed=seed,
                    temperature=temperature, top_k=top_k, on_token=stream if on_text is not None else None)
-    if pending:
-        on_text(tokenizer.decode(pending))
+    if on_text is not None:
+        rest = utf8.decode(b"", final=True)  # a character the sample ends inside of: U+FFFD
+        if rest:
+            on_text(rest)
     return tokenizer.decode(ids)
 
 

@@ -118,6 +118,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for: decode(ids) is their concatenation read as UTF-8 (errors replaced)."""
+        raise NotImplementedError
+
     def _check_ids(self, ids) -> list[int]:
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -217,6 +221,10 @@ class ByteTokenizer(Tokenizer):
                 run.append(i)
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def token_bytes(self, token: int) -> bytes:
+        (token,) = self._check_ids([token])
+        return ENDOFTEXT.encode() if token == self.eot else bytes([token])
 
 
 def _gpt2_byte_symbols() -> dict[str, int]:
@@ -340,6 +348,9 @@ class GPT2Tokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.encoding.decode(self._check_ids(ids), errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.encoding.decode_single_token_bytes(self._check_ids([token])[0])
 
 
 def _refuse_surrogates(text: str) -> None:
