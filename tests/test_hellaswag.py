@@ -262,6 +262,22 @@ def test_a_bad_jsonl_record_names_the_jsonl_and_its_line(tmp_path, record, needl
     assert str(e.value).startswith(f"{jsonl}: line 3 is not a HellaSwag example") and needle in str(e.value)
 
 
+
+def test_a_line_that_is_not_utf8_is_named_by_its_line(tmp_path):
+    # the whole file was decoded at once: the error named a byte offset ("position 1234") and no line
+    from llmpy.tokenizer import ByteTokenizer
+    rng = np.random.default_rng()
+    good = [json.dumps({"ctx": f"c{i}", "label": int(rng.integers(0, 4)), "endings": list("abcd")}) for i in range(3)]
+    bad_line = int(rng.integers(2, 4))
+    lines = [g.encode() for g in good]
+    lines.insert(bad_line - 1, b'{"ctx": "caf\xe9", "label": 1, "endings": ["a", "b", "c", "d"]}')  # latin-1
+    jsonl = tmp_path / "hellaswag_val.jsonl"
+    jsonl.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(LlmpyError) as e:
+        hs.examples_from_jsonl(jsonl, ByteTokenizer())
+    assert str(e.value) == (f"{jsonl}: line {bad_line} is not a HellaSwag example (not UTF-8 text: byte 0xe9 at "
+                            "column 13)")
+
 def test_line_and_paragraph_separators_inside_a_record_stay_in_its_text(tmp_path):
     # JSON strings may hold U+2028, U+2029 and U+0085 unescaped; str.splitlines() cut a record at them
     from llmpy.tokenizer import ByteTokenizer
@@ -296,3 +312,20 @@ def test_cli_prepare_hellaswag_bad_record_is_one_line_and_keeps_the_earlier_file
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert len(err) == 1 and "hellaswag_val.jsonl: line 1 is not a HellaSwag example (label Infinity" in err[0], err
     assert earlier.read_bytes() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# llmpy.files (the writers' helpers prepare hellaswag goes through; no test file of its own in this set)
+
+def test_a_temporary_named_with_an_impossible_process_id_is_no_traceback(tmp_path):
+    # os.kill(pid, 0) raised OverflowError past a C int: `train -o` crashed on such a stray file in its folder
+    import time
+    from llmpy import files
+    pid = 10 ** 12 + int(np.random.default_rng().integers(0, 10 ** 9))
+    stray = tmp_path / f".model_00000010.bin.{pid}.{os.urandom(4).hex()}.tmp"
+    stray.write_bytes(os.urandom(16))
+    os.utime(stray, (time.time() - files.ORPHAN_MIN_AGE_S - 5,) * 2)
+    kept = tmp_path / "model_00000010.bin"
+    kept.write_bytes(os.urandom(16))
+    assert files.remove_orphaned_temporaries(tmp_path) == 1  # no process can have that id: a dead writer's
+    assert not stray.exists() and kept.exists()

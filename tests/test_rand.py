@@ -7,7 +7,9 @@ measured by at most 2.5e-6 * std, so there the check is |diff| <= 1e-5 * std (+ 
 mean).
 """
 import math
+import os
 import secrets
+import signal
 import time
 from fractions import Fraction
 
@@ -17,6 +19,7 @@ import torch
 
 from llmpy import rand
 from llmpy.config import GPT2Config, parameter_views, parse_descriptor
+from llmpy.errors import LlmpyError
 from llmpy.init import init_draws, init_parameters, residual_std
 from llmpy.rand import MT19937
 
@@ -51,6 +54,22 @@ def test_seeding_is_init_genrand():
         key = np.random.RandomState(seed & 0xFFFFFFFF).get_state()[1]
         assert np.array_equal(key, rand.init_genrand(seed)), seed
 
+
+
+def test_edge_seeds_seed_torchs_stream_and_check_seed_bounds():
+    # torch.manual_seed takes any 64-bit value (a negative one as its two's complement) and keeps the low 32 bits
+    r = secrets.randbelow(1 << 32)
+    for seed in [0, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 63, (1 << 64) - 1, -1, -(1 << 63), r, -r,
+                 np.uint64((1 << 63) + r), np.int64(-r), np.uint32(r), True]:
+        ref = torch.randn(37, generator=torch.Generator().manual_seed(int(seed))).numpy()
+        assert_normals_match(MT19937(seed).normal_(37), ref, 0.0, 1.0, f"seed={seed!r}")
+    # llm.c's seeds (--seed, seed=): integers 0 .. 2^32 - 1, numpy's included; anything else is one line
+    for seed in [0, (1 << 32) - 1, r, np.uint32(r), np.int64(r), np.uint64(r)]:
+        rand.check_seed(seed)
+    for seed in [-1, 1 << 32, 1 << 63, True, np.bool_(False), np.int64(-r - 1), 3.0, "7", None]:
+        with pytest.raises(LlmpyError) as e:
+            rand.check_seed(seed, "--seed")
+        assert str(e.value) == f"--seed {seed!r}: must be an integer from 0 to 4294967295"
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_raw_draws_match_torch(seed):
@@ -123,6 +142,36 @@ def test_normal_out_and_errors():
     with pytest.raises(ValueError):
         MT19937(3).normal_(40, out=np.zeros(39, np.float32))
     assert MT19937(3).normal_(0).shape == (0,)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_normal_in_a_forked_child_does_not_hang(monkeypatch):
+    """The Box-Muller thread pool's threads do not survive fork(): a child (multiprocessing's default start on
+    Linux) that drew a large normal_ after its parent had hung for ever in the pool's queue."""
+    if rand._pool() is None:  # one core: make the pool anyway, so that the threaded path runs in the parent
+        from concurrent.futures import ThreadPoolExecutor
+        monkeypatch.setattr(rand, "_POOL", ThreadPoolExecutor(max_workers=2))
+        monkeypatch.setattr(rand, "_WORKERS", 2)
+    seed, n = secrets.randbelow(1 << 31), 16 * rand._CHUNK_BLOCKS * 3 + 5  # several chunks: the threaded path
+    want = MT19937(seed).normal_(n, 0.1, 0.02)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 on the same numbers, 3 on others; SIGALRM if it hangs
+        try:
+            signal.alarm(30)
+            os._exit(0 if np.array_equal(MT19937(seed).normal_(n, 0.1, 0.02), want) else 3)
+        finally:
+            os._exit(4)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("normal_ hung in a forked child")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0, f"seed={seed}: child status {status}"
 
 
 def test_consecutive_calls_continue_the_stream():

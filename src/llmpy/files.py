@@ -101,7 +101,7 @@ ORPHAN_MIN_AGE_S = 600  # untouched this long: not a write still going on (on an
 def _process_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: beyond a C int, an id no process has
         return False
     except OSError:  # EPERM: another user's process
         return True

@@ -259,10 +259,16 @@ def examples_from_jsonl(path: Path, tokenizer) -> list[Example]:
     examples = []
     try:
         # lines end at "\n" only: splitlines() would also cut at U+2028, U+2029 or U+0085 inside a JSON string
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except (OSError, UnicodeDecodeError) as e:
+        # (a "\n" byte is never inside a UTF-8 sequence: each line is decoded alone, so a bad byte names its line)
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
         raise LlmpyError(f"{path}: cannot read the HellaSwag jsonl ({e})") from None
-    for lineno, line in enumerate(lines, 1):
+    for lineno, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LlmpyError(f"{path}: line {lineno} is not a HellaSwag example (not UTF-8 text: byte "
+                             f"0x{raw[e.start]:02x} at column {e.start + 1})") from None
         if not line.strip():
             continue
         try:

@@ -238,6 +238,16 @@ def _pool() -> ThreadPoolExecutor | None:
     return _POOL
 
 
+def _forget_pool_after_fork() -> None:
+    """A forked child has none of the pool's threads (the executor would queue its work for ever): start anew."""
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 SEED_LIMIT = 1 << 32  # llm.c's seeds are unsigned 32-bit, and mt19937 keeps only those bits
 
 
