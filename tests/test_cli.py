@@ -420,6 +420,22 @@ def test_attention_flag_takes_every_path(shards):
     assert_one_line_error(res, "attention 'cudnn+flash' needs a CUDA device")
 
 
+def test_paths_after_name_equals_read_a_leading_tilde_as_home(tmp_path, shards):
+    # the shell leaves --name=~/x as it is: llmpy reads ~ as the home folder there too, as prepare does
+    train, val = shards
+    home = tmp_path / "home"
+    (home / "d").mkdir(parents=True)
+    for f in (train, val):
+        f.rename(home / "d" / f.name)
+    res = llmpy("train", f"--train-data=~/d/{train.name}", f"--val-data=~/d/{val.name}", "--output-dir=~/run",
+                "-e", TINY, "-b", 2, "-t", 16, "-x", 2, "-v", 1, "-m", 1, "-s", 0, "-g", 0, "--device", "cpu",
+                env={"HOME": str(home)}, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert (home / "run" / "main.log").is_file() and not (tmp_path / "~").exists()
+    assert_one_line_error(llmpy("train", "--output-dir=~nosuchuser_llmpy/run", "-i", home / "d" / train.name,
+                                "-e", TINY, "-x", 1), "-o: ~nosuchuser_llmpy/run: no home folder")
+
+
 def test_wrong_model_file(tmp_path, shards):
     train, _ = shards
     assert_one_line_error(llmpy("train", "-i", train, "-e", train, "-x", 1), train.name, "token shard")

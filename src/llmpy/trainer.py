@@ -24,6 +24,7 @@ import torch
 
 from .config import ATTENTION_IMPLS, GPT2Config, parse_descriptor
 from .errors import LlmpyError
+from .files import expand_user
 from .outliers import OutlierDetector
 from .rand import check_seed
 from .sampler import check_sampling_options
@@ -137,6 +138,13 @@ class TrainOptions:
                 raise LlmpyError(f"{flag} ({name}={value!r}): an empty name; leave it out for its default")
             if value is not None and "\0" in value:  # the system refuses such names with a ValueError
                 raise LlmpyError(f"{flag} ({name}={value!r}): a file name cannot hold a NUL character")
+            if value is not None and value.startswith("~"):
+                # the home folder, as the shell makes it of a word of its own but not after --name= (nor does
+                # the Python API): `llmpy prepare` and the tokenizer folders read ~ so too
+                try:
+                    setattr(self, name, str(expand_user(value)))
+                except LlmpyError as e:
+                    raise LlmpyError(f"{flag}: {e}") from None
         if self.output_dir is not None:
             try:
                 self.output_dir.encode("utf-8")
