@@ -86,6 +86,21 @@ def test_corrupt_files_are_one_line_errors(eval_file, corrupt, needle):
     assert "hs.bin" in msg and needle in msg and "\n" not in msg
 
 
+def test_a_wrong_big_file_is_refused_from_its_header(tmp_path):
+    # a token shard (or any big file) given as --hellaswag-file: refused after its header, not read whole first
+    import tracemalloc
+    path = tmp_path / "big.bin"
+    path.write_bytes(np.random.default_rng().integers(0, 2**16, 16 << 20, dtype=np.uint16).tobytes())
+    tracemalloc.start()
+    try:
+        with pytest.raises(LlmpyError, match=r"big\.bin: bad magic"):
+            read_eval_file(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (1 << 20), peak
+
+
 def test_a_pipe_or_a_folder_is_no_eval_file(tmp_path):
     # reading a FIFO would wait for a writer for ever (`train -h 1 --hellaswag-file` hung)
     os.mkfifo(tmp_path / "hs.bin")
