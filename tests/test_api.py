@@ -170,3 +170,23 @@ def test_every_line_of_a_run_goes_to_the_log_function(tmp_path, capsys, progress
                 val_every=0, gen_tokens=0)
     assert sum(line.startswith("step ") for line in lines) == 3 and lines[-1].startswith("done: 3 steps")
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("desc, message", [
+    # the sizes were refused under GPT2Config's field names, with neither the descriptor nor its key named
+    ("layers=0,channels=16,heads=2", "model descriptor 'layers=0,channels=16,heads=2': layers must be positive, got 0"),
+    ("layers=1,channels=-16,heads=2", "model descriptor 'layers=1,channels=-16,heads=2': channels must be positive, "
+                                      "got -16"),
+    ("layers=1,channels=16,heads=0", "model descriptor 'layers=1,channels=16,heads=0': heads must be positive, got 0"),
+    ("layers=1,channels=16,heads=2,seq=0", "model descriptor 'layers=1,channels=16,heads=2,seq=0': seq must be "
+                                           "positive, got 0"),
+    ("layers=1,channels=16,heads=2,vocab=-5", "model descriptor 'layers=1,channels=16,heads=2,vocab=-5': vocab must "
+                                              "be positive, got -5"),
+    ("layers=1,channels=16,heads=3", "model descriptor 'layers=1,channels=16,heads=3': channels 16 is not divisible "
+                                     "by heads 3"),
+])
+def test_descriptor_sizes_are_refused_naming_the_descriptor(desc, message):
+    for call in (lambda: llmpy.parse_descriptor(desc), lambda: llmpy.create_model(desc)):
+        with pytest.raises(LlmpyError) as e:
+            call()
+        assert str(e.value) == message

@@ -552,3 +552,19 @@ def test_export_matches_transformers(tmp_path, dtype):
         assert hf_logits.shape == (B, T, TINY.vocab_size)
         diff = (hf_logits - ref.logits[..., :TINY.vocab_size]).abs().max().item()
         assert diff < 1e-4, diff
+
+
+@pytest.mark.parametrize("model, out, message", [
+    ("m.bin", None, "export folder None: must be a folder's path (a str)"),
+    ("m.bin", 3, "export folder 3: must be a folder's path (a str)"),
+    (None, "hf", "model None: must be a model file's path (a str)"),
+    (b"m.bin", "hf", "model b'm.bin': must be a model file's path (a str)"),
+])
+def test_export_refuses_paths_of_the_wrong_type(tmp_path, monkeypatch, model, out, message):
+    # a TypeError traceback from Path()
+    monkeypatch.chdir(tmp_path)
+    save_llmc(tmp_path / "m.bin", TINY, rand_params(TINY))
+    with pytest.raises(LlmpyError) as e:
+        export_hf(model, out)
+    assert str(e.value) == message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]

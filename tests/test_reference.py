@@ -3,6 +3,7 @@ autograd in float64. Layer by layer, then the whole model (logits, loss, every g
 AdamW steps."""
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from llmpy import reference as ref
 from llmpy.config import GPT2Config, parameter_views
+from llmpy.errors import LlmpyError
 
 F64 = torch.float64
 
@@ -292,3 +294,100 @@ def test_ten_adamw_steps_follow_torch():
     assert losses_ref[-1] < losses_ref[0]
     for a, b in zip(losses_ref, losses_torch):
         assert abs(a - b) < 1e-4 * abs(b), (losses_ref, losses_torch)
+
+
+def test_gpt2_in_float64_matches_autograd_to_rounding():
+    """The float32 test above allows 1e-4: a small slip in one layer's backward would pass it. In float64 the
+    hand-written backward must agree with autograd's to rounding, every tensor, T up to the full context."""
+    cfg = GPT2Config(max_seq_len=7, vocab_size=29, num_layers=2, num_heads=3, channels=12, padded_vocab_size=32)
+    flat = random_params(cfg).double()
+    inputs = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len))
+    targets = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len))
+    oracle = TorchGPT2(cfg).to(F64)
+    oracle.load_flat(flat, cfg)
+    logits64, loss64 = oracle(inputs, targets)
+    loss64.backward()
+    model = ref.GPT2Reference(cfg, flat, dtype=F64)
+    loss = model.forward(inputs, targets)
+    assert rel_err(model.logits, logits64) < 1e-13 and abs(loss - loss64.item()) < 1e-13 * loss64.item()
+    model.backward()
+    for name, g in oracle.grads_flat(cfg).items():
+        assert rel_err(model.grads[name], g) < 1e-12, name
+
+
+# ---------------------------------------------------------------------------------------------------
+# the model's inputs: one LlmpyError naming what is wrong, before any work (as GPT2Model's)
+
+IDS_CFG = GPT2Config(max_seq_len=8, vocab_size=50, num_layers=1, num_heads=2, channels=8)  # Vp = 128
+
+
+def _ids(*shape, high=IDS_CFG.vocab_size):
+    return torch.randint(1, high, shape)
+
+
+@pytest.mark.parametrize("make, message", [
+    # a negative id indexed wte from its end, an id in [V, Vp) read a zero padding row: a loss, silently wrong
+    (lambda x, y: (x.index_put_((torch.tensor(1), torch.tensor(2)), torch.tensor(-1)), y),
+     "inputs hold token id -1 at [1, 2], outside the model's vocabulary [0, 50)"),
+    (lambda x, y: (x.index_put_((torch.tensor(0), torch.tensor(4)), torch.tensor(60)), y),
+     "inputs hold token id 60 at [0, 4], outside the model's vocabulary [0, 50)"),
+    (lambda x, y: (x.index_put_((torch.tensor(1), torch.tensor(0)), torch.tensor(200)), y),  # an IndexError
+     "inputs hold token id 200 at [1, 0], outside the model's vocabulary [0, 50)"),
+    # targets out of range: a RuntimeError from gather
+    (lambda x, y: (x, y.index_put_((torch.tensor(0), torch.tensor(3)), torch.tensor(50))),
+     "targets hold token id 50 at [0, 3], outside the model's vocabulary [0, 50)"),
+    (lambda x, y: (x, y.index_put_((torch.tensor(1), torch.tensor(5)), torch.tensor(-3))),
+     "targets hold token id -3 at [1, 5], outside the model's vocabulary [0, 50)"),
+    # floats were truncated to other tokens
+    (lambda x, y: (x + 0.5, y), "inputs of dtype torch.float32: token ids must be integers"),
+    (lambda x, y: (x, y.double()), "targets of dtype torch.float64: token ids must be integers"),
+    # a targets tensor that broadcast against the losses gave a loss of the wrong pairs; another a RuntimeError
+    (lambda x, y: (x, y[:1]), "targets of shape [1, 6] do not match inputs of shape [2, 6]"),
+    (lambda x, y: (x, y[:, :4]), "targets of shape [2, 4] do not match inputs of shape [2, 6]"),
+    (lambda x, y: (x[0], y[0]), "inputs of shape [6]: must be (B, T) token ids"),  # a ValueError from unpacking
+    (lambda x, y: (x[:, :0], y[:, :0]), "inputs of shape [2, 0]: must be (B, T) token ids"),  # a NaN loss
+    (lambda x, y: (torch.cat([x, x], 1), torch.cat([y, y], 1)),
+     "inputs of shape [2, 12]: sequence length 12 exceeds the model's context 8"),  # was a ValueError
+    (lambda x, y: ([[1, 2], [3]], y), "inputs: not an array of token ids"),  # an AttributeError
+    (lambda x, y: (x, "abc"), "targets of dtype <U3: token ids must be integers"),
+])
+def test_reference_forward_refuses_bad_inputs_in_one_line(make, message):
+    model = ref.GPT2Reference(IDS_CFG, random_params(IDS_CFG))
+    x, y = _ids(2, 6), _ids(2, 6)
+    loss = model.forward(x, y)
+    logits = model.logits.clone()
+    bad_x, bad_y = make(x.clone(), y.clone())
+    with pytest.raises(LlmpyError) as e:
+        model.forward(bad_x, bad_y)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    # refused before any work: the last forward's activations are still there for its backward
+    assert torch.equal(model.logits, logits)
+    model.backward()
+    assert math.isfinite(loss) and model.grads_flat.abs().sum() > 0
+
+
+def test_reference_forward_takes_lists_and_numpys_ids():
+    model = ref.GPT2Reference(IDS_CFG, random_params(IDS_CFG))
+    x, y = _ids(2, 5), _ids(2, 5)
+    want = model.forward(x, y)
+    assert model.forward(x.tolist(), y.tolist()) == want
+    assert model.forward(x.numpy().astype(np.uint16), y.numpy().astype(np.int32)) == want
+    assert model.forward(x.int(), y.to(torch.int16)) == want
+
+
+def test_reference_backward_and_update_refuse_misuse():
+    model = ref.GPT2Reference(IDS_CFG, random_params(IDS_CFG))
+    with pytest.raises(LlmpyError, match=r"^backward needs a forward with targets first$"):  # was a RuntimeError
+        model.backward()
+    model.forward(_ids(2, 5), _ids(2, 5))
+    model.backward()
+    before = model.params_flat.clone()
+    for step in (0, -2):  # 0: a ZeroDivisionError; -2: a negative bias correction, a silently wrong update
+        with pytest.raises(LlmpyError, match=rf"^AdamW step {step}: steps count from 1$"):
+            model.update(1e-3, step)
+    assert torch.equal(model.params_flat, before) and model.m_flat is None
+    # a forward without targets has no losses: they were the earlier inputs' (read as this one's, silently wrong)
+    model.forward(_ids(2, 5), _ids(2, 5))
+    assert model.losses.shape == (2, 5)
+    model.forward(_ids(1, 3))
+    assert model.losses is None and model.logits.shape == (1, 3, IDS_CFG.padded_vocab_size)

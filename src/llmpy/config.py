@@ -177,7 +177,14 @@ def _explicit(desc: str) -> GPT2Config:
     missing = [k for k in ("layers", "channels", "heads") if _EXPLICIT_KEYS[k] not in values]
     if missing:
         raise ConfigError(f"model descriptor {desc!r} lacks {', '.join(missing)}")
-    return GPT2Config(**values)
+    # refused in the descriptor's own words (layers, not num_layers), the descriptor named
+    for key, name in _EXPLICIT_KEYS.items():
+        if name in values and values[name] <= 0:
+            raise ConfigError(f"model descriptor {desc!r}: {key} must be positive, got {values[name]}")
+    try:
+        return GPT2Config(**values)
+    except ConfigError as e:
+        raise ConfigError(f"model descriptor {desc!r}: {e}") from None
 
 
 def parse_descriptor(desc: str) -> GPT2Config:

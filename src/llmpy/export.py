@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from .errors import LlmpyError
@@ -37,6 +38,10 @@ def export_hf(model_path, out_dir) -> Path:
     from .checkpoint import hf_config_dict, load_model_file, save_hf
     from .files import atomic_write, refuse_non_file, writable_dir
 
+    for value, name, what in ((model_path, "model", "a model file's path"),
+                              (out_dir, "export folder", "a folder's path")):
+        if not isinstance(value, (str, os.PathLike)):  # Path() raised a TypeError
+            raise LlmpyError(f"{name} {value!r:.60}: must be {what} (a str)")
     if not str(out_dir).strip():  # Path("") is the current folder: not what was meant
         raise LlmpyError("an empty export folder name")
     out = Path(out_dir)

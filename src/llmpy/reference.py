@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .config import PARAMETER_NAMES, GPT2Config, check_fits_in_host_memory, parameter_views
@@ -301,16 +302,24 @@ class GPT2Reference:
         self.m_flat = None
         self.v_flat = None
         self.acts = None
+        self.logits = None  # (B, T, Vp) of the last forward
+        self.losses = None  # (B, T) of the last forward, None when it had no targets
 
     # ---- forward
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None):
         """Returns the mean loss (a float) when targets are given, else None; logits stay in self.logits."""
         cfg, p = self.config, self.params
+        # every check before any work: a refused forward leaves the last one's activations for its backward
+        inputs = self._token_ids(inputs, "inputs")
         B, T = inputs.shape
         if T > cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's context {cfg.max_seq_len}")
-        inputs = torch.as_tensor(inputs).long()
+            raise LlmpyError(f"inputs of shape [{B}, {T}]: sequence length {T} exceeds the model's context "
+                             f"{cfg.max_seq_len}")
+        if targets is not None:
+            targets = self._token_ids(targets, "targets")
+            if targets.shape != inputs.shape:
+                raise LlmpyError(f"targets of shape {list(targets.shape)} do not match inputs of shape {[B, T]}")
         NH = cfg.num_heads
         layers = []
         residual = encoder_forward(inputs, p["wte"], p["wpe"])
@@ -331,12 +340,39 @@ class GPT2Reference:
         self.logits = matmul_forward(lnf, p["wte"])  # (B, T, Vp), the padded rows of wte are zero
         self.acts = {"layers": layers, "residual_final": residual, "lnf": lnf, "lnf_mean": lnf_mean,
                      "lnf_rstd": lnf_rstd, "inputs": inputs, "targets": None}
+        self.losses = None  # not the last forward-with-targets' losses, for other inputs
         if targets is None:
             return None
-        targets = torch.as_tensor(targets).long()
         self.acts["targets"] = targets
         self.losses, _ = fused_classifier(self.logits, targets, cfg.vocab_size)
         return float(self.losses.double().mean())
+
+    def _token_ids(self, ids, what: str) -> torch.Tensor:
+        """ids as a (B, T) int64 tensor on the model's device; one LlmpyError for anything else: floats (truncated
+        to other tokens), ids outside [0, V) (a negative one indexed wte from its end, one in [V, Vp) read a zero
+        padding row: losses silently wrong), a shape that is not (B, T) with B, T >= 1."""
+        if isinstance(ids, torch.Tensor):
+            integer, dtype = not (ids.dtype.is_floating_point or ids.dtype.is_complex), ids.dtype
+        else:
+            try:
+                ids = np.asarray(ids)
+            except (ValueError, TypeError) as e:  # a ragged list
+                raise LlmpyError(f"{what}: not an array of token ids "
+                                 f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+            integer, dtype = ids.dtype.kind in "iub", ids.dtype
+        if not integer:
+            raise LlmpyError(f"{what} of dtype {dtype}: token ids must be integers")
+        if ids.ndim != 2 or 0 in ids.shape:
+            raise LlmpyError(f"{what} of shape {list(ids.shape)}: must be (B, T) token ids, B and T at least 1")
+        if isinstance(ids, np.ndarray):  # uint64 ids past 2**63 turn negative: refused below
+            ids = torch.from_numpy(ids.astype(np.int64))
+        ids = ids.detach().to(device=self.params_flat.device, dtype=torch.int64)
+        V = self.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            b, t = (int(i) for i in ((ids < 0) | (ids >= V)).nonzero()[0])
+            raise LlmpyError(f"{what} hold token id {int(ids[b, t])} at [{b}, {t}], outside the model's vocabulary "
+                             f"[0, {V})")
+        return ids
 
     # ---- backward
 
@@ -346,7 +382,7 @@ class GPT2Reference:
     def backward(self, dloss: float | None = None):
         """Accumulate the gradients of sum(losses) * dloss (default dloss = 1/(B*T): the mean loss)."""
         if self.acts is None or self.acts["targets"] is None:
-            raise RuntimeError("backward needs a forward with targets first")
+            raise LlmpyError("backward needs a forward with targets first")
         cfg, p, g, acts = self.config, self.params, self.grads, self.acts
         B, T = acts["inputs"].shape
         NH = cfg.num_heads
@@ -385,6 +421,8 @@ class GPT2Reference:
     def update(self, lr: float, step: int, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8,
                weight_decay: float = 0.0, grad_scale: float = 1.0):
         """AdamW over the 16 tensors, weight decay on the 2-D ones only (llm.c's gpt2_update)."""
+        if step < 1:  # step 0 divided by a zero bias correction, a negative step made it negative
+            raise LlmpyError(f"AdamW step {step}: steps count from 1")
         if self.m_flat is None:
             self.m_flat = torch.zeros_like(self.params_flat)
             self.v_flat = torch.zeros_like(self.params_flat)
