@@ -190,3 +190,13 @@ def test_descriptor_sizes_are_refused_naming_the_descriptor(desc, message):
         with pytest.raises(LlmpyError) as e:
             call()
         assert str(e.value) == message
+
+
+@pytest.mark.parametrize("desc", ["d1_2", "d+12", "d١٢", "gpt3:c7_68", "layers=1_2,channels=16,heads=2",
+                                  "layers=+1,channels=16,heads=2", "layers=2,channels=1_6,heads=2", "d" + "9" * 5000])
+def test_descriptor_sizes_are_plain_decimal_digits(desc):
+    # int() took "1_2" as 12, "+1" and other scripts' digits (d1_2 trained d12); a 5,000-digit size is not echoed
+    with pytest.raises(LlmpyError) as e:
+        llmpy.parse_descriptor(desc)
+    msg = str(e.value)
+    assert len(msg) < 400 and ("must be an integer" in msg or "unknown model descriptor" in msg), msg

@@ -160,6 +160,16 @@ _EXPLICIT_KEYS = {"layers": "num_layers", "channels": "channels", "heads": "num_
                   "seq": "max_seq_len", "vocab": "vocab_size"}
 
 
+def _decimal(text: str, signed: bool = False) -> int:
+    """ASCII decimal digits only (int() also takes "1_2", "+2" and other scripts' digits: d1_2 was d12); a
+    ValueError otherwise."""
+    t = text.strip()
+    digits = t[1:] if signed and t.startswith("-") else t
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+        raise ValueError(text)
+    return int(t)
+
+
 def _explicit(desc: str) -> GPT2Config:
     values = {}
     for part in desc.split(","):
@@ -171,9 +181,9 @@ def _explicit(desc: str) -> GPT2Config:
         if _EXPLICIT_KEYS[key] in values:
             raise ConfigError(f"model descriptor {desc!r}: {key} is given twice")
         try:
-            values[_EXPLICIT_KEYS[key]] = int(val)
+            values[_EXPLICIT_KEYS[key]] = _decimal(val, signed=True)  # signed: "-16" is refused as not positive
         except ValueError:
-            raise ConfigError(f"model descriptor {desc!r}: {key} must be an integer, got {val!r}") from None
+            raise ConfigError(f"model descriptor {desc!r:.80}: {key} must be an integer, got {val!r:.40}") from None
     missing = [k for k in ("layers", "channels", "heads") if _EXPLICIT_KEYS[k] not in values]
     if missing:
         raise ConfigError(f"model descriptor {desc!r} lacks {', '.join(missing)}")
@@ -204,14 +214,14 @@ def parse_descriptor(desc: str) -> GPT2Config:
         family, _, low = low.partition(":")
     try:
         if family == "gpt2" and low.startswith("d"):
-            return _gpt2_depth(int(low[1:]))
+            return _gpt2_depth(_decimal(low[1:]))
         if family == "gpt3" and low.startswith("c"):
-            return _gpt3_channels(int(low[1:]))
+            return _gpt3_channels(_decimal(low[1:]))
     except ValueError:
         pass
     if "/" in d or d.endswith((".bin", ".safetensors")):  # meant as a model file's path
         raise ConfigError(f"{desc}: no such model file")
-    raise ConfigError(f"unknown model descriptor {desc!r}: expected dN, gpt2:dN, gpt3:cN, gpt2, gpt2-medium, "
+    raise ConfigError(f"unknown model descriptor {desc!r:.80}: expected dN, gpt2:dN, gpt3:cN, gpt2, gpt2-medium, "
                       "gpt2-large, gpt2-xl, layers=..,channels=..,heads=.. or a checkpoint file")
 
 
