@@ -20,6 +20,7 @@ import argparse
 import json
 import shlex
 import sys
+from pathlib import Path
 
 from bench import bench_step
 
@@ -64,15 +65,18 @@ def main(argv=None, runner=None) -> int:
         ap.error("variant names must differ")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.json:  # a bad path should fail now, not after every round
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    # each variant's bench_step arguments, checked before the first run (a bad one ends the call now)
+    step_argvs = {name: ["--systems", "llmpy", *common, *extra] for name, extra in variants}
+    step_args = {name: bench_step.parse_args(step_argv) for name, step_argv in step_argvs.items()}
     runner = runner or bench_step.run_child_process
     medians: dict[str, list[float | None]] = {name: [] for name, _ in variants}
     quartiles: dict[str, list[float | None]] = {name: [] for name, _ in variants}
     joules: dict[str, list[float | None]] = {name: [] for name, _ in variants}
     for r in range(args.rounds):
-        for name, extra in variants:
-            step_argv = ["--systems", "llmpy", *common, *extra]
-            step_args = bench_step.parse_args(step_argv)
-            res = bench_step.summarize(runner("llmpy", step_args, step_argv), step_args)
+        for name, _ in variants:
+            res = bench_step.summarize(runner("llmpy", step_args[name], step_argvs[name]), step_args[name])
             ms = res.get("median_ms") if res.get("ok") else None
             medians[name].append(ms)
             quartiles[name].append(res.get("p25_ms") if ms is not None else None)

@@ -29,9 +29,10 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from bench.bench_step import make_batches
-from llmpy.config import parse_descriptor
+from llmpy.config import ConfigError, parse_descriptor
 
 # group -> the launchers the model calls for it, as (module, attribute path in it); the model looks them up
 # at call time, so replacing one removes its kernels from the next capture. (LANE, name): a call the
@@ -152,11 +153,21 @@ def main(argv=None) -> int:
             groups_of(v)
         except ValueError as e:
             ap.error(str(e))
+    for name, least in (("B", 1), ("T", 1), ("steps", 1), ("warmup", 0), ("rounds", 1)):
+        if getattr(args, name) < least:
+            ap.error(f"--{name} must be at least {least}")
+    try:
+        config = parse_descriptor(args.model)
+    except ConfigError as e:
+        ap.error(f"--model {args.model}: {e}")
+    if args.T > config.max_seq_len:
+        ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
+    if args.json:  # a bad path should fail now, not after every round
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
 
     import torch
     from llmpy.init import init_parameters
     from llmpy.model import GPT2Model
-    config = parse_descriptor(args.model)
     model = GPT2Model(config, init_parameters(config, args.seed), args.B, args.T, device="cuda",
                       dtype=torch.bfloat16, master_weights=True, recompute=args.recompute, seed=args.seed)
     print(model.describe(), flush=True)

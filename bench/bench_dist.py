@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def parse_args(argv=None):
@@ -113,14 +114,15 @@ def profile_steps(step, first: int, count: int) -> dict:
     NCCL's kernels as "communication") and the top kernels; the steps' wall times beside them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from bench.profile_step import _kernel_events, aggregate
+    from bench.profile_step import _kernel_intervals, aggregate
     walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(first, first + count):
             walls.append(step(i)[2])
     torch.cuda.synchronize()
-    events, _ = _kernel_events(prof)
-    agg = aggregate(events, count, statistics.median(walls))
+    events = [(name, end - start, 1) for name, start, end in _kernel_intervals(prof)]
+    # the mean wall, not the median: the kernel time is summed over all `count` steps (bench.profile_step's too)
+    agg = aggregate(events, count, sum(walls) / len(walls))
     return {"wall_ms": agg["wall_ms"], "kernel_ms": agg["kernel_ms"],
             "groups": {g: round(v["ms"], 3) for g, v in agg["groups"].items()},
             "top": [{k: r[k] for k in ("name", "group", "calls", "ms")} for r in agg["rows"][:12]]}
@@ -218,6 +220,8 @@ def main(argv=None) -> int:
         return 0
     N = args.nproc
     variants = [(text, parse_env(text)) for text in args.nccl_env]
+    if args.json:  # a bad path should fail now, not after every run
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     runs = [launch(args, 1, 0, 1, args.steps, "1gpu"),
             launch(args, N, 0, 1, args.steps, f"{N}gpu_z0"),
             launch(args, N, 1, 1, args.steps, f"{N}gpu_z1"),
@@ -233,8 +237,10 @@ def main(argv=None) -> int:
     lines, checks = report(runs, args)
     print("\n" + "\n".join(lines))
     if args.json:
+        from bench.bench_step import json_safe  # a NaN loss or norm as null: JSON has no NaN
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "runs": runs, "bitwise": checks}, f, indent=1)
+            json.dump(json_safe({"settings": vars(args), "runs": runs, "bitwise": checks}), f, indent=1,
+                      allow_nan=False)
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.host_commands import add_tree_arguments, run_rounds
+from bench.host_commands import add_tree_arguments, positive_int, run_rounds
 
 
 def write_log(path: Path, steps: int, seed: int = 1) -> None:
@@ -32,7 +32,8 @@ def write_log(path: Path, steps: int, seed: int = 1) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1_600_000, help="train records in the log (default 1.6M)")
+    parser.add_argument("--steps", type=positive_int, default=1_600_000,
+                        help="train records in the log (default 1.6M)")
     add_tree_arguments(parser)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,7 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
-from llmpy.config import parse_descriptor
+from llmpy.config import ConfigError, parse_descriptor
 
 _IMPORT_TIME = time.time()  # the in-process stand-in for the spawn time (tests, --child without parent)
 REPO = Path(__file__).resolve().parents[1]
@@ -111,12 +111,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.system_list if s not in SYSTEMS]
     if bad or not args.system_list:
         ap.error(f"--systems: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(SYSTEMS)}")
+    twice = [s for i, s in enumerate(args.system_list) if s in args.system_list[:i]]
+    if twice:  # the results are keyed by system: one of the runs would be dropped unseen
+        ap.error(f"--systems: {twice[0]} named twice")
     if args.child is not None and args.child not in SYSTEMS:
         ap.error(f"--child: unknown system {args.child}")
     for name in ("B", "T", "steps", "warmup_median_from"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    config = parse_descriptor(args.model)
+    if not args.peak_tflops > 0:
+        ap.error("--peak-tflops must be above 0")
+    try:
+        config = parse_descriptor(args.model)
+    except ConfigError as e:
+        ap.error(f"--model {args.model}: {e}")
     if args.T > config.max_seq_len:
         ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
     if "llmc" in args.system_list + [args.child] and (args.model != "d12" or args.seed != 42):
@@ -491,13 +499,21 @@ def _run_llmc(args, res: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # the figures and the tables
 
+def median_window(steps: int, args) -> list[int] | None:
+    """[first, last] 1-based steps whose median summarize takes from a run of `steps` steps: from
+    --warmup-median-from on; with no step that far, all but the first (best effort), or the one step."""
+    if steps < 1:
+        return None
+    lo = args.warmup_median_from
+    return [lo, steps] if steps >= lo else [min(2, steps), steps]
+
+
 def summarize(res: dict, args) -> dict:
     """Add the derived figures to a system's raw result (in place; returns it)."""
     config = parse_descriptor(args.model)
     ms = res.get("step_ms") or []
-    lo = args.warmup_median_from - 1
-    window = ms[lo:] if len(ms) > lo else ms[1:] or ms  # fewer steps than the warm-up: best effort
-    res["median_steps"] = [len(ms) - len(window) + 1, len(ms)] if window else None
+    res["median_steps"] = median_window(len(ms), args)
+    window = ms[res["median_steps"][0] - 1:] if ms else []
     if not window:
         res.update(median_ms=None, tokens_per_s=None, mfu=None, compile_s=None, first_step_s=None)
         return res
@@ -506,7 +522,9 @@ def summarize(res: dict, args) -> dict:
     res["median_ms"] = med
     res["min_ms"] = min(window)
     # lower quartile: a step's time with the power cap's slow spells left out (bench.ab_step compares it too)
-    res["p25_ms"] = statistics.quantiles(window, n=4)[0] if len(window) >= 2 else med
+    # ("exclusive", the default, extrapolates below the fastest step for a window of two: "inclusive" there)
+    method = "exclusive" if len(window) >= 3 else "inclusive"
+    res["p25_ms"] = statistics.quantiles(window, n=4, method=method)[0] if len(window) >= 2 else med
     res["max_ms"] = max(window)
     res["tokens_per_s"] = tokens / (med * 1e-3)
     res["mfu"] = config.flops_per_token(args.T) * res["tokens_per_s"] / (args.peak_tflops * 1e12)
@@ -540,10 +558,14 @@ def card_state(r: dict) -> str:
 def format_table(results: dict, args) -> str:
     """The final comparison: one row per system."""
     lo = args.warmup_median_from
+    asked = median_window(args.steps, args)
     base = results.get("torch-compile", {}).get("median_ms")
     hdr = (f"{'system':14s} {'ms/step':>9s} {'tok/s':>10s} {'MFU':>6s} {'vs tc':>6s} {'alloc GB':>9s} "
            f"{'used GB':>8s} {'step1 s':>8s} {'compile s':>9s} {'start->1 s':>10s}  status")
-    lines = [f"median of steps {lo}..{args.steps}, B={args.B} T={args.T} ({args.B * args.T} tokens/step), "
+    window = f"{asked[0]}..{asked[1]}" if asked else "-"
+    if asked and asked[0] != lo:
+        window += f" (--steps {args.steps} ends before --warmup-median-from {lo})"
+    lines = [f"median of steps {window}, B={args.B} T={args.T} ({args.B * args.T} tokens/step), "
              f"model {args.model}, MFU against {args.peak_tflops:g} TFLOP/s; GB = 1e9 bytes; "
              f"'vs tc' = torch-compile's ms / this system's ms", hdr, "-" * len(hdr)]
     for name, r in results.items():
@@ -558,6 +580,8 @@ def format_table(results: dict, args) -> str:
                 status += f" after {len(r['step_ms'])} steps"
         if r.get("nonfinite_loss_step"):
             status += f"; non-finite loss at step {r['nonfinite_loss_step']}"
+        if r.get("median_steps") and r["median_steps"] != asked:
+            status += f"; median of steps {r['median_steps'][0]}..{r['median_steps'][1]} only"
         lines.append(
             f"{name:14s} {_fmt(med, '9.1f')} {_fmt(r.get('tokens_per_s'), '10,.0f')} "
             f"{mfu:>6s} {speed:>6s} "
@@ -611,6 +635,18 @@ def format_losses(results: dict, n: int) -> str:
         lines.append(f"max |loss({k}) - loss({names[0]})| over steps 1..{m}: {diffs[worst]:.2e} at step "
                      f"{worst + 1} ({diffs[worst] / max(abs(ref[worst]), 1e-30):.1e} of the loss)")
     return "\n".join(lines)
+
+
+def json_safe(obj):
+    """obj with every non-finite float (a NaN loss, an infinite norm) as None: json.dump would write them as
+    NaN / Infinity, which JSON does not have (strict readers refuse the file)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def _git() -> dict:
@@ -716,7 +752,7 @@ def main(argv=None, runner=None) -> int:
     print(format_table(results, args), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(build_report(results, args, argv), f, indent=1)
+            json.dump(json_safe(build_report(results, args, argv)), f, indent=1, allow_nan=False)
     return 0 if all(r.get("ok") for r in results.values()) else 1
 
 

@@ -10,10 +10,21 @@ import sys
 import time
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int of at least 1 (no rounds, or a log of no steps, would measure nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--src", action="append", default=None,
                         help="a source tree to put on PYTHONPATH (repeatable; default: src)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, alternated (default 2)")
+    parser.add_argument("--rounds", type=positive_int, default=2, help="runs of each tree, alternated (default 2)")
 
 
 def measure(src: str, *llmpy_args: str) -> tuple[float, float]:

@@ -38,8 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.bench_step import add_model_switches, model_switches
-from llmpy.config import ATTENTION_IMPLS
+from bench.bench_step import add_model_switches, json_safe, model_switches
+from llmpy.config import ATTENTION_IMPLS, ConfigError, parse_descriptor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,10 +56,12 @@ CLASSES: list[tuple[str, str]] = [
     ("attention", r"flash|fmha|sdpa|cudnn|attn|attention|_softmax_(forward|backward)_kernel|softmax_warp"
                   r"|_permute_kernel|_dkdv|_dq_block|_fwd_block"),
     # matrix products: cuBLAS(Lt) (nvjet, sm90_xmma, cutlass, *gemm*), split-K reductions, our Triton matmul
-    ("matrix", r"nvjet|cutlass|gemm|xmma|cublas|splitkreduce|s16816|s1688|wgmma|_matmul_kernel|_mm_kernel"),
-    # memory-bound: layernorm, GELU, encoder, residual, classifier, bias reduction, copies / fills
-    ("memory-bound", r"layernorm|layer_norm|gelu|encoder|_wte_|_wpe_|residual|_fc_|classifier|cross_entropy"
-                     r"|bias|memcpy|memset|copy|fill|zero|elementwise|reduce_kernel|round|cat_|index|radix_?sort"),
+    ("matrix", r"nvjet|cutlass|gemm|xmma|cublas|splitkreduce|s16816|s1688|wgmma|_matmul(_tma)?_kernel|_mm_kernel"),
+    # memory-bound: layernorm (its 3-tile forward: _forward_pieces3_kernel), GELU, encoder, residual, classifier,
+    # bias reduction, copies / fills
+    ("memory-bound", r"layernorm|layer_norm|_forward_pieces|gelu|encoder|_wte_|_wpe_|residual|_fc_|classifier"
+                     r"|cross_entropy|bias|memcpy|memset|copy|fill|zero|elementwise|reduce_kernel|round|cat_|index"
+                     r"|radix_?sort"),
 ]
 _COMPILED = [(g, re.compile(p, re.IGNORECASE)) for g, p in CLASSES]
 
@@ -335,9 +337,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
-    for name in ("B", "T", "steps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1")
+    for name, least in (("B", 1), ("T", 1), ("steps", 1), ("warmup", 0), ("graph_steps", 1),
+                        ("graph_profile_steps", 0), ("top", 0)):
+        if getattr(args, name) < least:
+            ap.error(f"--{name.replace('_', '-')} must be at least {least}")
+    try:
+        config = parse_descriptor(args.model)
+    except ConfigError as e:
+        ap.error(f"--model {args.model}: {e}")
+    if args.T > config.max_seq_len:
+        ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
+    for path in (args.json, args.md, args.trace, args.graph_trace):  # fail now, not after minutes of profiling
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     return args
 
 
@@ -492,12 +504,10 @@ def main(argv=None) -> int:
         print(format_groups(graph["profile"]))
         print(format_timeline(graph["timeline"]), flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "settings": vars(args), "profile": agg, "graph": graph,
-                       "classes": CLASSES, "floors": FLOORS}, f, indent=1)
+            json.dump(json_safe({"meta": meta, "settings": vars(args), "profile": agg, "graph": graph,
+                                 "classes": CLASSES, "floors": FLOORS}), f, indent=1, allow_nan=False)
     if args.md:
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         text = format_markdown(agg, meta)
         if graph and "timeline" in graph:
             tl = graph["timeline"]

@@ -2,14 +2,18 @@
 
     python -m bench.results_table kernels.json [--skip-sweeps]
 """
+import argparse
 import json
-import sys
 
 
-def main():
-    path = sys.argv[1]
-    skip_sweeps = "--skip-sweeps" in sys.argv
-    d = json.load(open(path))
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.results_table", description=__doc__.split("\n")[0])
+    ap.add_argument("path", help="bench_kernels' --json file")
+    ap.add_argument("--skip-sweeps", action="store_true", help="leave out the rows of the block-size sweeps")
+    args = ap.parse_args(argv)
+    path, skip_sweeps = args.path, args.skip_sweeps
+    with open(path) as f:
+        d = json.load(f)
     copy = d["copy_gbs"]
     print(f"Copy bandwidth measured in the same run: {copy:.0f} GB/s ({d['device']}).\n")
     print("| kernel | MB moved | ms | GB/s | % of copy | PyTorch baseline | ms | torch.compile ms | note |")

@@ -98,3 +98,22 @@ def test_no_energy_table_without_energy(capsys):
     assert ab_step.main(["--variant", "a=", "--variant", "b=--no-graph", "--rounds", "1"],
                         runner=fake_runner([])) == 0
     assert "J per step" not in capsys.readouterr().out
+
+
+def test_json_in_a_folder_that_does_not_exist_yet(tmp_path):
+    """The report goes where --json says, its folder made first: not a FileNotFoundError after every round."""
+    out = tmp_path / "new" / "deeper" / "ab.json"
+    calls = []
+    assert ab_step.main(["--variant", "a=", "--variant", "b=--flash-config {}", "--rounds", "1", "--json", str(out)],
+                        runner=fake_runner(calls)) == 0
+    assert json.loads(out.read_text())["medians_ms"] == {"a": [110.5], "b": [101.0]}
+
+
+def test_every_variant_s_arguments_are_checked_before_the_first_run(capsys):
+    """A bad flag in the second variant ends the call at once, not after the first variant's run."""
+    calls = []
+    with pytest.raises(SystemExit) as e:
+        ab_step.main(["--variant", "a=", "--variant", "b=--B 0", "--rounds", "2"], runner=fake_runner(calls))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and calls == []
+    assert err.strip().splitlines()[-1].endswith("--B must be at least 1")

@@ -123,3 +123,67 @@ def test_summarize_and_table():
     assert s["-bias"]["saves"] == pytest.approx(2.0)
     table = ab.format_table(s)
     assert "| -bias | 99.0, 99.0 | 99.0 | 2.0 |" in table
+
+
+class _FakeModel:
+    """GPT2Model's surface that ablate_step.main uses, without a GPU: steps counted, nothing computed."""
+    steps: list[int] = []
+
+    def __init__(self, config, params, B, T, **kw):
+        self.B, self.T, _FakeModel.steps = B, T, []
+
+    def describe(self):
+        return f"fake B={self.B} T={self.T}"
+
+    def release_graphs(self):
+        pass
+
+    def train_step(self, batches, lr, step, weight_decay, grad_clip):
+        _FakeModel.steps.append(step)
+        return 10.0, 1.0
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    import llmpy.model
+    monkeypatch.setattr(llmpy.model, "GPT2Model", _FakeModel)
+    monkeypatch.setattr(ab, "make_batches", lambda *a, **k: [None] * 8)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+
+
+def test_main_on_a_stand_in_model_writes_its_json_where_asked(no_gpu, tmp_path):
+    import json
+    out = tmp_path / "new" / "ablate.json"
+    assert ab.main(["--model", "layers=1,channels=32,heads=2,seq=16,vocab=100", "--B", "2", "--T", "16", "--steps",
+                    "6", "--warmup", "2", "--rounds", "2", "--variants", "full,-bias", "--json", str(out)]) == 0
+    assert _FakeModel.steps == list(range(1, 2 + 2 * 2 * (1 + 6) + 1))  # warm-up, then each capture and 6 steps
+    report = json.loads(out.read_text())
+    assert [len(r) for r in report["times_ms"]["-bias"]] == [6, 6]
+    assert set(report["summary"]) == {"full", "-bias"} and len(report["summary"]["full"]["medians"]) == 2
+
+
+def _config_error(desc):
+    """llmpy.config's own message for a descriptor it refuses (the tools pass it on after the flag)."""
+    from llmpy.config import ConfigError, parse_descriptor
+    try:
+        parse_descriptor(desc)
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError(f"{desc} is a model descriptor")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "--steps must be at least 1"),  # the median of no steps: StatisticsError after the warm-up
+    (["--rounds", "0"], "--rounds must be at least 1"),  # no round: ZeroDivisionError in summarize
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--B", "0"], "--B must be at least 1"),
+    (["--model", "d13"], f"--model d13: {_config_error('d13')}"),
+    (["--T", "2048"], "--T 2048 is longer than the model's context 1024"),
+])
+def test_bad_arguments_are_one_usage_line(no_gpu, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        ab.main(["--variants", "full,-bias", "--warmup", "1", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(message)

@@ -77,3 +77,79 @@ def test_one_process_smoke_run_makes_no_cross_run_checks():
         r["step_ms"] = r["step_ms"][:len(r["losses"])]
     _, checks = report(runs, args)
     assert len(checks) == 2 and all(checks.values())
+
+
+def test_profile_steps_groups_the_profiled_kernels(monkeypatch):
+    """--profile-steps on made-up profiler events (no GPU): kernel time by group a step, against the mean wall
+    time of the profiled steps (the kernel time is their sum, as in bench.profile_step)."""
+    import random
+    import types
+
+    import torch
+    import torch.profiler
+    from torch.autograd import DeviceType
+
+    from bench import bench_dist
+    rng = random.Random(5)
+    names = {"nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT": "matrix", "_flash_fwd_kernel": "attention",
+             "ncclDevKernel_AllGather_RING_LL": "communication", "adamw_kernel": "optimizer",
+             "_layernorm_forward_kernel": "memory-bound"}
+    events, t, expect = [], 0.0, dict.fromkeys(names.values(), 0.0)
+    for _ in range(3):  # three profiled steps
+        for name, group in names.items():
+            us = 100.0 + 900.0 * rng.random()
+            events.append(types.SimpleNamespace(name=name, device_type=DeviceType.CUDA,
+                                                time_range=types.SimpleNamespace(start=t, end=t + us)))
+            expect[group] += us / 1e3 / 3
+            t += us + 5.0
+    events.append(types.SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU,
+                                        time_range=types.SimpleNamespace(start=0.0, end=1e6)))
+
+    class FakeProfile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    walls = iter([9.0, 9.5, 30.0])
+    seen = []
+
+    def step(i):
+        seen.append(i)
+        return 10.0, 1.0, next(walls)
+
+    out = bench_dist.profile_steps(step, 41, 3)
+    assert seen == [41, 42, 43]
+    assert out["wall_ms"] == pytest.approx((9.0 + 9.5 + 30.0) / 3)
+    assert out["kernel_ms"] == pytest.approx(sum(expect.values()))
+    for group, ms in expect.items():
+        assert out["groups"][group] == pytest.approx(ms, abs=1e-3)
+    assert out["groups"]["other"] == 0.0
+    assert out["top"][0]["calls"] == pytest.approx(1.0)
+
+
+def test_json_in_a_folder_that_does_not_exist_yet(tmp_path, monkeypatch):
+    import json
+    import random
+
+    from bench import bench_dist
+    rng = random.Random(8)
+
+    def launch(args, nproc, zero, accum, steps, tag, overlap=1, extra_env=None, bucket_bytes=0):
+        losses = [10.0 - 0.1 * i + 1e-3 * rng.random() for i in range(steps)]
+        return {**run(tag, nproc, 100.0 + rng.random(), losses, accum=accum), "step_ms": [100.0] * steps}
+
+    monkeypatch.setattr(bench_dist, "launch", launch)
+    out = tmp_path / "new" / "dist.json"
+    assert bench_dist.main(["--nproc", "2", "--steps", "12", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["tag"] for r in report["runs"]][:2] == ["1gpu", "2gpu_z0"] and len(report["runs"][1]["losses"]) == 12

@@ -1,9 +1,12 @@
 """bench/bench_step.py's loss comparison on made-up runs (the runs themselves need a GPU)."""
+import json
 import math
 import random
+import statistics
 
 import pytest
 
+from bench import bench_step
 from bench.bench_step import format_losses, llmpy_options, parse_args
 
 
@@ -88,3 +91,98 @@ def test_cublaslt_workspace_flag(monkeypatch):
     assert cublaslt.WORKSPACE_BYTES == 96 << 20
     with pytest.raises(SystemExit):
         parse_args(["--systems", "llmpy", "--cublaslt-workspace-mib", "0"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# argument checks, the median window, the quartile, the JSON report (review of the benchmark tools)
+
+def _one_usage_line(capsys, argv, parse=parse_args):
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_an_unknown_model_is_one_usage_line(capsys):
+    from llmpy.config import ConfigError, parse_descriptor
+    with pytest.raises(ConfigError) as e:
+        parse_descriptor("d13")
+    assert str(e.value).startswith("unknown GPT-2 depth d13")
+    assert _one_usage_line(capsys, ["--model", "d13"]).endswith(f"--model d13: {e.value}")
+
+
+def test_the_peak_must_be_positive(capsys):
+    # 0 would end the call in a ZeroDivisionError after every system has run
+    assert _one_usage_line(capsys, ["--peak-tflops", "0"]).endswith("--peak-tflops must be above 0")
+
+
+def test_a_system_named_twice_is_refused(capsys):
+    # results are keyed by system: the first run would be thrown away unseen
+    assert _one_usage_line(capsys, ["--systems", "llmpy,torch-compile,llmpy"]).endswith(
+        "--systems: llmpy named twice")
+
+
+def _fake_steps(n, base, seed):
+    rng = random.Random(seed)
+    return [30_000.0 + rng.random()] + [base + 5 * rng.random() for _ in range(n - 1)]
+
+
+def test_a_nan_loss_leaves_the_json_report_valid(tmp_path):
+    rng = random.Random(3)
+
+    def runner(system, args, argv):
+        losses = [10.9 - 0.01 * i + 1e-3 * rng.random() for i in range(args.steps)]
+        norms = [1.0 + rng.random() for _ in range(args.steps)]
+        if system == "llmpy":
+            losses[6], norms[6] = math.nan, math.inf
+        return {"system": system, "ok": True, "step_ms": _fake_steps(args.steps, 100.0, 1), "losses": losses,
+                "norms": norms}
+
+    out = tmp_path / "step.json"
+    bench_step.main(["--json", str(out)], runner=runner)
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    report = json.loads(out.read_text(), parse_constant=refuse)
+    r = report["results"]["llmpy"]
+    assert r["losses"][6] is None and r["norms"][6] is None
+    assert r["losses"][5] == pytest.approx(10.85, abs=2e-3)
+
+
+def test_fewer_steps_than_the_warm_up_are_named_in_the_table(capsys):
+    """--steps 6 with the median from step 11: the median covers steps 2..6 and the table must say so."""
+    def runner(system, args, argv):
+        return {"system": system, "ok": True, "step_ms": _fake_steps(args.steps, 100.0, 2),
+                "losses": [10.0] * args.steps, "norms": [1.0] * args.steps}
+
+    bench_step.main(["--steps", "6"], runner=runner)
+    text = capsys.readouterr().out.split("=== whole step")[1]
+    assert "11..6" not in text
+    assert text.splitlines()[1].startswith("median of steps 2..6 (--steps 6 ends before --warmup-median-from 11), ")
+
+
+def test_a_run_cut_short_names_the_steps_of_its_median(capsys):
+    def runner(system, args, argv):
+        n = 25 if system == "llmpy" else args.steps
+        return {"system": system, "ok": system != "llmpy", "error": "timed out after 480 s" if n < 40 else None,
+                "step_ms": _fake_steps(n, 100.0, 4), "losses": [10.0] * n, "norms": [1.0] * n}
+
+    bench_step.main([], runner=runner)
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.split("=== whole step")[1].splitlines()[1:]}
+    assert rows["llmpy"].endswith("FAILED (timed out after 480 s) after 25 steps; median of steps 11..25 only")
+    assert rows["torch-compile"].endswith(" ok")
+
+
+def test_the_lower_quartile_lies_inside_the_steps_it_comes_from():
+    rng = random.Random(11)
+    args = parse_args(["--steps", "12"])  # a window of two steps: 11 and 12
+    res = bench_step.summarize({"step_ms": [9000.0] + [100.0 + 10 * rng.random() for _ in range(11)]}, args)
+    assert res["median_steps"] == [11, 12]
+    assert res["min_ms"] <= res["p25_ms"] <= res["median_ms"]
+    # the 30-step window of the acceptance runs keeps its quartile (statistics.quantiles' default method)
+    args = parse_args([])
+    steps = [9000.0] + [100.0 + 10 * rng.random() for _ in range(39)]
+    res = bench_step.summarize({"step_ms": steps}, args)
+    assert res["p25_ms"] == pytest.approx(statistics.quantiles(steps[10:], n=4)[0])
+    assert res["min_ms"] <= res["p25_ms"] <= res["median_ms"]

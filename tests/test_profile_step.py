@@ -36,6 +36,8 @@ CUTLASS = ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_
     ("global_norm_squared_kernel", "optimizer"),
     ("clip_scale_kernel", "optimizer"),
     ("some_new_mystery_kernel", "other"),
+    ("_matmul_tma_kernel", "matrix"),  # the Triton GEMM's persistent TMA grid (matmul.py, TMA=True on sm_90)
+    ("_forward_pieces3_kernel", "memory-bound"),  # the LayerNorm forward taking a row as 3 tiles (layernorm.py)
 ])
 def test_classify(name, group):
     assert ps.classify(name) == group
@@ -202,3 +204,51 @@ def test_kernel_switches_are_bench_step_s(monkeypatch):
     assert matmul.QKV_QUERY_SUMS_FROM_ATTENTION is True
     with pytest.raises(SystemExit):
         ps.parse_args(["--ln-proj-chunks", "0"])
+
+
+def test_every_kernel_of_llmpy_falls_in_a_group():
+    """Each kernel the model launches (a jitted function named *_kernel in src/llmpy/kernels) is in one of the
+    groups: a kernel in 'other' is left out of the figure its group is compared against."""
+    import re
+    from pathlib import Path
+    src = Path(ps.REPO) / "src" / "llmpy" / "kernels"
+    names = set()
+    for path in src.glob("*.py"):
+        names |= set(re.findall(r"@(?:triton|gluon)\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+_kernel)\(", path.read_text()))
+    assert len(names) > 30 and "_matmul_kernel" in names and "adamw_kernel" in names
+    assert {n: ps.classify(n) for n in sorted(names) if ps.classify(n) == "other"} == {}
+
+
+def _config_error(desc):
+    """llmpy.config's own message for a descriptor it refuses (the tools pass it on after the flag)."""
+    from llmpy.config import ConfigError, parse_descriptor
+    try:
+        parse_descriptor(desc)
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError(f"{desc} is a model descriptor")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--warmup", "-1"], "--warmup must be at least 0"),  # a profiled step would be AdamW's step 0
+    (["--graph-steps", "0"], "--graph-steps must be at least 1"),  # the graph's median would be its warm-up's
+    (["--graph-profile-steps", "-2"], "--graph-profile-steps must be at least 0"),
+    (["--top", "-3"], "--top must be at least 0"),
+    (["--model", "d13"], f"--model d13: {_config_error('d13')}"),
+    (["--T", "2048"], "--T 2048 is longer than the model's context 1024"),
+])
+def test_parse_args_refuses_in_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        ps.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(message)
+
+
+def test_output_folders_are_made_before_the_run(tmp_path):
+    """--json, --md, --trace and --graph-trace in folders that do not exist yet: made when the arguments are read,
+    not found missing after minutes of profiling."""
+    paths = {flag: tmp_path / flag.strip("-") / "sub" / "out.json" for flag in ("--json", "--md", "--trace",
+                                                                               "--graph-trace")}
+    ps.parse_args([x for flag, path in paths.items() for x in (flag, str(path))])
+    assert all(path.parent.is_dir() for path in paths.values())
