@@ -31,8 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.bench_step import make_batches
-from llmpy.config import ConfigError, parse_descriptor
+from bench.bench_step import check_sizes, make_batches
 
 # group -> the launchers the model calls for it, as (module, attribute path in it); the model looks them up
 # at call time, so replacing one removes its kernels from the next capture. (LANE, name): a call the
@@ -153,15 +152,7 @@ def main(argv=None) -> int:
             groups_of(v)
         except ValueError as e:
             ap.error(str(e))
-    for name, least in (("B", 1), ("T", 1), ("steps", 1), ("warmup", 0), ("rounds", 1)):
-        if getattr(args, name) < least:
-            ap.error(f"--{name} must be at least {least}")
-    try:
-        config = parse_descriptor(args.model)
-    except ConfigError as e:
-        ap.error(f"--model {args.model}: {e}")
-    if args.T > config.max_seq_len:
-        ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
+    config = check_sizes(ap, args, {"B": 1, "T": 1, "steps": 1, "warmup": 0, "rounds": 1})
     if args.json:  # a bad path should fail now, not after every round
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
 

@@ -59,6 +59,21 @@ ANCHORS = {
 }
 
 
+def check_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, least: dict):
+    """One usage line, before any GPU work, for an option below its least value (least: option name -> value), a
+    --model that is no descriptor or a --T beyond its context; returns the model's config."""
+    for name, lo in least.items():
+        if getattr(args, name) < lo:
+            ap.error(f"--{name.replace('_', '-')} must be at least {lo}")
+    try:
+        config = parse_descriptor(args.model)
+    except ConfigError as e:
+        ap.error(f"--model {args.model}: {e}")
+    if args.T > config.max_seq_len:
+        ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
+    return config
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_step", description=__doc__.split("\n")[0])
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma list of {', '.join(SYSTEMS)}")
@@ -116,17 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--systems: {twice[0]} named twice")
     if args.child is not None and args.child not in SYSTEMS:
         ap.error(f"--child: unknown system {args.child}")
-    for name in ("B", "T", "steps", "warmup_median_from"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    check_sizes(ap, args, {"B": 1, "T": 1, "steps": 1, "warmup_median_from": 1})
     if not args.peak_tflops > 0:
         ap.error("--peak-tflops must be above 0")
-    try:
-        config = parse_descriptor(args.model)
-    except ConfigError as e:
-        ap.error(f"--model {args.model}: {e}")
-    if args.T > config.max_seq_len:
-        ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
     if "llmc" in args.system_list + [args.child] and (args.model != "d12" or args.seed != 42):
         ap.error("--systems llmc: llm.c's random init is -e d12 with its seed 42: --model d12 --seed 42 only")
     return args

@@ -38,8 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.bench_step import add_model_switches, json_safe, model_switches
-from llmpy.config import ATTENTION_IMPLS, ConfigError, parse_descriptor
+from bench.bench_step import add_model_switches, check_sizes, json_safe, model_switches
+from llmpy.config import ATTENTION_IMPLS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -337,16 +337,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
-    for name, least in (("B", 1), ("T", 1), ("steps", 1), ("warmup", 0), ("graph_steps", 1),
-                        ("graph_profile_steps", 0), ("top", 0)):
-        if getattr(args, name) < least:
-            ap.error(f"--{name.replace('_', '-')} must be at least {least}")
-    try:
-        config = parse_descriptor(args.model)
-    except ConfigError as e:
-        ap.error(f"--model {args.model}: {e}")
-    if args.T > config.max_seq_len:
-        ap.error(f"--T {args.T} is longer than the model's context {config.max_seq_len}")
+    check_sizes(ap, args, {"B": 1, "T": 1, "steps": 1, "warmup": 0, "graph_steps": 1, "graph_profile_steps": 0,
+                           "top": 0})
     for path in (args.json, args.md, args.trace, args.graph_trace):  # fail now, not after minutes of profiling
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -23,3 +23,13 @@ def assert_one_line_error(res, *needles):
     assert len(lines) == 1, res.stderr
     for n in needles:
         assert n in lines[0], (n, lines[0])
+
+
+def config_error(desc):
+    """llmpy.config's own message for a descriptor it refuses (the tools pass it on after the flag)."""
+    from llmpy.config import ConfigError, parse_descriptor
+    try:
+        parse_descriptor(desc)
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError(f"{desc} is a model descriptor")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import ablate_step as ab
+from cli_helpers import config_error
 from llmpy.config import GPT2Config
 from llmpy.init import init_parameters
 from llmpy.model import GPT2Model
@@ -163,22 +164,12 @@ def test_main_on_a_stand_in_model_writes_its_json_where_asked(no_gpu, tmp_path):
     assert set(report["summary"]) == {"full", "-bias"} and len(report["summary"]["full"]["medians"]) == 2
 
 
-def _config_error(desc):
-    """llmpy.config's own message for a descriptor it refuses (the tools pass it on after the flag)."""
-    from llmpy.config import ConfigError, parse_descriptor
-    try:
-        parse_descriptor(desc)
-    except ConfigError as e:
-        return str(e)
-    raise AssertionError(f"{desc} is a model descriptor")
-
-
 @pytest.mark.parametrize("argv,message", [
     (["--steps", "0"], "--steps must be at least 1"),  # the median of no steps: StatisticsError after the warm-up
     (["--rounds", "0"], "--rounds must be at least 1"),  # no round: ZeroDivisionError in summarize
     (["--warmup", "-1"], "--warmup must be at least 0"),
     (["--B", "0"], "--B must be at least 1"),
-    (["--model", "d13"], f"--model d13: {_config_error('d13')}"),
+    (["--model", "d13"], f"--model d13: {config_error('d13')}"),
     (["--T", "2048"], "--T 2048 is longer than the model's context 1024"),
 ])
 def test_bad_arguments_are_one_usage_line(no_gpu, capsys, argv, message):

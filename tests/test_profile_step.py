@@ -4,6 +4,7 @@ import json
 import pytest
 
 from bench import profile_step as ps
+from cli_helpers import config_error
 
 NVJET = "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT"
 CUTLASS = ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>"
@@ -219,22 +220,12 @@ def test_every_kernel_of_llmpy_falls_in_a_group():
     assert {n: ps.classify(n) for n in sorted(names) if ps.classify(n) == "other"} == {}
 
 
-def _config_error(desc):
-    """llmpy.config's own message for a descriptor it refuses (the tools pass it on after the flag)."""
-    from llmpy.config import ConfigError, parse_descriptor
-    try:
-        parse_descriptor(desc)
-    except ConfigError as e:
-        return str(e)
-    raise AssertionError(f"{desc} is a model descriptor")
-
-
 @pytest.mark.parametrize("argv,message", [
     (["--warmup", "-1"], "--warmup must be at least 0"),  # a profiled step would be AdamW's step 0
     (["--graph-steps", "0"], "--graph-steps must be at least 1"),  # the graph's median would be its warm-up's
     (["--graph-profile-steps", "-2"], "--graph-profile-steps must be at least 0"),
     (["--top", "-3"], "--top must be at least 0"),
-    (["--model", "d13"], f"--model d13: {_config_error('d13')}"),
+    (["--model", "d13"], f"--model d13: {config_error('d13')}"),
     (["--T", "2048"], "--T 2048 is longer than the model's context 1024"),
 ])
 def test_parse_args_refuses_in_one_line(capsys, argv, message):
