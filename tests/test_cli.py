@@ -420,6 +420,17 @@ def test_attention_flag_takes_every_path(shards):
     assert_one_line_error(res, "attention 'cudnn+flash' needs a CUDA device")
 
 
+def test_train_to_an_output_that_cannot_encode_a_path(tmp_path, shards):
+    # stdout in ASCII (PYTHONIOENCODING, a Latin-1 locale): the data's path (or a sample's character) escaped, where
+    # it ended the run in a UnicodeEncodeError traceback
+    train, _ = shards
+    named = train.rename(tmp_path / "donn\u00e9es_train_000000.bin")
+    res = llmpy("train", "-i", named, "-e", TINY, "-b", 2, "-t", 16, "-x", 2, "-v", 0, "-s", 1, "-g", 8,
+                "--device", "cpu", env={"PYTHONIOENCODING": "ascii"})
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert "donn\\xe9es_train_000000.bin" in res.stdout
+
+
 def test_paths_after_name_equals_read_a_leading_tilde_as_home(tmp_path, shards):
     # the shell leaves --name=~/x as it is: llmpy reads ~ as the home folder there too, as prepare does
     train, val = shards

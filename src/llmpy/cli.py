@@ -99,8 +99,20 @@ def _speaker(command: str) -> str:
     return f"llmpy {command}: rank {rank} of {world}" if world > 1 else f"llmpy {command}"
 
 
+def _escape_what_stdout_cannot_encode():
+    """Characters stdout's encoding lacks (an ASCII or Latin-1 console, PYTHONIOENCODING=ascii) written as \\xNN
+    escapes: a sample's or a path's character ended a run in a UnicodeEncodeError traceback."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None and getattr(sys.stdout, "errors", None) == "strict":
+        try:
+            reconfigure(errors="backslashreplace")
+        except (ValueError, OSError):  # a stream that cannot change its error handler: left as it is
+            pass
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _escape_what_stdout_cannot_encode()
     names = [name for name, _, _ in COMMANDS]
     try:  # the command's module may import torch: a second or so in which Ctrl-C may land
         parser = build_parser(argv[0] if argv and argv[0] in names else "")

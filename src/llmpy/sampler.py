@@ -176,12 +176,7 @@ def run(args: argparse.Namespace) -> int:
               f"{config.max_seq_len}: each token is drawn from the last {config.max_seq_len} only", file=sys.stderr)
 
     def show(piece: str):  # as it comes: a long sample is not silent until its end
-        text = printable(piece)
-        try:
-            sys.stdout.write(text)
-        except UnicodeEncodeError:  # an output whose encoding lacks a character (ASCII, Latin-1): escaped, as \xNN
-            encoding = sys.stdout.encoding or "utf-8"
-            sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        sys.stdout.write(printable(piece))  # what the output cannot encode is escaped (cli.main)
         sys.stdout.flush()
     show(args.prompt)
     try:
