@@ -365,8 +365,10 @@ def test_bad_inputs(tiny, device):
     for dtype in (np.int32, np.int16):  # negatives read as unsigned by the check: huge, so rejected
         with pytest.raises(LlmpyError, match="inputs hold token ids outside"):
             model.train_step([((x.numpy() * 0 - 1).astype(dtype), y)], LR, 1)
-    with pytest.raises(RuntimeError, match="backward"):
+    with pytest.raises(LlmpyError, match="backward"):  # the reference's misuse is one line too
         model.backward()
+    with pytest.raises(LlmpyError, match="dloss"):
+        model.forward(x, dloss=1.0)
     with pytest.raises(LlmpyError, match="-r 3"):
         GPT2Model(TINY, params, B, T, device=device, recompute=3)
     with pytest.raises(LlmpyError, match="-t 64"):

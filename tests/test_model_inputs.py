@@ -200,6 +200,24 @@ def test_model_refuses_ragged_token_lists(device):
         assert _one_line_error(call).startswith("inputs: not an array of token ids (")
 
 
+def test_empty_lists_are_refused_by_their_shape_and_numpy_views_are_taken(device):
+    # numpy makes [] float64: "token ids must be integers" was the wrong complaint; a reversed view or a big-endian
+    # array is a fine batch of ids, which torch.as_tensor refused with a raw ValueError
+    from llmpy.reference import GPT2Reference
+    model, config, params = _gpt2(device)
+    assert _one_line_error(lambda: model.logits_last([])).startswith("logits_last: tokens of shape [1, 0]")
+    assert _one_line_error(lambda: model.logits_last([[]])).startswith("logits_last: tokens of shape [1, 0]")
+    assert _one_line_error(lambda: model.forward([[]])).startswith("inputs of shape [1, 0]")
+    assert _one_line_error(lambda: GPT2Reference(config, params).forward([[]])).startswith("inputs of shape [1, 0]")
+    rng = np.random.default_rng()
+    x, y = (rng.integers(0, config.vocab_size, (MB, MT)) for _ in range(2))
+    model.forward(x, y)
+    want = model.position_losses()
+    for view in (x[:, ::-1].copy()[:, ::-1], x.astype(">i4")):
+        model.forward(view, y)
+        assert torch.equal(model.position_losses(), want)
+
+
 def test_bad_targets_leave_the_last_training_forward_intact(device):
     # the targets were checked only after the whole forward had run on the new inputs: the logit gradient
     # (and, from a CPU batch, the inputs the backward's encoder reads) of the training forward before were gone
@@ -249,13 +267,21 @@ def test_train_step_wants_a_list_of_pairs(device):
     rng = np.random.default_rng()
     x, y = _ids(config, rng), _ids(config, rng)
     assert _one_line_error(lambda: model.train_step((x, y), 1e-3, 1)) == \
-        "train_step: micro-batch 0 is a Tensor, not an (inputs, targets) pair (batches: a list of pairs)"
+        f"train_step: micro-batch 0 is a Tensor of shape [{MB}, {MT}], not an (inputs, targets) pair (batches: a " \
+        "list of pairs)"
     assert _one_line_error(lambda: model.train_step([(x, y, x)], 1e-3, 1)) == \
         "train_step: micro-batch 0 is a tuple of 3, not an (inputs, targets) pair (batches: a list of pairs)"
     assert _one_line_error(lambda: model.train_step(x, 1e-3, 1)) == \
-        "train_step: micro-batch 0 is a Tensor, not an (inputs, targets) pair (batches: a list of pairs)"
+        f"train_step: micro-batch 0 is a Tensor of shape [{MT}], not an (inputs, targets) pair (batches: a list " \
+        "of pairs)"
     loss, norm = model.train_step(((x, y) for _ in range(2)), 1e-3, 1)  # a generator of pairs: two micro-steps
     assert 4.5 < loss < 7.0 and norm > 0
+    # a micro-batch as one stacked (2, B, T) tensor or array is a pair too (it was, before the checks above)
+    from llmpy.model import GPT2Model
+    _, _, params = _gpt2(device)
+    stacked = [GPT2Model(config, params.clone(), MB, MT, device=device, dtype=torch.float32, attention="flash")
+               .train_step([pair], 1e-3, 1) for pair in (torch.stack([x, y]), (x, y), torch.stack([x, y]).numpy())]
+    assert stacked[0] == stacked[1] == stacked[2]
 
 
 def test_logits_last_checks_ids_before_narrowing_them(device):

@@ -417,7 +417,8 @@ def _host_ids(ids, what: str) -> np.ndarray:
     except (ValueError, TypeError) as e:
         raise LlmpyError(f"{what}: not an array of token ids ({(str(e).splitlines() or [type(e).__name__])[0]})") \
             from None
-    _check_integer_ids(ids.dtype, what)
+    if ids.size:  # numpy makes an empty list float64: its shape is what is wrong
+        _check_integer_ids(ids.dtype, what)
     return ids
 
 
@@ -802,7 +803,8 @@ class GPT2Model:
         if host is None:
             return ids
         self._check_ids(host, what)
-        return ids if isinstance(ids, torch.Tensor) else torch.as_tensor(host)
+        # numpy's reversed views and big-endian arrays, which torch does not take: as int32 (the range is checked)
+        return ids if isinstance(ids, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(host, dtype=np.int32))
 
     def _device_ids(self, ids: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """A (B, T) int32 device tensor for checked ids: ids itself when it already is one, else copied into buf."""
@@ -876,7 +878,7 @@ class GPT2Model:
         cfg, p, a = self.config, self.params, self.acts
         NH, L = cfg.num_heads, cfg.num_layers
         if dloss is not None and targets is None:
-            raise ValueError("forward: dloss (training) needs targets")
+            raise LlmpyError("forward: dloss (training) needs targets")
         # both checked before anything is written: refused targets leave the last forward's state as it was
         inputs = self._checked_ids(inputs, "inputs")
         targets = None if targets is None else self._checked_ids(targets, "targets")
@@ -1063,7 +1065,7 @@ class GPT2Model:
         the data-parallel reduction starts on the finished layers while the rest of the backward runs."""
         lt = self.use_cublaslt
         if not self._have_dlogits:
-            raise RuntimeError("backward() needs a forward(inputs, targets, dloss=...) just before it")
+            raise LlmpyError("backward() needs a forward(inputs, targets, dloss=...) just before it")
         self._have_dlogits = False
         self._norm_fresh = False
         cfg, p, g, a = self.config, self.params, self.grads, self.acts
@@ -1526,11 +1528,19 @@ class GPT2Model:
         if not batches:
             raise LlmpyError("train_step needs at least one micro-batch")
         self._check_step(step)
+        pairs = []
         for k, b in enumerate(batches):
-            if not isinstance(b, (tuple, list)) or len(b) != 2:
-                what = f"a {type(b).__name__} of {len(b)}" if isinstance(b, (tuple, list)) else f"a {type(b).__name__}"
-                raise LlmpyError(f"train_step: micro-batch {k} is {what}, not an (inputs, targets) pair "
-                                 "(batches: a list of pairs)")
+            try:  # a tuple, a list, or one stacked (2, B, T) tensor or array
+                x, y = b
+                if getattr(x, "ndim", 2) < 2:  # b was one (2, T) batch's rows, not a pair
+                    raise ValueError
+            except (TypeError, ValueError):
+                size = (f" of shape {list(b.shape)}" if hasattr(b, "shape") else
+                        f" of {len(b)}" if hasattr(b, "__len__") else "")
+                raise LlmpyError(f"train_step: micro-batch {k} is a {type(b).__name__}{size}, not an (inputs, "
+                                 "targets) pair (batches: a list of pairs)") from None
+            pairs.append((x, y))
+        batches = pairs
         accum = len(batches)
         hp = (beta1, beta2, eps, weight_decay)
         self._prepare(accum)

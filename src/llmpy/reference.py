@@ -359,7 +359,7 @@ class GPT2Reference:
             except (ValueError, TypeError) as e:  # a ragged list
                 raise LlmpyError(f"{what}: not an array of token ids "
                                  f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
-            integer, dtype = ids.dtype.kind in "iub", ids.dtype
+            integer, dtype = ids.dtype.kind in "iub" or not ids.size, ids.dtype  # [] is float64: the shape is wrong
         if not integer:
             raise LlmpyError(f"{what} of dtype {dtype}: token ids must be integers")
         if ids.ndim != 2 or 0 in ids.shape:
