@@ -160,41 +160,47 @@ _EXPLICIT_KEYS = {"layers": "num_layers", "channels": "channels", "heads": "num_
                   "seq": "max_seq_len", "vocab": "vocab_size"}
 
 
+def _shown(text: str, most: int = 60) -> str:
+    """text quoted for a message, its middle cut to "..." past `most` characters (a pasted or generated descriptor
+    can be thousands long)."""
+    return repr(text if len(text) <= most else text[:most // 2] + "..." + text[-(most // 2):])
+
+
 def _decimal(text: str, signed: bool = False) -> int:
     """ASCII decimal digits only (int() also takes "1_2", "+2" and other scripts' digits: d1_2 was d12); a
     ValueError otherwise."""
     t = text.strip()
     digits = t[1:] if signed and t.startswith("-") else t
-    if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+    if not (digits.isascii() and digits.isdigit()) or len(digits.lstrip("0")) > 18:
         raise ValueError(text)
     return int(t)
 
 
 def _explicit(desc: str) -> GPT2Config:
-    values = {}
+    values, shown = {}, _shown(desc)
     for part in desc.split(","):
         key, sep, val = part.partition("=")
         key = key.strip()
         if not sep or key not in _EXPLICIT_KEYS:
-            raise ConfigError(f"bad model descriptor part {part!r} in {desc!r}: expected "
+            raise ConfigError(f"bad model descriptor part {_shown(part, 40)} in {shown}: expected "
                               "layers=N,channels=N,heads=N[,seq=N,vocab=N]")
         if _EXPLICIT_KEYS[key] in values:
-            raise ConfigError(f"model descriptor {desc!r}: {key} is given twice")
+            raise ConfigError(f"model descriptor {shown}: {key} is given twice")
         try:
             values[_EXPLICIT_KEYS[key]] = _decimal(val, signed=True)  # signed: "-16" is refused as not positive
         except ValueError:
-            raise ConfigError(f"model descriptor {desc!r:.80}: {key} must be an integer, got {val!r:.40}") from None
+            raise ConfigError(f"model descriptor {shown}: {key} must be an integer, got {_shown(val, 40)}") from None
     missing = [k for k in ("layers", "channels", "heads") if _EXPLICIT_KEYS[k] not in values]
     if missing:
-        raise ConfigError(f"model descriptor {desc!r} lacks {', '.join(missing)}")
+        raise ConfigError(f"model descriptor {shown} lacks {', '.join(missing)}")
     # refused in the descriptor's own words (layers, not num_layers), the descriptor named
     for key, name in _EXPLICIT_KEYS.items():
         if name in values and values[name] <= 0:
-            raise ConfigError(f"model descriptor {desc!r}: {key} must be positive, got {values[name]}")
+            raise ConfigError(f"model descriptor {shown}: {key} must be positive, got {values[name]}")
     try:
         return GPT2Config(**values)
     except ConfigError as e:
-        raise ConfigError(f"model descriptor {desc!r}: {e}") from None
+        raise ConfigError(f"model descriptor {shown}: {e}") from None
 
 
 def parse_descriptor(desc: str) -> GPT2Config:
@@ -220,8 +226,8 @@ def parse_descriptor(desc: str) -> GPT2Config:
     except ValueError:
         pass
     if "/" in d or d.endswith((".bin", ".safetensors")):  # meant as a model file's path
-        raise ConfigError(f"{desc}: no such model file")
-    raise ConfigError(f"unknown model descriptor {desc!r:.80}: expected dN, gpt2:dN, gpt3:cN, gpt2, gpt2-medium, "
+        raise ConfigError(f"{desc if len(desc) <= 200 else _shown(desc, 200)}: no such model file")
+    raise ConfigError(f"unknown model descriptor {_shown(desc)}: expected dN, gpt2:dN, gpt3:cN, gpt2, gpt2-medium, "
                       "gpt2-large, gpt2-xl, layers=..,channels=..,heads=.. or a checkpoint file")
 
 

@@ -179,9 +179,9 @@ MAX_POINTS = 4000  # a line's points drawn at most: a chart is ~900 pixels wide
 
 
 def thin(xs, ys, max_points: int = MAX_POINTS):
-    """At most max_points of a line (xs ascending) that look the same drawn: in equal runs of points, the
-    lowest and the highest of each, in order, so spikes and the noise's band survive where every k-th point
-    would lose them; and the first and the last point, so that the line spans the whole run and ends at its last
+    """At most max_points (4 at the fewest) of a line (xs ascending) that look the same drawn: in equal runs of
+    points, the lowest and the highest of each, in order, so spikes and the noise's band survive where every k-th
+    point would lose them; and the first and the last point, so that the line spans the whole run and ends at its last
     value (the final loss). A run of NaN only stays as one NaN (a gap in the line); lines short enough are as
     they are."""
     import numpy as np

@@ -102,8 +102,8 @@ def _at_least_one(pieces: Iterable[str]) -> Iterator[str]:
 
 
 class Tokenizer:
-    """Common interface: name, vocab_size, eot, encode, decode, encode_documents, iter_encoded; encode_arrays
-    and pieces are what a tokenizer may do faster or in parts."""
+    """Common interface: name, vocab_size, eot, encode, decode, token_bytes (a sample streamed as it comes),
+    encode_documents, iter_encoded; encode_arrays and pieces are what a tokenizer may do faster or in parts."""
 
     name: str
     vocab_size: int
