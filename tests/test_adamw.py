@@ -250,3 +250,30 @@ def test_update_rejects_strided_buffers(device):
         init_from_master(strided, torch.zeros(n, device=device), seed)
     with pytest.raises(AssertionError):
         init_from_master(torch.zeros(n, device=device), strided, seed)
+
+
+def test_both_index_widths_update_alike(device, monkeypatch):
+    """64-bit indices only where an index can pass 2^31 (GPT-2 124M keeps the 32-bit arithmetic the step was tuned
+    with); forced on a small ZeRO-1-like shard, the wide kernels give the narrow ones' bits, rounding included."""
+    from llmpy.kernels import adamw as kadamw
+    assert not kadamw._wide_index(124_475_904, 0, kadamw.UPDATE_BLOCK)
+    assert kadamw._wide_index(1_000, 2**31 - 1_000, kadamw.UPDATE_BLOCK)
+    n, offset = 2_500, 777
+    master = torch.randn(n, device=device)
+    grad = torch.randn(n, device=device).bfloat16()
+    m0, v0 = torch.randn(n, device=device) * 1e-2, torch.rand(n, device=device) * 1e-3
+    hyper, seed = hyper_tensor(device), torch.tensor([11], dtype=torch.int64, device=device)
+    ranges = decay_ranges_tensor([(offset + 100, offset + 1_900)], device)
+    set_hyper(hyper, HP["lr"], 3, HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], 1.0)
+    results = []
+    for wide in (False, True):
+        monkeypatch.setattr(kadamw, "_wide_index", lambda n_, offset_, block_, wide=wide: wide)
+        params = torch.full((n,), float("nan"), device=device, dtype=torch.bfloat16)  # poisoned: init writes all
+        mst, m, v = master.clone(), m0.clone(), v0.clone()
+        kadamw.init_from_master(params, mst, seed, offset=offset)
+        first = params.clone()
+        assert not first.isnan().any()
+        adamw_update(params, grad, m, v, hyper, seed, ranges, master=mst, offset=offset)
+        results.append((first, params, mst, m, v))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -49,10 +49,14 @@ def _decay_mask(offs, ranges_ptr, NUM_RANGES: tl.constexpr):
 def adamw_kernel(params_ptr, master_ptr, grads_ptr, m_ptr, v_ptr, hyper_ptr, seed_ptr, ranges_ptr,
                  n, offset,
                  NUM_RANGES: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    # 64-bit indices: d60 and larger models have more than 2^31 parameters, and a ZeRO-1 shard's global
-    # indices (offset + local) can cross 2^31 where its offset and length do not
-    local = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                 BLOCK: tl.constexpr, WIDE_INDEX: tl.constexpr):
+    # WIDE_INDEX, 64-bit indices, where an index can pass 2^31: d60 and larger models have more than 2^31
+    # parameters, and a ZeRO-1 shard's global indices (offset + local) can cross 2^31 where its offset and
+    # length do not; smaller models keep the 32-bit arithmetic the step was tuned with
+    pid = tl.program_id(0)
+    if WIDE_INDEX:
+        pid = pid.to(tl.int64)
+    local = pid * BLOCK + tl.arange(0, BLOCK)
     mask = local < n
     # the element's index in the whole model: decay ranges and rounding streams are defined on it,
     # so a shard (ZeRO-1) updates its elements exactly as the unsharded update would
@@ -87,14 +91,17 @@ def adamw_kernel(params_ptr, master_ptr, grads_ptr, m_ptr, v_ptr, hyper_ptr, see
     tl.store(v_ptr + local, v, mask=mask)
     if HAS_MASTER:
         tl.store(master_ptr + local, param, mask=mask)
-    # the rounding stream's counter: the index modulo 2^32 (32-bit Philox, as before indices were 64-bit)
+    # the rounding stream's counter: the index modulo 2^32 (32-bit Philox, the same for either index width)
     store_rounded(params_ptr + local, param, mask, tl.load(seed_ptr), offs.to(tl.int32), STOCHASTIC)
 
 
 @triton.jit
 def init_from_master_kernel(params_ptr, master_ptr, seed_ptr, n, offset, STOCHASTIC: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    local = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: see adamw_kernel
+                            BLOCK: tl.constexpr, WIDE_INDEX: tl.constexpr):
+    pid = tl.program_id(0)
+    if WIDE_INDEX:  # see adamw_kernel
+        pid = pid.to(tl.int64)
+    local = pid * BLOCK + tl.arange(0, BLOCK)
     mask = local < n
     x = tl.load(master_ptr + local, mask=mask)
     store_rounded(params_ptr + local, x, mask, tl.load(seed_ptr), (local + offset).to(tl.int32), STOCHASTIC)
@@ -129,6 +136,11 @@ def set_hyper(hyper: torch.Tensor, lr: float, step: int, beta1: float, beta2: fl
         hyper[GRAD_SCALE] = grad_scale
 
 
+def _wide_index(n: int, offset: int, block: int) -> bool:
+    """Whether a kernel's indices (offset + program * block + lane, past n by less than a block) can pass int32."""
+    return offset + n + block > 2**31 - 1
+
+
 def adamw_update(params, grads, m, v, hyper, seed, decay_ranges, master=None, offset: int = 0,
                  stochastic: bool = True):
     """One AdamW step over flat buffers: params (bf16 or fp32), grads (params' dtype, or fp32: the
@@ -147,7 +159,7 @@ def adamw_update(params, grads, m, v, hyper, seed, decay_ranges, master=None, of
     adamw_kernel[(triton.cdiv(n, UPDATE_BLOCK),)](
         params, master if master is not None else params, grads, m, v, hyper, seed, decay_ranges, n, offset,
         NUM_RANGES=decay_ranges.numel() // 2, HAS_MASTER=master is not None, STOCHASTIC=sr, BLOCK=UPDATE_BLOCK,
-        num_warps=UPDATE_WARPS)
+        WIDE_INDEX=_wide_index(n, offset, UPDATE_BLOCK), num_warps=UPDATE_WARPS)
 
 
 def init_from_master(params, master, seed, offset: int = 0):
@@ -158,4 +170,4 @@ def init_from_master(params, master, seed, offset: int = 0):
     assert params.is_contiguous() and master.is_contiguous()
     init_from_master_kernel[(triton.cdiv(n, BLOCK),)](params, master, seed, n, offset,
                                                       STOCHASTIC=params.dtype == torch.bfloat16, BLOCK=BLOCK,
-                                                      num_warps=8)
+                                                      WIDE_INDEX=_wide_index(n, offset, BLOCK), num_warps=8)
