@@ -106,6 +106,7 @@ from .kernels.fused_classifier import fused_classifier
 from .kernels.gelu import gelu_forward
 from .rand import check_seed
 from .streams import OVERLAP_MODES, Lanes
+from .token_ids import check_integer_ids, host_ids, outside_vocabulary
 
 RECOMPUTE_LEVELS = (0, 1, 2)
 GELU_FUSION_LEVELS = (0, 1, 2)
@@ -395,31 +396,6 @@ def format_memory(plan: dict) -> str:
     big = sorted(((n, b) for n, b in plan["buffers"].items() if n not in views), key=lambda kv: -kv[1])[:6]
     return (f"{plan['total'] / gib:.2f} GiB ({plan['total'] / 1e9:.2f} GB): " + ", ".join(parts) + " GiB"
             + " | largest: " + ", ".join(f"{n} {b / gib:.2f}" for n, b in big))
-
-
-def _check_integer_ids(dtype, what: str):
-    """Token ids must be integers (a float would be truncated to another token, a NaN to anything)."""
-    if isinstance(dtype, torch.dtype):
-        integer = not (dtype.is_floating_point or dtype.is_complex)
-    else:
-        integer = dtype.kind in "iub"
-    if not integer:
-        raise LlmpyError(f"{what} of dtype {dtype}: token ids must be integers")
-
-
-def _host_ids(ids, what: str) -> np.ndarray:
-    """Token ids as a numpy array of integers on the host (a torch tensor's own memory when it is on the CPU)."""
-    if isinstance(ids, torch.Tensor):
-        _check_integer_ids(ids.dtype, what)
-        return ids.detach().cpu().numpy()
-    try:
-        ids = np.asarray(ids)
-    except (ValueError, TypeError) as e:
-        raise LlmpyError(f"{what}: not an array of token ids ({(str(e).splitlines() or [type(e).__name__])[0]})") \
-            from None
-    if ids.size:  # numpy makes an empty list float64: its shape is what is wrong
-        _check_integer_ids(ids.dtype, what)
-    return ids
 
 
 def _check_flat_buffer(flat, who: str):
@@ -793,10 +769,10 @@ class GPT2Model:
         are on the host (the CPU model's own int32 tensors too). A tensor on a GPU is taken as it is: reading it
         back would cost a sync (train_step checks its CPU batches before it copies them there)."""
         if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
-            _check_integer_ids(ids.dtype, what)
+            check_integer_ids(ids.dtype, what)
             host = None
         else:
-            host = _host_ids(ids, what)
+            host = host_ids(ids, what)
         shape = tuple(ids.shape if host is None else host.shape)
         if shape != (self.B, self.T):
             raise LlmpyError(f"{what} of shape {list(shape)}: the model was built for B={self.B}, T={self.T}")
@@ -814,16 +790,8 @@ class GPT2Model:
         return buf
 
     def _check_ids(self, ids: np.ndarray, what: str):
-        """Token ids (numpy: no wake-up of torch's CPU thread pool, see _stage) inside the vocabulary. Signed
-        integers are read as unsigned, where a negative id is a huge one: one pass over the ids, not two
-        (this runs on every step while the GPU waits for the batch)."""
-        if not ids.size:
-            return
-        if ids.dtype.kind == "i":
-            bad = int(ids.view(ids.dtype.str.replace("i", "u")).max()) >= self.config.vocab_size
-        else:
-            bad = int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size
-        if bad:
+        """Token ids (numpy: see _stage) inside the vocabulary."""
+        if outside_vocabulary(ids, self.config.vocab_size):
             raise LlmpyError(f"{what} hold token ids outside [0, {self.config.vocab_size})")
 
     # ------------------------------------------------------------------------------------------------
@@ -1001,7 +969,7 @@ class GPT2Model:
         tokens. The rows go into a (B, T) batch padded with token 0 (causal attention: the padding after
         a row's last token does not change that token's logits), as llm.c samples."""
         lt = self.use_cublaslt
-        ids = _host_ids(tokens, "logits_last: tokens")
+        ids = host_ids(tokens, "logits_last: tokens")
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2 or not 1 <= ids.shape[0] <= self.B or ids.shape[1] == 0:
@@ -1314,7 +1282,7 @@ class GPT2Model:
         dev_in, dev_tg, host, dev = self._staging[accum]
         host_np = host.numpy()
         for k, (x, y) in enumerate(batches):
-            x, y = _host_ids(x, "inputs"), _host_ids(y, "targets")
+            x, y = host_ids(x, "inputs"), host_ids(y, "targets")
             if x.shape != (self.B, self.T) or y.shape != (self.B, self.T):
                 raise LlmpyError(f"micro-batch {k}: inputs {list(x.shape)}, targets {list(y.shape)}; the model was "
                                  f"built for B={self.B}, T={self.T}")

@@ -19,6 +19,7 @@ import torch
 
 from .config import PARAMETER_NAMES, GPT2Config, check_fits_in_host_memory, parameter_views
 from .errors import LlmpyError
+from .token_ids import host_ids, outside_vocabulary
 
 LAYERNORM_EPS = 1e-5
 GELU_SCALING_FACTOR = math.sqrt(2.0 / math.pi)
@@ -351,28 +352,15 @@ class GPT2Reference:
         """ids as a (B, T) int64 tensor on the model's device; one LlmpyError for anything else: floats (truncated
         to other tokens), ids outside [0, V) (a negative one indexed wte from its end, one in [V, Vp) read a zero
         padding row: losses silently wrong), a shape that is not (B, T) with B, T >= 1."""
-        if isinstance(ids, torch.Tensor):
-            integer, dtype = not (ids.dtype.is_floating_point or ids.dtype.is_complex), ids.dtype
-        else:
-            try:
-                ids = np.asarray(ids)
-            except (ValueError, TypeError) as e:  # a ragged list
-                raise LlmpyError(f"{what}: not an array of token ids "
-                                 f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
-            integer, dtype = ids.dtype.kind in "iub" or not ids.size, ids.dtype  # [] is float64: the shape is wrong
-        if not integer:
-            raise LlmpyError(f"{what} of dtype {dtype}: token ids must be integers")
-        if ids.ndim != 2 or 0 in ids.shape:
-            raise LlmpyError(f"{what} of shape {list(ids.shape)}: must be (B, T) token ids, B and T at least 1")
-        if isinstance(ids, np.ndarray):  # uint64 ids past 2**63 turn negative: refused below
-            ids = torch.from_numpy(ids.astype(np.int64))
-        ids = ids.detach().to(device=self.params_flat.device, dtype=torch.int64)
+        host = host_ids(ids, what)
+        if host.ndim != 2 or 0 in host.shape:
+            raise LlmpyError(f"{what} of shape {list(host.shape)}: must be (B, T) token ids, B and T at least 1")
         V = self.config.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= V:
-            b, t = (int(i) for i in ((ids < 0) | (ids >= V)).nonzero()[0])
-            raise LlmpyError(f"{what} hold token id {int(ids[b, t])} at [{b}, {t}], outside the model's vocabulary "
+        if outside_vocabulary(host, V):
+            b, t = (int(i) for i in np.argwhere((host < 0) | (host >= V))[0])
+            raise LlmpyError(f"{what} hold token id {int(host[b, t])} at [{b}, {t}], outside the model's vocabulary "
                              f"[0, {V})")
-        return ids
+        return torch.from_numpy(host.astype(np.int64)).to(self.params_flat.device)
 
     # ---- backward
 

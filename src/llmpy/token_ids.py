@@ -1,0 +1,43 @@
+"""Token ids handed to a model (GPT2Model, the CPU reference): integers, as a numpy array on the host, inside the
+vocabulary. The checks run in numpy: torch's CPU ops would wake its intra-op thread pool (see GPT2Model._stage)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import LlmpyError
+
+
+def check_integer_ids(dtype, what: str) -> None:
+    """Token ids must be integers (a float would be truncated to another token, a NaN to anything)."""
+    if isinstance(dtype, torch.dtype):
+        integer = not (dtype.is_floating_point or dtype.is_complex)
+    else:
+        integer = dtype.kind in "iub"
+    if not integer:
+        raise LlmpyError(f"{what} of dtype {dtype}: token ids must be integers")
+
+
+def host_ids(ids, what: str) -> np.ndarray:
+    """Token ids as a numpy array of integers on the host (a torch tensor's own memory when it is on the CPU)."""
+    if isinstance(ids, torch.Tensor):
+        check_integer_ids(ids.dtype, what)
+        return ids.detach().cpu().numpy()
+    try:
+        ids = np.asarray(ids)
+    except (ValueError, TypeError) as e:  # a ragged list
+        raise LlmpyError(f"{what}: not an array of token ids ({(str(e).splitlines() or [type(e).__name__])[0]})") \
+            from None
+    if ids.size:  # numpy makes an empty list float64: its shape is what is wrong
+        check_integer_ids(ids.dtype, what)
+    return ids
+
+
+def outside_vocabulary(ids: np.ndarray, vocab_size: int) -> bool:
+    """Whether an id lies outside [0, vocab_size). Signed integers are read as unsigned, where a negative id is a
+    huge one: one pass over the ids, not two (GPT2Model checks every step's batch while the GPU waits for it)."""
+    if not ids.size:
+        return False
+    if ids.dtype.kind == "i":
+        return int(ids.view(ids.dtype.str.replace("i", "u")).max()) >= vocab_size
+    return int(ids.min()) < 0 or int(ids.max()) >= vocab_size
