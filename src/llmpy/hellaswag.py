@@ -93,21 +93,20 @@ def read_eval_file(path: str | os.PathLike, vocab_size: int | None = None) -> li
         if not stat.S_ISREG(mode):  # a pipe would block the read for ever
             raise LlmpyError(f"{path}: not a regular file, so not a HellaSwag eval file")
         with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
             # the header checked before the body is read: a wrong multi-GB file costs no memory
-            if len(raw) == HEADER_BYTES:
-                header = np.frombuffer(raw, dtype="<i4", count=HEADER_INTS)
-                if header[0] != EVAL_MAGIC:
-                    raise LlmpyError(f"{path}: bad magic {int(header[0])} (an llm.c eval file has {EVAL_MAGIC})")
-                if header[1] != EVAL_VERSION:
-                    raise LlmpyError(f"{path}: eval file version {int(header[1])}, expected {EVAL_VERSION}")
-                body = f.read()
+            raw = f.read(HEADER_BYTES)
+            if len(raw) < HEADER_BYTES:
+                raise LlmpyError(f"{path}: {len(raw)} bytes, shorter than the eval file's {HEADER_BYTES}-byte header")
+            header = np.frombuffer(raw, dtype="<i4", count=HEADER_INTS)
+            if header[0] != EVAL_MAGIC:
+                raise LlmpyError(f"{path}: bad magic {int(header[0])} (an llm.c eval file has {EVAL_MAGIC})")
+            if header[1] != EVAL_VERSION:
+                raise LlmpyError(f"{path}: eval file version {int(header[1])}, expected {EVAL_VERSION}")
+            body = f.read()
     except FileNotFoundError:
         raise LlmpyError(f"{path}: no such HellaSwag eval file (make it with `llmpy prepare hellaswag`)") from None
     except OSError as e:
         raise LlmpyError(f"{path}: cannot read ({e.strerror or e})") from None
-    if len(raw) < HEADER_BYTES:
-        raise LlmpyError(f"{path}: {len(raw)} bytes, shorter than the eval file's {HEADER_BYTES}-byte header")
     count, longest = int(header[2]), int(header[3])
     if count <= 0:
         raise LlmpyError(f"{path}: the header says {count} examples")
