@@ -114,15 +114,13 @@ def profile_steps(step, first: int, count: int) -> dict:
     NCCL's kernels as "communication") and the top kernels; the steps' wall times beside them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from bench.profile_step import _kernel_intervals, aggregate
+    from bench.profile_step import _kernel_intervals, aggregate_intervals
     walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(first, first + count):
             walls.append(step(i)[2])
     torch.cuda.synchronize()
-    events = [(name, end - start, 1) for name, start, end in _kernel_intervals(prof)]
-    # the mean wall, not the median: the kernel time is summed over all `count` steps (bench.profile_step's too)
-    agg = aggregate(events, count, sum(walls) / len(walls))
+    agg = aggregate_intervals(_kernel_intervals(prof), count, walls)
     return {"wall_ms": agg["wall_ms"], "kernel_ms": agg["kernel_ms"],
             "groups": {g: round(v["ms"], 3) for g, v in agg["groups"].items()},
             "top": [{k: r[k] for k in ("name", "group", "calls", "ms")} for r in agg["rows"][:12]]}

@@ -373,6 +373,12 @@ def _kernel_intervals(prof):
     return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
 
 
+def aggregate_intervals(intervals, steps: int, walls: list[float]) -> dict:
+    """aggregate() of _kernel_intervals over `steps` profiled steps whose wall times (ms) are `walls`: against their
+    mean, not their median, since the kernel time is the sum over all of them."""
+    return aggregate(((nm, e - s, 1) for nm, s, e in intervals), steps, sum(walls) / len(walls))
+
+
 def _timed_step(model, batch, step: int, args) -> tuple[float, float]:
     """One train_step between two device syncs: (its wall ms, its loss)."""
     import torch
@@ -400,14 +406,12 @@ def profile_eager(args) -> dict:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     intervals = _kernel_intervals(prof)
-    events = [(nm, e - s, 1) for nm, s, e in intervals]
     span_us = (max(e for _, _, e in intervals) - min(s for _, s, _ in intervals)) if intervals else 0.0
-    # the mean, not the median: kernel time is summed over all profiled steps, so wall must match it
-    agg = aggregate(events, args.steps, sum(walls) / len(walls))
+    agg = aggregate_intervals(intervals, args.steps, walls)
     agg.update(wall_ms_each=walls, device_span_ms=span_us / 1e3 / args.steps, losses=losses,
                attention_impl=model.attention, classifier_chunks=model.classifier_chunks,
                gelu_fusion=model.gelu_fusion, recompute=model.recompute, use_cublaslt=model.use_cublaslt)
-    if not events:
+    if not intervals:
         print("warning: the profiler recorded no device events (CUPTI unavailable?)", file=sys.stderr)
     del model  # frees the buffers before the graphed model's
     torch.cuda.empty_cache()
@@ -432,7 +436,7 @@ def time_graphed(args, warmup: int = 3) -> dict:
         intervals = _kernel_intervals(prof)
         steps = args.graph_profile_steps
         out["timeline"] = timeline(intervals, steps, walls)
-        out["profile"] = aggregate(((nm, e - s, 1) for nm, s, e in intervals), steps, sum(walls) / len(walls))
+        out["profile"] = aggregate_intervals(intervals, steps, walls)
         if args.graph_trace:
             names = sorted({nm for nm, _, _ in intervals})
             index = {nm: i for i, nm in enumerate(names)}
