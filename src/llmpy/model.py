@@ -1216,7 +1216,7 @@ class GPT2Model:
             raise LlmpyError(f"AdamW step {step}: steps count from 1")
 
     def _set_hyper(self, lr, step, beta1, beta2, eps, weight_decay):
-        self._check_step(step)
+        # step: checked by update() and train_step() before any work
         if self._hyper_host is None:
             kadamw.set_hyper(self._hyper, lr, step, beta1, beta2, eps, weight_decay)
             return
