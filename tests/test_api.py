@@ -172,6 +172,26 @@ def test_every_line_of_a_run_goes_to_the_log_function(tmp_path, capsys, progress
     assert capsys.readouterr().out == ""
 
 
+def test_a_run_notes_the_shards_too_small_for_one_batch(tmp_path):
+    # `llmpy prepare` ends a split with whatever rest its last shard gets: training stopped at it
+    rng = np.random.default_rng()
+    write_shard(tmp_path / "t_train_000000.bin", rng.integers(0, 257, 3000))
+    write_shard(tmp_path / "t_train_000001.bin", rng.integers(0, 257, int(rng.integers(1, 2 * 16 + 1))))
+    write_shard(tmp_path / "t_val_000000.bin", rng.integers(0, 257, 500))
+    write_shard(tmp_path / "t_val_000001.bin", rng.integers(0, 257, 7))
+    lines = []
+    llmpy.train(log=lines.append, train_data=str(tmp_path / "t_train_*.bin"), val_data=str(tmp_path / "t_val_*.bin"),
+                device="cpu", progress=0, model="layers=1,channels=16,heads=2,seq=16,vocab=257", batch_size=2,
+                seq_len=16, max_steps=3, val_every=3, val_max_steps=1, gen_tokens=0)
+    notes = [line for line in lines if line.startswith("note: set aside")]
+    small = (tmp_path / "t_train_000001.bin").stat().st_size // 2 - 512
+    assert notes == [f"note: set aside, too small for one batch of B*T*processes+1 = 33 tokens: t_train_000001.bin "
+                     f"({small} tokens)",
+                     "note: set aside, too small for one batch of B*T*processes+1 = 33 tokens: t_val_000001.bin "
+                     "(7 tokens)"]
+    assert sum(line.startswith("step ") for line in lines) == 3
+
+
 @pytest.mark.parametrize("desc, message", [
     # the sizes were refused under GPT2Config's field names, with neither the descriptor nor its key named
     ("layers=0,channels=16,heads=2", "model descriptor 'layers=0,channels=16,heads=2': layers must be positive, got 0"),

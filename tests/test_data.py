@@ -156,15 +156,52 @@ def test_bad_shards_are_refused_by_reader_and_loader(tmp_path, rng, case, messag
     assert len(shards) == 3
 
 
-def test_shard_too_small_for_one_window(tmp_path, rng):
+def test_a_shard_too_small_for_one_window_is_set_aside(tmp_path, rng):
+    # llm.c stops at such a shard; `llmpy prepare` writes one whenever a split's last shard gets a short rest, so
+    # the loader reads the others and names it in `skipped`
     B, T, world = 3, 7, 2
     W = B * T * world
-    make_shards(tmp_path, [5 * W, W, 3 * W], rng)  # the middle one lacks the one extra token
-    with pytest.raises(LlmpyError, match=r"d_train_000001\.bin: .*too small.*43 tokens"):
-        DataLoader(str(tmp_path / "*.bin"), B, T, rank=1, world_size=world)
+    small = int(rng.integers(1, B * T + 1))  # up to B*T: one token short of one rank's window
+    shards = make_shards(tmp_path, [5 * W, small, 3 * W], rng)
+    loader = DataLoader(str(tmp_path / "*.bin"), B, T)
+    assert loader.skipped == [(tmp_path / "d_train_000001.bin", small)]
+    assert loader.files == [tmp_path / "d_train_000000.bin", tmp_path / "d_train_000002.bin"]
+    ref = reference_windows([shards[0], shards[2]], B, T)
+    assert len(loader) == len(ref) == 9 + 5  # (n - 1) // (B * T) windows with one rank
+    for want in ref + ref[:3]:  # into the next epoch too
+        x, y = loader.next_batch()
+        assert np.array_equal(x.numpy().ravel(), want[:-1]) and np.array_equal(y.numpy().ravel(), want[1:])
     # one more token makes it exactly big enough
     write_shard(tmp_path / "d_train_000001.bin", rng.integers(0, 65536, W + 1))
-    assert len(DataLoader(str(tmp_path / "*.bin"), B, T, rank=1, world_size=world)) == 4 + 1 + 2
+    loader = DataLoader(str(tmp_path / "*.bin"), B, T, rank=1, world_size=world)
+    assert len(loader) == 4 + 1 + 2 and loader.skipped == []
+
+
+def test_every_shard_too_small_for_one_window_names_the_largest(tmp_path, rng):
+    B, T = 3, 7
+    make_shards(tmp_path, [5, B * T, 9], rng)
+    with pytest.raises(LlmpyError, match=r"^\S*d_train_000001\.bin: 21 tokens \(the largest of 3 shards\) is too "
+                                         r"small for one batch: B\*T\*world_size\+1 = 3\*7\*1\+1 = 22 tokens$"):
+        DataLoader(str(tmp_path / "*.bin"), B, T)
+    with pytest.raises(LlmpyError, match=r"^\S*d_train_000002\.bin: 9 tokens is too small for one batch"):
+        DataLoader(str(tmp_path / "d_train_000002.bin"), B, T)
+
+
+def test_a_shard_shortened_while_the_loader_reads_it_is_one_line(tmp_path, rng):
+    # the loader mapped its shard: a file cut short under it (cp, rsync --inplace, llm.c's own scripts rewrite
+    # in place) killed the process with SIGBUS at the next batch
+    B, T = 4, 16
+    path = make_shards(tmp_path, [40 * B * T], rng) and tmp_path / "d_train_000000.bin"
+    loader = DataLoader(str(path), B, T, vocab_size=65536)
+    loader.next_batch()
+    with open(path, "r+b") as f:
+        f.truncate(1024 + 2 * (3 * B * T))  # header and three batches' tokens stay
+    loader.next_batch()  # batch 2 is still there
+    with pytest.raises(LlmpyError, match=r"d_train_000000\.bin: changed on disk while training \(tokens 128 to 192 "):
+        loader.next_batch()
+    loader.close()
+    with pytest.raises(LlmpyError, match=r"d_train_000000\.bin: truncated"):  # reopened: its header is read again
+        loader.next_batch()
 
 
 def test_token_beyond_vocab_names_shard_id_and_position(tmp_path, rng):

@@ -6,7 +6,9 @@ Shard file (llm.c's `.bin` token format): a header of 256 little-endian int32 --
 `DataLoader` reproduces llm.c's dataloader.h: the shards of a glob (sorted) are read one after
 another; a shard holds `(n_tokens - 1) // (world_size * B * T)` windows of `world_size * B * T + 1`
 tokens, rank r reads the `B * T + 1` tokens at `r * B * T` inside each window, inputs are the first
-`B * T` of them and targets the last `B * T`. After the last shard a new epoch starts. With
+`B * T` of them and targets the last `B * T`. After the last shard a new epoch starts. A shard too
+small for one window (a prepared split's short last shard) is set aside, in `skipped`, where llm.c
+stops; only when every shard is too small is that an error. With
 `shuffle=True` each epoch visits the shards, and the windows inside each shard, in an order drawn
 from `(seed, epoch)` -- the same on every rank, so the ranks stay disjoint.
 
@@ -41,6 +43,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 MAX_TOKEN_ID = 65535  # uint16
 STATE_VERSION = 1
+VOCAB_CHECK_TOKENS = 1 << 24  # the loader checks a shard's ids against the vocabulary in pieces of 32 MB
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,21 +179,38 @@ def shard_num_tokens(path: str | os.PathLike) -> int:
 
 
 def read_shard(path: str | os.PathLike) -> np.ndarray:
-    """The tokens of a validated shard as a read-only uint16 array (memory-mapped)."""
+    """The tokens of a validated shard as a read-only uint16 array (memory-mapped: a file shortened while the
+    array lives kills the process with SIGBUS, so the loader reads its batches with read_tokens instead)."""
     count = shard_num_tokens(path)
     if count == 0:
         return np.zeros(0, dtype=np.uint16)
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
-def check_tokens(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int) -> None:
-    """Raise if any token id is >= vocab_size, naming the shard, the id and its position."""
+def read_tokens(f, path, start: int, count: int) -> np.ndarray:
+    """`count` tokens from position `start` of the open shard `f` (opened with buffering=0), read rather than
+    mapped: a shard shortened under the loader is one line naming it, not a SIGBUS."""
+    out = np.empty(count, dtype="<u2")
+    view, got = memoryview(out).cast("B"), 0
+    f.seek(HEADER_BYTES + 2 * start)
+    while got < 2 * count:  # f unbuffered (no stale bytes after a change): a read may stop short
+        n = f.readinto(view[got:])
+        if not n:
+            raise LlmpyError(f"{path}: changed on disk while training (tokens {start} to {start + count - 1} are "
+                             f"no longer there)")
+        got += n
+    return out
+
+
+def check_tokens(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int, offset: int = 0) -> None:
+    """Raise if any token id is >= vocab_size, naming the shard, the id and its position (tokens[0] is the
+    shard's token `offset`)."""
     if tokens.size == 0:
         return
     hi = int(tokens.max())
     if hi >= vocab_size:
         pos = int(np.argmax(tokens >= vocab_size))
-        raise LlmpyError(f"{path}: token id {int(tokens[pos])} at position {pos} is outside the "
+        raise LlmpyError(f"{path}: token id {int(tokens[pos])} at position {offset + pos} is outside the "
                          f"vocabulary of {vocab_size} (wrong tokenizer for this model?)")
 
 
@@ -241,20 +261,27 @@ class DataLoader:
         self.rank, self.world_size = int(rank), int(world_size)
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.vocab_size = vocab_size
-        self.files = resolve_shards(pattern_or_paths)
         self.window = self.world_size * self.B * self.T  # tokens one step consumes over all ranks
+        self.files: list[Path] = []
         self.shard_tokens: list[int] = []
         self.shard_windows: list[int] = []
-        for f in self.files:
+        self.skipped: list[tuple[Path, int]] = []  # (shard, tokens): too small for one window
+        for f in resolve_shards(pattern_or_paths):
             n = shard_num_tokens(f)
             if n < self.window + 1:
-                raise LlmpyError(f"{f}: {n} tokens is too small for one batch: B*T*world_size+1 = "
-                                 f"{self.B}*{self.T}*{self.world_size}+1 = {self.window + 1} tokens")
+                self.skipped.append((f, n))
+                continue
+            self.files.append(f)
             self.shard_tokens.append(n)
             self.shard_windows.append((n - 1) // self.window)
+        if not self.files:
+            f, n = max(self.skipped, key=lambda item: item[1])
+            more = f" (the largest of {len(self.skipped)} shards)" if len(self.skipped) > 1 else ""
+            raise LlmpyError(f"{f}: {n} tokens{more} is too small for one batch: B*T*world_size+1 = "
+                             f"{self.B}*{self.T}*{self.world_size}+1 = {self.window + 1} tokens")
         self._checked: set[int] = set()  # shards whose ids were checked against vocab_size
         self._open_index: int | None = None
-        self._open_tokens: np.ndarray | None = None
+        self._open_file = None
         self.reset()
 
     # -- sizes
@@ -293,24 +320,41 @@ class DataLoader:
         """Back to the first batch of epoch 0."""
         self._set_position(0, 0, 0)
 
-    def _tokens(self, shard: int) -> np.ndarray:
+    def _shard_file(self, shard: int):
+        """The open file of `shard`, its header checked again and its ids against vocab_size once."""
         if self._open_index != shard:
-            self._open_tokens = None  # drop the old map before opening the next
-            tokens = read_shard(self.files[shard])
-            if len(tokens) != self.shard_tokens[shard]:
-                raise LlmpyError(f"{self.files[shard]}: changed on disk while training "
-                                 f"({len(tokens)} tokens, was {self.shard_tokens[shard]})")
+            self.close()
+            path, expected = self.files[shard], self.shard_tokens[shard]
+            n = shard_num_tokens(path)
+            if n != expected:
+                raise LlmpyError(f"{path}: changed on disk while training ({n} tokens, was {expected})")
+            try:
+                f = open(path, "rb", buffering=0)
+            except OSError as e:
+                raise LlmpyError(f"{path}: cannot read ({e.strerror or e})") from None
+            self._open_index, self._open_file = shard, f
             if self.vocab_size is not None and shard not in self._checked:
-                check_tokens(self.files[shard], tokens, self.vocab_size)
+                for start in range(0, n, VOCAB_CHECK_TOKENS):  # in pieces: a shard may be GBs
+                    count = min(VOCAB_CHECK_TOKENS, n - start)
+                    check_tokens(path, read_tokens(f, path, start, count), self.vocab_size, offset=start)
                 self._checked.add(shard)
-            self._open_index, self._open_tokens = shard, tokens
-        return self._open_tokens
+        return self._open_file
+
+    def close(self) -> None:
+        """Close the open shard (the next batch opens it again)."""
+        if self._open_file is not None:
+            self._open_file.close()
+        self._open_index, self._open_file = None, None
+
+    def __del__(self):
+        if getattr(self, "_open_file", None) is not None:
+            self._open_file.close()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         shard = int(self._order[self.shard_pos])
         w = self.window_pos if self._windows is None else int(self._windows[self.window_pos])
         start = w * self.window + self.rank * self.B * self.T
-        buf = np.array(self._tokens(shard)[start:start + self.B * self.T + 1], dtype=np.int64)
+        buf = read_tokens(self._shard_file(shard), self.files[shard], start, self.B * self.T + 1).astype(np.int64)
         # advance: next window, else next shard, else next epoch
         if self.window_pos + 1 < self.shard_windows[shard]:
             self.window_pos += 1
@@ -487,7 +531,8 @@ def shard_name(name: str, split: str, index: int) -> str:
 
 
 __all__ = [
-    "SHARD_MAGIC", "SHARD_VERSION", "HEADER_INTS", "write_shard", "ShardFile", "read_shard", "shard_num_tokens",
+    "SHARD_MAGIC", "SHARD_VERSION", "HEADER_INTS", "write_shard", "ShardFile", "read_shard", "read_tokens",
+    "shard_num_tokens",
     "check_tokens", "resolve_shards", "DataLoader", "EvalLoader", "default_corpus", "default_dataset",
     "default_cache_dir", "DatasetFiles", "shard_name",
 ]

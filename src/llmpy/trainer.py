@@ -944,6 +944,12 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     log(f"data {opts.train_data}: {train_loader.num_tokens:,} tokens, {len(train_loader)} batches of B={B} T={T}"
         + (f" | val {opts.val_data}" if val_loader else "")
         + (f" | hellaswag {opts.hellaswag_file} ({len(hs_examples)} examples)" if hs_examples else ""))
+    for loader in (train_loader, val_loader):
+        if loader is not None and loader.skipped:
+            shown = ", ".join(f"{f.name} ({n:,} tokens)" for f, n in loader.skipped[:3])
+            more = f" and {len(loader.skipped) - 3} more" if len(loader.skipped) > 3 else ""
+            log(f"note: set aside, too small for one batch of B*T*processes+1 = {loader.window + 1:,} tokens: "
+                f"{shown}{more}")
     if dp is not None:
         log(f"data parallel: {world} processes ({'nccl' if device == 'cuda' else 'gloo'}), -z {opts.zero_stage}"
             + (" (ZeRO-1: each keeps 1/N of AdamW's m, v and the master weights)" if opts.zero_stage else
