@@ -163,10 +163,13 @@ def test_model_checks_int32_ids_already_on_its_device(device):
     rng = np.random.default_rng()
     x, y = _ids(config, rng, dtype=np.int32).to(device), _ids(config, rng, dtype=np.int32).to(device)
     bad = x.clone()
-    bad[rng.integers(MB), rng.integers(MT)] = int(rng.integers(config.vocab_size, config.padded_vocab_size))
+    b, t = int(rng.integers(MB)), int(rng.integers(MT))
+    v = int(rng.integers(config.vocab_size, config.padded_vocab_size))
+    bad[b, t] = v
     if bad.device.type == "cpu":
-        assert _one_line_error(lambda: model.forward(bad, y)) == "inputs hold token ids outside [0, 257)"
-        assert _one_line_error(lambda: model.forward(x, bad)) == "targets hold token ids outside [0, 257)"
+        where = f"token id {v} at [{b}, {t}], outside the model's vocabulary [0, 257)"
+        assert _one_line_error(lambda: model.forward(bad, y)) == f"inputs hold {where}"
+        assert _one_line_error(lambda: model.forward(x, bad)) == f"targets hold {where}"
     model.forward(x, y)
     assert 4.5 < model.loss() < 7.0
 
@@ -225,11 +228,13 @@ def test_bad_targets_leave_the_last_training_forward_intact(device):
     rng = np.random.default_rng()
     x, y, x2 = _ids(config, rng), _ids(config, rng), _ids(config, rng)
     bad = _ids(config, rng)
-    bad[rng.integers(MB), rng.integers(MT)] = config.vocab_size
+    b, t = int(rng.integers(MB)), int(rng.integers(MT))
+    bad[b, t] = config.vocab_size
     model.zero_grad()
     model.forward(x, y, dloss=1.0 / (MB * MT))
     loss = model.loss()
-    assert _one_line_error(lambda: model.validate(x2, bad)) == "targets hold token ids outside [0, 257)"
+    assert _one_line_error(lambda: model.validate(x2, bad)) == \
+        f"targets hold token id 257 at [{b}, {t}], outside the model's vocabulary [0, 257)"
     assert model.loss() == loss
     model.backward()
     from llmpy.model import GPT2Model
@@ -291,7 +296,9 @@ def test_logits_last_checks_ids_before_narrowing_them(device):
     row = _ids(config, rng, shape=(int(rng.integers(1, MT + 1)),))
     huge = row.clone()
     huge[-1] = 2**32 + int(rng.integers(config.vocab_size))
-    assert _one_line_error(lambda: model.logits_last(huge)) == "logits_last: tokens hold token ids outside [0, 257)"
+    assert _one_line_error(lambda: model.logits_last(huge)) == \
+        f"logits_last: tokens hold token id {int(huge[-1])} at [0, {len(row) - 1}], outside the model's vocabulary " \
+        "[0, 257)"
     assert _one_line_error(lambda: model.logits_last(torch.zeros(0, 3, dtype=torch.int64))) == \
         f"logits_last: tokens of shape [0, 3]; want (b, t), 1 <= b <= {MB}, t >= 1"
     logits = model.logits_last(row)

@@ -106,7 +106,7 @@ from .kernels.fused_classifier import fused_classifier
 from .kernels.gelu import gelu_forward
 from .rand import check_seed
 from .streams import OVERLAP_MODES, Lanes
-from .token_ids import check_integer_ids, host_ids, outside_vocabulary
+from .token_ids import check_integer_ids, host_ids, outside_vocabulary, vocabulary_error
 
 RECOMPUTE_LEVELS = (0, 1, 2)
 GELU_FUSION_LEVELS = (0, 1, 2)
@@ -792,7 +792,7 @@ class GPT2Model:
     def _check_ids(self, ids: np.ndarray, what: str):
         """Token ids (numpy: see _stage) inside the vocabulary."""
         if outside_vocabulary(ids, self.config.vocab_size):
-            raise LlmpyError(f"{what} hold token ids outside [0, {self.config.vocab_size})")
+            raise vocabulary_error(ids, self.config.vocab_size, what)
 
     # ------------------------------------------------------------------------------------------------
     # forward
@@ -1286,8 +1286,8 @@ class GPT2Model:
             if x.shape != (self.B, self.T) or y.shape != (self.B, self.T):
                 raise LlmpyError(f"micro-batch {k}: inputs {list(x.shape)}, targets {list(y.shape)}; the model was "
                                  f"built for B={self.B}, T={self.T}")
-            self._check_ids(x, "inputs")
-            self._check_ids(y, "targets")
+            self._check_ids(x, f"micro-batch {k}: inputs")
+            self._check_ids(y, f"micro-batch {k}: targets")
             host_np[0, k] = x
             host_np[1, k] = y
         # the host buffer is reused next step; the step ends with a sync (loss, norm), so no copy is in flight

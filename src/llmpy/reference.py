@@ -19,7 +19,7 @@ import torch
 
 from .config import PARAMETER_NAMES, GPT2Config, check_fits_in_host_memory, parameter_views
 from .errors import LlmpyError
-from .token_ids import host_ids, outside_vocabulary
+from .token_ids import host_ids, outside_vocabulary, vocabulary_error
 
 LAYERNORM_EPS = 1e-5
 GELU_SCALING_FACTOR = math.sqrt(2.0 / math.pi)
@@ -357,9 +357,7 @@ class GPT2Reference:
             raise LlmpyError(f"{what} of shape {list(host.shape)}: must be (B, T) token ids, B and T at least 1")
         V = self.config.vocab_size
         if outside_vocabulary(host, V):
-            b, t = (int(i) for i in np.argwhere((host < 0) | (host >= V))[0])
-            raise LlmpyError(f"{what} hold token id {int(host[b, t])} at [{b}, {t}], outside the model's vocabulary "
-                             f"[0, {V})")
+            raise vocabulary_error(host, V, what)
         return torch.from_numpy(host.astype(np.int64)).to(self.params_flat.device)
 
     # ---- backward

@@ -41,3 +41,11 @@ def outside_vocabulary(ids: np.ndarray, vocab_size: int) -> bool:
     if ids.dtype.kind == "i":
         return int(ids.view(ids.dtype.str.replace("i", "u")).max()) >= vocab_size
     return int(ids.min()) < 0 or int(ids.max()) >= vocab_size
+
+
+def vocabulary_error(ids: np.ndarray, vocab_size: int, what: str) -> LlmpyError:
+    """The one message of both models for ids outside [0, vocab_size): the first such id and its index. Only on
+    the way to an error, so the index search costs a valid batch nothing."""
+    where = [int(i) for i in np.argwhere((ids < 0) | (ids >= vocab_size))[0]]
+    return LlmpyError(f"{what} hold token id {int(ids[tuple(where)])} at {where}, outside the model's vocabulary "
+                      f"[0, {vocab_size})")
