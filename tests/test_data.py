@@ -239,6 +239,20 @@ def test_a_folder_or_file_name_with_brackets_is_its_own_name(tmp_path):
                            torch.from_numpy(toks[:16].astype(np.int64)))
 
 
+def test_a_bracketed_folder_is_its_own_name_even_beside_the_folder_its_brackets_would_match(tmp_path, rng):
+    # run[1]/x_train_*.bin read as a glob is run1/x_train_*.bin: with both folders there, it loaded run1's shards
+    for folder in ("run1", "run[1]"):
+        write_shard(tmp_path / folder / "x_train_000000.bin", rng.integers(0, 50, 300))
+    own = read_shard(tmp_path / "run[1]" / "x_train_000000.bin")
+    assert not np.array_equal(own, read_shard(tmp_path / "run1" / "x_train_000000.bin"))
+    loader = DataLoader(str(tmp_path / "run[1]" / "x_train_*.bin"), 2, 8)
+    assert loader.files == [tmp_path / "run[1]" / "x_train_000000.bin"]
+    assert torch.equal(loader.next_batch()[0].reshape(-1), torch.from_numpy(own[:16].astype(np.int64)))
+    # a pattern over folders still globs: nothing under a folder named literally "run[12]"
+    assert DataLoader(str(tmp_path / "run[12]" / "x_train_*.bin"), 2, 8).files == [
+        tmp_path / "run1" / "x_train_000000.bin"]
+
+
 def test_a_pipe_is_no_shard(tmp_path):
     # reading a FIFO's header would wait for a writer for ever
     os.mkfifo(tmp_path / "x_train_000000.bin")
@@ -704,6 +718,60 @@ def test_download_removes_a_killed_downloads_partial_file_and_keeps_the_umasks_m
         os.umask(previous)
     assert got.read_bytes() == b"data" and os.stat(got).st_mode & 0o777 == 0o644
     assert sorted(os.listdir(folder)) == ["input.txt"]
+
+
+class _CutShortResponse(_FakeResponse):
+    """A dropped connection as http.client may report it: fewer bytes than Content-Length promised, and no error."""
+    def __init__(self, data, promised):
+        super().__init__(data)
+        self.headers = {"Content-Length": str(promised)}
+
+
+class _IncompleteReadResponse(_FakeResponse):
+    """A dropped chunked transfer: its first chunk, then http.client.IncompleteRead (not an OSError)."""
+    def read(self, size=-1):
+        import http.client
+        chunk = super().read(size)
+        if not chunk:
+            raise http.client.IncompleteRead(b"", 1 << 20)
+        return chunk
+
+
+def test_a_download_cut_short_is_an_error_and_keeps_no_file(tmp_path, monkeypatch, rng):
+    # a short body was renamed into place as the complete file and then reused by every later prepare
+    data = rng.bytes(int(rng.integers(1, 3 << 20)))
+    promised = len(data) + int(rng.integers(1, 1 << 20))
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: _CutShortResponse(data, promised))
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    url = "https://example.invalid/hellaswag_val.jsonl"
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(url)}: download cut short \({len(data)} of {promised} "
+                                         r"bytes\); run the command again$"):
+        prep.download(url, folder / "hellaswag_val.jsonl")
+    assert os.listdir(folder) == []  # neither the file nor its temporary
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: _IncompleteReadResponse(data))
+    with pytest.raises(LlmpyError, match=rf"^cannot download {re.escape(url)} \(IncompleteRead\(0 bytes read, "
+                                         r"1048576 more expected\)\); without network, place the file at "):
+        prep.download(url, folder / "hellaswag_val.jsonl")
+    assert os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("response", [
+    pytest.param(lambda data: _CutShortResponse(data, len(data) * 2), id="short-body"),
+    pytest.param(_IncompleteReadResponse, id="incomplete-read"),  # was a traceback
+])
+def test_cli_prepare_a_cut_download_is_one_line(tmp_path, monkeypatch, capsys, rng, response):
+    from llmpy import cli
+    from llmpy.hellaswag import HELLASWAG_VAL_URL
+    data = rng.bytes(int(rng.integers(1, 1 << 16)))
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: response(data))
+    out, cache = tmp_path / "o", tmp_path / "c"
+    assert cli.main(["prepare", "hellaswag", "-o", str(out), "--tokenizer", "bytes", "--cache-dir", str(cache)]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert len(err) == 1 and err[0].startswith("llmpy prepare: error: ") and HELLASWAG_VAL_URL in err[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert [p for p in cache.rglob("*") if p.is_file()] == [] and not (out / "hellaswag_val.bin").exists()
 
 
 def test_fineweb_without_datasets_package(tmp_path, monkeypatch):

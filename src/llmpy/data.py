@@ -223,10 +223,13 @@ def resolve_shards(pattern_or_paths) -> list[Path]:
     for item in items:
         s = os.fspath(item)
         if glob.has_magic(s) and not os.path.lexists(s):  # run[1]/x_train_000000.bin: a file's own name
-            matched = sorted(glob.glob(s))
             head, tail = os.path.split(s)
-            if not matched and head and os.path.isdir(head):  # run[1]/*.bin: a folder's own name, not a pattern
+            matched = []
+            # run[1]/*.bin: a folder's own name first (prepare -o "run[1]" prints it), else [1] would pick run1's
+            if head and glob.has_magic(head) and os.path.isdir(head):
                 matched = sorted(glob.glob(os.path.join(glob.escape(head), tail)))
+            if not matched:
+                matched = sorted(glob.glob(s))
             if not matched:
                 raise LlmpyError(f"{s}: no files match this pattern")
             files.extend(Path(m) for m in matched)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -71,6 +72,7 @@ def download(url: str, dest: Path, sha256: str | None = None) -> Path:
     writable_dir(dest.parent, "download folder")
     remove_orphaned_temporaries(dest.parent)  # a killed download's partial file
     digest = hashlib.sha256()
+    received = 0
     try:
         with atomic_path(dest) as tmp, open(tmp, "wb") as f, _urlopen(url, timeout=60) as resp:
             total = int(resp.headers.get("Content-Length") or 0) or None
@@ -78,10 +80,15 @@ def download(url: str, dest: Path, sha256: str | None = None) -> Path:
                 while chunk := resp.read(1 << 20):
                     f.write(chunk)
                     digest.update(chunk)
+                    received += len(chunk)
                     bar.update(len(chunk))
+            # a dropped connection can end the body early without an error: kept, the part would pass for the file
+            if total is not None and received != total:  # raised inside, like the sha256 check: no file is kept
+                raise LlmpyError(f"{url}: download cut short ({received} of {total} bytes); run the command again")
             if sha256 and digest.hexdigest() != sha256:  # raised inside: the temporary goes, no file is kept
                 raise LlmpyError(f"{url}: downloaded data has sha256 {digest.hexdigest()}, expected {sha256}")
-    except (OSError, ValueError) as e:  # URLError, HTTPError, timeouts and disk errors are OSErrors
+    # URLError, HTTPError, timeouts and disk errors are OSErrors; a dropped chunked transfer's IncompleteRead is not
+    except (OSError, ValueError, http.client.HTTPException) as e:
         reason = getattr(e, "reason", None) or e
         raise LlmpyError(f"cannot download {url} ({reason}); without network, place the file at {dest}") from None
     return dest
