@@ -283,17 +283,29 @@ def test_orphaned_temporaries_of_a_killed_process_are_removed_and_nothing_else(t
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a process id that no longer runs
     names = {f".model_00000004.bin.{dead}.0a1b2c3d.tmp": False, f".x_train_000001.bin.{dead}.deadbeef.part": False,
-             f".model_00000004.bin.{os.getpid()}.0a1b2c3d.tmp": True,  # a live process's write
+             f".model_00000004.bin.{os.getppid()}.0a1b2c3d.tmp": True,  # a live process's write
+             # this process's id on a file older than this process: an earlier process of the same id (a restarted
+             # container's trainer is process 1 again) was killed writing it
+             f".state_00000004.safetensors.{os.getpid()}.0a1b2c3d.tmp": False,
              f".model.bin.{dead}.0A1B2C3D.tmp": True, "model_00000004.bin": True, f"model.{dead}.0a1b2c3d.tmp": True}
     for name in names:
         (tmp_path / name).write_bytes(b"x")
         os.utime(tmp_path / name, (time.time() - files.ORPHAN_MIN_AGE_S - 5,) * 2)
     young = tmp_path / f".state_00000008.safetensors.{dead}.00000000.tmp"
     young.write_bytes(b"x")  # just written: maybe another host's write into a shared folder, so kept for now
-    assert files.remove_orphaned_temporaries(tmp_path) == 2
+    assert files.remove_orphaned_temporaries(tmp_path) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([n for n, kept in names.items() if kept] +
                                                                 [young.name])
     assert files.remove_orphaned_temporaries(tmp_path / "absent") == 0
+
+
+def test_a_temporary_this_process_wrote_is_kept_however_old(tmp_path, monkeypatch):
+    import time
+    monkeypatch.setattr(files, "_IMPORTED_AT", time.time() - 10 * files.ORPHAN_MIN_AGE_S)  # a long run
+    mine = tmp_path / f".model_00000004.bin.{os.getpid()}.0a1b2c3d.tmp"
+    mine.write_bytes(b"x")
+    os.utime(mine, (time.time() - files.ORPHAN_MIN_AGE_S - 5,) * 2)  # written by this process, long ago
+    assert files.remove_orphaned_temporaries(tmp_path) == 0 and mine.exists()
 
 
 def test_hf_export_on_a_full_disk_keeps_the_old_files_and_says_so(tmp_path, monkeypatch):

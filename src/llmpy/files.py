@@ -96,6 +96,9 @@ def writable_dir(folder, what: str, name: str | None = None) -> Path:
 
 
 ORPHAN_MIN_AGE_S = 600  # untouched this long: not a write still going on (on another host of a shared folder, say)
+# every writer goes through this module, so no temporary of this process is older than its import: one that is was
+# left by an earlier process of the same id (a restarted container's trainer is process 1 again)
+_IMPORTED_AT = time.time()
 
 
 def _process_exists(pid: int) -> bool:
@@ -110,8 +113,8 @@ def _process_exists(pid: int) -> bool:
 
 def remove_orphaned_temporaries(folder, log: Callable[[str], None] | None = None) -> int:
     """Remove the temporaries llmpy's writers leave where their process was killed mid-write (SIGKILL, the OOM
-    killer, a power cut): a name of atomic_path's or prepare's pattern, a process id no process has, and no
-    change for ORPHAN_MIN_AGE_S. Returns how many it removed, and says so through `log` if it removed any."""
+    killer, a power cut): a name of atomic_path's or prepare's pattern, a process id no process has (or this
+    process's id, on a file older than this process), and no change for ORPHAN_MIN_AGE_S. Returns how many it removed, and says so through `log` if it removed any."""
     removed = 0
     try:
         entries = list(os.scandir(folder))
@@ -120,8 +123,11 @@ def remove_orphaned_temporaries(folder, log: Callable[[str], None] | None = None
     for entry in entries:
         match = _TEMPORARY_NAME.match(entry.name)
         try:
-            if (not match or not entry.is_file(follow_symlinks=False) or _process_exists(int(match.group(1)))
-                    or time.time() - entry.stat(follow_symlinks=False).st_mtime < ORPHAN_MIN_AGE_S):
+            if not match or not entry.is_file(follow_symlinks=False):
+                continue
+            pid, mtime = int(match.group(1)), entry.stat(follow_symlinks=False).st_mtime
+            writer_runs = _process_exists(pid) and not (pid == os.getpid() and mtime < _IMPORTED_AT)
+            if writer_runs or time.time() - mtime < ORPHAN_MIN_AGE_S:
                 continue
             os.unlink(entry.path)
         except OSError:
