@@ -273,7 +273,8 @@ def test_diverging_run_stops_in_one_line_and_keeps_its_checkpoints(tmp_path, sha
     res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 4, "-l", 1e30, "-n", 1, "-v", 0,
                 "-g", 0, "-o", out, "--progress", 0)
     assert_one_line_error(res, "step 2: the loss is", "lower -l")
-    assert sorted(p.name for p in out.glob("*_0000000*")) == ["model_00000001.bin", "state_00000001.safetensors"]
+    assert sorted(p.name for p in out.glob("*_0000000*")) == ["DONE_00000001", "model_00000001.bin",
+                                                             "state_00000001.safetensors"]
     config, flat, _ = load_llmc(out / "model_00000001.bin")
     assert config.num_layers == 1 and flat.numel() == config.num_parameters
 
@@ -298,7 +299,7 @@ def test_no_checkpoint_of_non_finite_weights(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(LlmpyError, match="step 7: the weights are not finite; no checkpoint written"):
-        _save_checkpoint(out, 7, config, Diverged(), TrainOptions(), {}, final=True)
+        _save_checkpoint(out, 7, config, Diverged(), TrainOptions(), {})
     assert list(out.iterdir()) == []
 
 

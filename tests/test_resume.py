@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from llmpy import trainer, training_state
@@ -93,7 +94,7 @@ def test_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, 
 
     first = train(options(shards, part, checkpoint_every=3, **extra), log=stop_after(5))
     assert first.stopped_by == "SIGTERM" and first.last_step == 5
-    assert latest_complete_step(part) == 5 and not (part / "DONE_00000005").exists()
+    assert latest_complete_step(part) == 5 and (part / "DONE_00000005").exists()  # llm.c's: a whole pair
     second = train(options(shards, part, checkpoint_every=3, resume=1, **extra), log=quiet)
     assert second.start_step == 5 and len(second.train_losses) == 7
     assert first.train_losses + second.train_losses == ref.train_losses
@@ -133,6 +134,8 @@ def test_keep_last_and_major_checkpoints(tmp_path, shards):
     states = sorted(p.name for p in out.glob("state_*.safetensors"))
     assert models == [f"model_{s:08d}.bin" for s in (3, 6, 7, 8)]
     assert states == [f"state_{s:08d}.safetensors" for s in (3, 6, 7, 8)]
+    # llm.c writes DONE after every checkpoint and deletes it with the pair
+    assert sorted(p.name for p in out.glob("DONE_*")) == [f"DONE_{s:08d}" for s in (3, 6, 7, 8)]
 
 
 def test_keep_last_counts_only_complete_checkpoints(tmp_path, shards):
@@ -357,14 +360,16 @@ def test_state_metadata_of_the_wrong_shape_is_named(saved, shards, key, value):
 
 
 def _rewrite_meta(spath, edit):
-    """Rewrite a state file's llmpy metadata as `edit(meta)` returns it (a str is stored as it is)."""
+    """Rewrite a state file's llmpy metadata as `edit(meta)` returns it: a table with a checksum of its own (a
+    deliberate edit, which the checksum cannot catch), a str as it is."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     with safe_open(str(spath), framework="pt") as f:
         meta = json.loads(f.metadata()[training_state.META_KEY])
     raw = edit(meta)
-    save_file(load_file(str(spath)), str(spath),
-              metadata={training_state.META_KEY: raw if isinstance(raw, str) else json.dumps(raw)})
+    if not isinstance(raw, str):
+        raw = json.dumps({**raw, training_state.META_CRC_KEY: training_state._meta_crc(raw)})
+    save_file(load_file(str(spath)), str(spath), metadata={training_state.META_KEY: raw})
 
 
 @pytest.mark.parametrize("seeds", ["x", [1.5], [True], [2**64], {"a": 1}], ids=["str", "float", "bool", "big", "dict"])
@@ -561,7 +566,7 @@ def test_sigterm_to_the_command_line_then_resume(tmp_path, shards):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err and "stopped by SIGTERM" in rest
     k = latest_complete_step(out)
-    assert k is not None and k >= 1 and not list(out.glob("DONE_*"))
+    assert k is not None and k >= 1 and max(out.glob("DONE_*")).name == f"DONE_{k:08d}"
     load_checkpoint(out, k)
     res = subprocess.run([str(a) for a in args + ["-x", k + 2, "-y", 1]], capture_output=True, text=True, env=env,
                          timeout=120)
@@ -618,3 +623,178 @@ def test_gpu_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(tmp_pa
     assert second.start_step == 5
     assert first.train_losses + second.train_losses == ref.train_losses
     assert_same_run(full, part)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the metadata's own checksum: a changed digit keeps the JSON valid and resumed another run silently
+
+def _damaged_meta_message(spath) -> str:
+    return (f"{spath}: its metadata fails its checksum (damaged); move this checkpoint's two files away to resume "
+            "from an earlier one")
+
+
+def _meta_digit_offsets(data: bytes) -> list[int]:
+    """Offsets in a state file's bytes of the digits of its llmpy metadata (a JSON string in the safetensors
+    header), but the format version's: another version is named as another format, not as damage."""
+    header = data[8:8 + int.from_bytes(data[:8], "little")]
+    start = header.index(f'"{training_state.META_KEY}":"'.encode()) + len(training_state.META_KEY) + 4
+    end = start
+    while header[end:end + 1] != b'"':  # the string's closing quote: the metadata's own are escaped (\")
+        end += 2 if header[end:end + 1] == b"\\" else 1
+    version = re.compile(rb'\\"format_version\\": *(\d+)').search(header, start, end).span(1)
+    return [8 + i for i in range(start, end) if header[i:i + 1].isdigit() and not version[0] <= i < version[1]]
+
+
+def test_a_digit_changed_in_the_state_metadata_is_named(saved, shards):
+    spath = state_path(saved, 4)
+    data = bytearray(spath.read_bytes())
+    original = training_state._read_meta(spath)
+    rng = np.random.default_rng()
+    at = int(rng.choice(_meta_digit_offsets(bytes(data))))
+    # 1-9 only: a leading digit turned 0 ("10" -> "00") would no longer be JSON
+    data[at] = ord(str(rng.choice([d for d in "123456789" if ord(d) != data[at]])))
+    spath.write_bytes(bytes(data))
+    where = bytes(data[max(at - 30, 0):at + 10])  # what was changed, for a failure's message
+    from safetensors import safe_open
+    # still a readable file of valid JSON, one value changed (the fixture's numbers are short: a float's 17th digit
+    # can change without changing its value, which is no damage)
+    with safe_open(str(spath), framework="pt") as f:
+        assert json.loads(f.metadata()[training_state.META_KEY]) != original, where
+    before = snapshot(saved)
+    for read in (lambda: latest_complete_step(saved), lambda: load_checkpoint(saved, 4),
+                 lambda: train(options(shards, saved, max_steps=6, resume=1), log=quiet)):
+        with pytest.raises(LlmpyError) as e:
+            read()
+        assert str(e.value) == _damaged_meta_message(spath), where
+    assert snapshot(saved) == before
+
+
+def test_a_changed_data_position_is_named_and_the_intact_state_still_resumes_bitwise(tmp_path, shards):
+    # the report: window_pos 4 -> 5 resumed with another loss at the next step (5.5449 for 5.5602), no error
+    full, part, damaged = tmp_path / "full", tmp_path / "part", tmp_path / "damaged"
+    train(options(shards, full, checkpoint_every=3), log=quiet)
+    assert train(options(shards, part, checkpoint_every=3), log=stop_after(5)).last_step == 5
+    shutil.copytree(part, damaged)
+    spath = state_path(damaged, 5)
+    data = spath.read_bytes()
+    pos = re.search(rb'\\"window_pos\\": (\d+)', data)
+    width, rng = len(pos.group(1)), np.random.default_rng()
+    other = pos.group(1)
+    while other == pos.group(1):  # another position of as many digits: the header keeps its length
+        other = str(rng.integers(10 ** (width - 1) if width > 1 else 0, 10 ** width)).encode()
+    spath.write_bytes(data[:pos.start(1)] + other + data[pos.end(1):])
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, damaged, checkpoint_every=3, resume=1), log=quiet)
+    assert str(e.value) == _damaged_meta_message(spath), other
+    assert train(options(shards, part, checkpoint_every=3, resume=1), log=quiet).start_step == 5
+    assert_same_run(full, part)
+
+
+def test_a_state_without_its_metadata_checksum_is_named(saved, shards):
+    spath = state_path(saved, 4)
+    _rewrite_meta(spath, lambda meta: json.dumps({k: v for k, v in meta.items() if k != training_state.META_CRC_KEY}))
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert str(e.value) == _damaged_meta_message(spath)
+
+
+def test_a_state_of_the_format_before_the_metadata_checksum_still_resumes(tmp_path, shards):
+    # version 1 had no metadata checksum: a run in progress must survive the upgrade, bitwise
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(options(shards, full, max_steps=8), log=quiet)
+    train(options(shards, part, max_steps=8, checkpoint_every=4), log=stop_after(4))
+    spath = state_path(part, 4)
+    _rewrite_meta(spath, lambda meta: json.dumps({**{k: v for k, v in meta.items() if k != training_state.META_CRC_KEY},
+                                                  "format_version": 1}))
+    res = train(options(shards, part, max_steps=8, resume=1), log=quiet)
+    assert res.start_step == 4
+    assert_same_run(full, part, steps=8)
+
+
+@pytest.mark.parametrize("version", [0, 3, "2"])
+def test_a_state_of_an_unknown_format_version_is_refused(saved, shards, version):
+    spath = state_path(saved, 4)
+    _rewrite_meta(spath, lambda meta: {**meta, "format_version": version})
+    before = snapshot(saved)
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert str(e.value) == (f"{spath}: training-state format version {version}; this llmpy reads versions 1, 2 "
+                            "(resume it with the llmpy that wrote it, or train on from its model file with -e and "
+                            "another -o)")
+    assert snapshot(saved) == before
+
+
+# ---------------------------------------------------------------------------------------------------
+# what a resume reads of -e, and what it notes
+
+
+def test_resume_reads_only_the_header_of_the_e_model_file_and_goes_on_without_it(tmp_path, shards, monkeypatch):
+    # -e only gives a resumed run a shape to compare (the weights are the checkpoint's): the whole file was read and
+    # checked, GBs for the large models, and a model file cleaned away after the run began blocked its resume
+    from llmpy import checkpoint
+    from llmpy.config import parse_descriptor
+    init = tmp_path / "init.bin"
+    checkpoint.save_llmc(init, parse_descriptor(TINY), 0.02 * torch.randn(parse_descriptor(TINY).num_parameters))
+    out = tmp_path / "o"
+    train(options(shards, out, model=str(init), max_steps=4, checkpoint_every=2), log=quiet)
+    loaded = []
+    monkeypatch.setattr(checkpoint, "load_llmc", lambda path: loaded.append(path))
+    res = train(options(shards, out, model=str(init), max_steps=6, resume=1), log=quiet)
+    assert res.start_step == 4 and res.last_step == 6 and loaded == []
+    init.unlink()
+    lines = []
+    res = train(options(shards, out, model=str(init), max_steps=8, resume=1), log=lines.append)
+    assert res.start_step == 6 and res.last_step == 8
+    assert f"note: -y 1: -e {init} is not there; the run continues from the checkpoint's model model_00000006.bin" \
+        in lines
+
+
+def test_resume_notes_a_change_of_master_weights_tf32_or_engine(saved, shards, monkeypatch):
+    # each changes the arithmetic, so the run is no longer the uninterrupted one: a resume said nothing
+    lines = []
+    train(options(shards, saved, max_steps=6, resume=1, master_weights=0, tf32=0), log=lines.append)
+    assert "note: resuming with changed settings (-w 1 -> 0, -f 1 -> 0)" in lines
+    state = load_checkpoint(saved, 6)
+    assert state.meta["options"]["engine"] == "reference"
+    lines = []
+    opts = options(shards, saved, max_steps=8, resume=1, master_weights=0, tf32=0, dtype="float32")
+    trainer._check_resume(state, opts, state.config, 1, lines.append, 1, "kernels")
+    assert lines == ["note: resuming with changed settings (engine reference -> kernels)"]
+
+
+@pytest.mark.parametrize("error, note", [(errno.ENOSYS, True), (errno.ENOLCK, True), (errno.EIO, False)],
+                         ids=["ENOSYS", "ENOLCK", "EIO"])
+def test_a_file_system_without_locks_is_a_note_and_another_lock_error_one_line(tmp_path, shards, monkeypatch, error,
+                                                                             note):
+    # Lustre without -o flock, some NFS and FUSE mounts: flock fails with ENOSYS or ENOLCK, and no run could start
+    import fcntl
+
+    def no_locks(f, how):
+        raise OSError(error, os.strerror(error))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "o"
+    lines = []
+    if note:
+        res = train(options(shards, out, max_steps=2), log=lines.append)
+        assert res.last_step == 2
+        assert f"note: {out / '.llmpy.lock'}: the file system takes no locks ({os.strerror(error)}); nothing keeps " \
+               f"a second run out of -o {out} while this one writes" in lines
+    else:
+        with pytest.raises(LlmpyError, match=re.escape(f"{out / '.llmpy.lock'}: cannot lock the run's folder "
+                                                       f"({os.strerror(error)})")):
+            train(options(shards, out, max_steps=2), log=lines.append)
+
+
+def test_a_bf16_model_file_holds_the_weights_the_run_computes_with(tmp_path, shards, device):
+    # llm.c writes its bf16 parameters, stochastically rounded by AdamW; the file held the master weights rounded to
+    # nearest, so `-e model_N.bin` or an export reproduced neither the logged losses nor llm.c's file
+    from safetensors.torch import load_file
+    from llmpy.checkpoint import load_llmc
+    out = tmp_path / "o"
+    train(options(shards, out, max_steps=2, engine="kernels", dtype="bfloat16", master_weights=1, val_every=0,
+                  device=device, model=GPU_MODEL if device == "cuda" else TINY), log=quiet)
+    tensors = load_file(state_path(out, 2))
+    _, in_file, version = load_llmc(model_path(out, 2))
+    assert version == 5 and tensors["params"].dtype == torch.bfloat16
+    assert torch.equal(in_file.view(torch.int16), tensors["params"].view(torch.int16))
+    assert not torch.equal(in_file, tensors["master"].to(torch.bfloat16))  # stochastic rounding differs somewhere

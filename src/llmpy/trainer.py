@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import numbers
@@ -215,7 +216,7 @@ FLAGS = [  # (short, long, field, type, help)
                                               "(nothing written)"),
     ("-n", "--checkpoint-every", "checkpoint_every", int, "write a checkpoint every N steps (0: only at the end)"),
     ("-nk", "--checkpoints-keep", "checkpoints_keep", int, "keep only the last K checkpoints (0: all)"),
-    ("-nm", "--major-checkpoint-every", "major_checkpoint_every", int, "keep every M-th checkpoint for ever"),
+    ("-nm", "--major-checkpoint-every", "major_checkpoint_every", int, "keep the checkpoints of steps that are multiples of M for ever (llm.c's -nm)"),
     ("-y", "--resume", "resume", int, "1: resume from the latest checkpoint in -o (none there yet: start the run)"),
     ("-b", "--batch-size", "batch_size", int, "micro-batch size B"),
     ("-t", "--seq-len", "seq_len", int, "sequence length T"),
@@ -514,15 +515,20 @@ def _open_to_append(path: Path):
 RUN_LOCK_NAME = ".llmpy.lock"
 
 
-def _lock_run_folder(out_dir: Path):
+def _lock_run_folder(out_dir: Path, log):
     """The open lock file that keeps a second run from writing into the same -o at the same time (its checkpoints
     over ours, its steps between ours in the log); the system drops the lock when the process ends, however it
-    ends. None where there is no flock (Windows)."""
+    ends. None where there is no flock: on Windows, and on file systems without locks (Lustre mounted without
+    -o flock, some NFS and FUSE mounts), which a note names."""
     try:
         import fcntl
     except ImportError:
         return None
-    f = open(out_dir / RUN_LOCK_NAME, "a+")
+    path = out_dir / RUN_LOCK_NAME
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        raise LlmpyError(f"{path}: cannot open the run's lock file ({e.strerror or e})") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -531,6 +537,13 @@ def _lock_run_folder(out_dir: Path):
         f.close()
         raise LlmpyError(f"-o {out_dir}: another run is writing there" + (f" (process {holder})" if holder else "")
                          + "; wait for it to end, or give another -o") from None
+    except OSError as e:
+        f.close()
+        if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            log(f"note: {path}: the file system takes no locks ({e.strerror}); nothing keeps a second run out of "
+                f"-o {out_dir} while this one writes")
+            return None
+        raise LlmpyError(f"{path}: cannot lock the run's folder ({e.strerror or e})") from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -550,7 +563,7 @@ class RunLog:
 
     FILES = ("main.log", "main.jsonl")  # the text log and its JSONL twin, in the run's folder
 
-    def __init__(self, out_dir: Path | None):
+    def __init__(self, out_dir: Path | None, log=print):
         self.text = self.jsonl = self.tb = self.lock = self._thread_hook = None
         self.folder = out_dir
         if not out_dir:
@@ -562,7 +575,7 @@ class RunLog:
         events = out_dir / "tensorboard"
         if SummaryWriter is not None and (events.exists() or events.is_symlink()) and not events.is_dir():
             raise LlmpyError(f"{events}: not a folder (TensorBoard's events go there); move it away")
-        self.lock = _lock_run_folder(out_dir)
+        self.lock = _lock_run_folder(out_dir, log)
         try:
             self.text = _open_to_append(out_dir / self.FILES[0])
             self.jsonl = _open_to_append(out_dir / self.FILES[1])
@@ -663,19 +676,25 @@ def _agree_on_signal(dp, received_signals: list[int], device) -> list[int]:
 
 
 def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts: TrainOptions, meta: dict,
-                     final: bool = False, write: bool = True):
+                     write: bool = True):
     """llm.c's model file model_%08d.bin in the run's precision (version 3 fp32 or 5 bf16, as llm.c) and
-    the training state state_%08d.safetensors that -y 1 resumes from; a DONE_%08d marker after the final
-    pair; then -nk/-nm pruning."""
-    from .training_state import prune_checkpoints, save_checkpoint
+    the training state state_%08d.safetensors that -y 1 resumes from; llm.c's DONE_%08d marker once the pair is
+    whole; then -nk/-nm pruning."""
+    from .training_state import done_path, prune_checkpoints, save_checkpoint
     params, tensors = backend.parameters_fp32(), backend.state_tensors()  # collectives under ZeRO-1
     if not torch.isfinite(params).all():  # the update after the last loss seen diverged: keep the good files
         raise LlmpyError(f"step {step}: the weights are not finite; no checkpoint written (lower -l)")
     if not write:
         return
-    save_checkpoint(out_dir, step, config, params, tensors, meta, model_dtype=opts.dtype)
-    if final:
-        (out_dir / f"DONE_{step:08d}").write_text("")
+    # the model file holds the weights the run computes with, as llm.c's: in bf16 the device's stochastically
+    # rounded copy, not the master weights rounded to nearest (those are in the state file)
+    model_params = tensors["params"] if tensors["params"].dtype == torch.bfloat16 else params
+    save_checkpoint(out_dir, step, config, model_params, tensors, meta, model_dtype=opts.dtype)
+    try:
+        done_path(out_dir, step).write_text("")
+    except OSError as e:  # the pair is whole and -y 1 reads it; only the marker for llm.c's scripts is missing
+        raise LlmpyError(f"{done_path(out_dir, step)}: cannot write ({e.strerror or e}); the checkpoint of step "
+                         f"{step} is whole") from None
     prune_checkpoints(out_dir, opts.checkpoints_keep, opts.major_checkpoint_every, newest=step)
 
 
@@ -690,19 +709,21 @@ _RESUME_MUST_MATCH = (("batch_size", "-b", "batch_size"), ("seq_len", "-t", "seq
 # what may change on resume (with a note): the schedule and the optimizer's knobs
 _RESUME_MAY_CHANGE = (("learning_rate", "-l"), ("lr_schedule", "-k"), ("warmup_steps", "-u"),
                       ("final_lr_frac", "-q"), ("weight_decay", "-c"), ("grad_clip", "--grad-clip"),
-                      ("overfit_single_batch", "-a"), ("skip_loss_z", "-sl"), ("skip_grad_z", "-sg"))
+                      ("overfit_single_batch", "-a"), ("skip_loss_z", "-sl"), ("skip_grad_z", "-sg"),
+                      # these change the arithmetic: the run goes on, no longer bitwise the uninterrupted one
+                      ("master_weights", "-w"), ("tf32", "-f"))
 
 
-def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str) -> dict:
-    """The options that define a run, as saved in each training state."""
+def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str, engine: str) -> dict:
+    """The options that define a run, as saved in each training state (engine: kernels or reference, as resolved)."""
     from .training_state import config_dict
     keep = ("model", "train_data", "batch_size", "seq_len", "total_batch_size", "learning_rate", "lr_schedule",
             "warmup_steps", "final_lr_frac", "weight_decay", "grad_clip", "max_steps", "seed", "dtype",
-            "master_weights", "shuffle", "overfit_single_batch", "skip_loss_z", "skip_grad_z")
+            "master_weights", "shuffle", "overfit_single_batch", "skip_loss_z", "skip_grad_z", "tf32")
     from .distributed import torchrun_env
     env = torchrun_env()
     return {**{k: getattr(opts, k) for k in keep}, "config": config_dict(config), "grad_accumulation": accum,
-            "device": device, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
+            "device": device, "engine": engine, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
 
 
 def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
@@ -720,15 +741,32 @@ def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
                          f"{free / 1e9:.1f} GB available")
 
 
-def _model_config(desc: str) -> GPT2Config:
-    """The configuration -e names, without building its weights (a resume replaces them)."""
-    if _names_a_model_file(desc):
-        from .checkpoint import load_model_file
-        return load_model_file(desc)[0]
-    return parse_descriptor(desc)
+def _looks_like_a_path(desc: str) -> bool:
+    """-e meant as a model file's path rather than a descriptor (config.parse_descriptor's reading)."""
+    return "/" in desc or os.sep in desc or desc.endswith((".bin", ".safetensors"))
 
 
-def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1):
+def _resumed_model_config(desc: str, state, log) -> GPT2Config:
+    """The configuration -e names on a resume, only to compare with the checkpoint's (whose weights the run takes):
+    an llm.c file's header alone is read, not GBs of weights, and a model file no longer there is a note (llm.c reads
+    no -e on resume: the same command line resumes after the init file was cleaned away)."""
+    from .checkpoint import load_model_file, read_llmc_header
+    if _looks_like_a_path(desc) and not os.path.exists(desc):
+        log(f"note: -y 1: -e {desc} is not there; the run continues from the checkpoint's model "
+            f"{state.model_file.name}")
+        return state.config
+    if not _names_a_model_file(desc):
+        return parse_descriptor(desc)
+    if os.path.isfile(desc):
+        try:
+            return read_llmc_header(desc).config
+        except LlmpyError:
+            pass  # not an llm.c file: load_model_file names what it is
+    return load_model_file(desc)[0]
+
+
+def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1,
+                  engine: str | None = None):
     """One line naming the field and both values when the run differs from its checkpoint where it must
     not; a note where it may (the schedule then differs from the original run's)."""
     from .training_state import CONFIG_FIELDS, config_dict
@@ -754,6 +792,8 @@ def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log
                          f"{accum} (-d {opts.total_batch_size})")
     changed = [f"{flag} {saved[fld]} -> {getattr(opts, fld)}" for fld, flag in _RESUME_MAY_CHANGE
                if fld in saved and saved[fld] != getattr(opts, fld)]
+    if engine is not None and saved.get("engine", engine) != engine:  # the CPU reference's sums are not the kernels'
+        changed.append(f"engine {saved['engine']} -> {engine}")
     if changed:
         log(f"note: resuming with changed settings ({', '.join(changed)})")
     if opts.model and _names_a_model_file(opts.model) and saved.get("model") != opts.model:
@@ -858,7 +898,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             opts.model = state.meta.get("options", {}).get("model") or str(state.model_file)
             config = state.config
         else:
-            config = _model_config(opts.model)
+            config = _resumed_model_config(opts.model, state, log)
         params = state.params_fp32
     else:
         if opts.model is None:
@@ -905,7 +945,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     loss_outliers, grad_outliers = OutlierDetector(), OutlierDetector()
     first_batch = None
     if state is not None:
-        _check_resume(state, opts, config, accum, log, world)
+        _check_resume(state, opts, config, accum, log, world, "kernels" if kernels else "reference")
         if opts.overfit_single_batch:  # -a 1 trains on the loader's first batch, whatever its position
             first_batch = train_loader.next_batch()
         try:
@@ -988,7 +1028,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         log(f"the checkpoint is at step {start_step} and the run has {steps} steps: nothing to do "
             "(raise -x to train further)")
         return result
-    run_log = RunLog(out_dir if writer else None)
+    run_log = RunLog(out_dir if writer else None, log)
     progress = None
     if writer and (opts.progress == 1 or (opts.progress == -1 and sys.stderr.isatty())):
         from tqdm import tqdm
@@ -1059,16 +1099,16 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     skip_fn = outlier if (opts.skip_loss_z > 0 or opts.skip_grad_z > 0) else None
 
     from . import __version__
-    run_options = _run_options(opts, config, accum, device)
+    run_options = _run_options(opts, config, accum, device, "kernels" if kernels else "reference")
 
-    def checkpoint(step_done: int, final: bool = False):
+    def checkpoint(step_done: int):
         meta = {"llmpy_version": __version__, "total_steps": steps, "options": run_options,
                 "data": train_loader.state_dict(),
                 "outliers": {"loss": loss_outliers.state_dict(), "grad": grad_outliers.state_dict()},
                 "rng": {"sr_seeds": backend.seed_state()}}
         # every rank takes part (ZeRO-1 gathers the optimizer shards), rank 0 writes, the others wait
         with patient():
-            _save_checkpoint(out_dir, step_done, config, backend, opts, meta, final=final, write=writer)
+            _save_checkpoint(out_dir, step_done, config, backend, opts, meta, write=writer)
             if dp is not None:
                 dp.barrier()
 
@@ -1145,7 +1185,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         if result.stopped_by is None:
             validate(steps)
             if out_dir:  # before the sample, so that nothing in sampling can cost the run its last checkpoint
-                checkpoint(steps, final=True)
+                checkpoint(steps)
             result.sample = sample(steps)
     finally:
         for sig, handler in old_handlers.items():

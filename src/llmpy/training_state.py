@@ -6,7 +6,8 @@ A checkpoint of step N under the output directory is a pair:
   * `state_%08d.safetensors`: the tensors (the device's parameter storage, fp32 master weights when
     there are some, AdamW's m and v) and, in the safetensors metadata (str -> str), one JSON entry
     "llmpy" with the step, the options that define the run, the data loader's and outlier detectors'
-    states, the GPU's stochastic-rounding seeds and CRC-32 checksums of the model file and tensors.
+    states, the GPU's stochastic-rounding seeds and CRC-32 checksums of the model file and tensors, and
+    "metadata_checksum", the CRC-32 of that JSON itself (canonical: sorted keys, no spaces) without it.
 
 The model file is written first and the state last, each atomically (files.atomic_path), so a
 pair is complete exactly when the state exists and its metadata names the model file's step; a crash
@@ -29,8 +30,12 @@ from .errors import LlmpyError
 from .files import refuse_non_file
 
 STATE_FORMAT = "llmpy-train-state"
-STATE_FORMAT_VERSION = 1
+# 2: the metadata carries its own checksum. Version 1 files, from before it, still resume (a run in progress
+# survives an upgrade), unchecked: only a damaged version digit (2 -> 1) could pass for one
+STATE_FORMAT_VERSION = 2
+READABLE_STATE_VERSIONS = (1, 2)
 META_KEY = "llmpy"
+META_CRC_KEY = "metadata_checksum"
 
 _MODEL_RE = re.compile(r"^model_(\d{8})\.bin$")
 _STATE_RE = re.compile(r"^state_(\d{8})\.safetensors$")
@@ -67,6 +72,11 @@ def state_path(out_dir, step: int) -> Path:
     return Path(out_dir) / f"state_{step:08d}.safetensors"
 
 
+def done_path(out_dir, step: int) -> Path:
+    """llm.c's empty DONE_%08d, written once the pair of `step` is whole (its scripts wait for it)."""
+    return Path(out_dir) / f"DONE_{step:08d}"
+
+
 def config_dict(config: GPT2Config) -> dict:
     return {k: int(getattr(config, k)) for k in CONFIG_FIELDS}
 
@@ -88,6 +98,12 @@ def _file_crc(path: Path) -> int:
         while chunk := f.read(_CRC_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def _meta_crc(meta: dict) -> int:
+    """CRC-32 of the metadata but its checksum, serialised one way only, so a reader gets the writer's value."""
+    body = {k: v for k, v in meta.items() if k != META_CRC_KEY}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 @dataclass
@@ -114,6 +130,8 @@ def save_checkpoint(out_dir, step: int, config: GPT2Config, params_fp32: torch.T
         crcs["model_file"] = _file_crc(mpath)
         full = {**meta, "format": STATE_FORMAT, "format_version": STATE_FORMAT_VERSION, "step": int(step),
                 "model_file": mpath.name, "checksums": crcs}
+        # of the metadata as a reader parses it (keys as text, tuples as lists), not of the objects given here
+        full[META_CRC_KEY] = _meta_crc(json.loads(json.dumps(full)))
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
         save_safetensors(spath, cpu, {META_KEY: json.dumps(full)})
     except OSError as e:
@@ -153,9 +171,10 @@ def _read_meta(spath: Path) -> dict:
         raise LlmpyError(f"{spath}: corrupt training-state metadata ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
         raise LlmpyError(f"{spath}: not an llmpy training state")
-    if meta.get("format_version") != STATE_FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_STATE_VERSIONS:
         raise LlmpyError(f"{spath}: training-state format version {meta.get('format_version')}; this llmpy "
-                         f"reads version {STATE_FORMAT_VERSION}")
+                         f"reads versions {', '.join(map(str, READABLE_STATE_VERSIONS))} (resume it with the llmpy "
+                         "that wrote it, or train on from its model file with -e and another -o)")
     # an edited or damaged file can hold valid JSON of the wrong shape: refuse it here, in one line
     for key, kind in [(k, "table") for k in _META_TABLES] + [(k, "int") for k in _META_INTS]:
         if key in meta:
@@ -172,6 +191,14 @@ def _read_meta(spath: Path) -> dict:
             isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63 for x in seeds)):
         raise LlmpyError(f"{spath}: malformed training-state metadata ('rng.sr_seeds' should be a list of 64-bit "
                          f"integers, not {json.dumps(seeds)[:40]})")
+    # a flipped digit keeps the JSON valid and well shaped (window_pos 4 -> 5) and would resume another run silently
+    try:
+        intact = meta["format_version"] == 1 or meta.get(META_CRC_KEY) == _meta_crc(meta)
+    except RecursionError:  # nesting the parser just took can pass the serialiser's limit: not llmpy's metadata
+        intact = False
+    if not intact:
+        raise LlmpyError(f"{spath}: its metadata fails its checksum (damaged); move this checkpoint's two files "
+                         "away to resume from an earlier one")
     return meta
 
 
@@ -244,7 +271,7 @@ def load_checkpoint(out_dir, step: int) -> TrainingState:
 
 def prune_checkpoints(out_dir, keep_last: int, keep_every: int, newest: int) -> list[int]:
     """-nk/-nm after the checkpoint of step `newest`: keep the last `keep_last` complete checkpoints up to it (0: all)
-    and every `keep_every`-th for ever; delete both files of the other steps before those kept. Only complete pairs
+    and every `keep_every`-th for ever; delete the files of the other steps before those kept (DONE too). Only complete pairs
     count: a lone file (a run killed while writing) must not take a kept checkpoint's place, and files of steps after
     `newest` (an earlier run's, which -y 1 went back before) are left for the run to replace. Returns the steps
     removed."""
@@ -259,8 +286,8 @@ def prune_checkpoints(out_dir, keep_last: int, keep_every: int, newest: int) -> 
     for s in sorted(_steps(out_dir, _MODEL_RE) | _steps(out_dir, _STATE_RE)):
         if s >= first_kept or (keep_every > 0 and s % keep_every == 0):
             continue
-        # state first: a model file without its state is already "incomplete" if we stop half-way
-        for p in (state_path(out_dir, s), model_path(out_dir, s)):
+        # DONE, then the state: a model file without its state is already "incomplete" if we stop half-way
+        for p in (done_path(out_dir, s), state_path(out_dir, s), model_path(out_dir, s)):
             try:
                 p.unlink()
             except FileNotFoundError:
