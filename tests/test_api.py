@@ -192,6 +192,22 @@ def test_a_run_notes_the_shards_too_small_for_one_batch(tmp_path):
     assert sum(line.startswith("step ") for line in lines) == 3
 
 
+def test_val_max_steps_minus_one_validates_on_the_whole_split():
+    # llm.c's -m -1: every batch of the validation split (it was refused)
+    import tempfile
+    rng = np.random.default_rng()
+    with tempfile.TemporaryDirectory() as d:
+        write_shard(f"{d}/t_train_000000.bin", rng.integers(0, 257, 2000))
+        batches = int(rng.integers(3, 9))
+        write_shard(f"{d}/t_val_000000.bin", rng.integers(0, 257, batches * 2 * 16 + 1))
+        common = dict(log=lambda *_: None, train_data=f"{d}/t_train_*.bin", val_data=f"{d}/t_val_*.bin", device="cpu",
+                      model="layers=1,channels=16,heads=2,seq=16,vocab=257", batch_size=2, seq_len=16, max_steps=2,
+                      val_every=2, gen_tokens=0, progress=0)
+        whole = llmpy.train(val_max_steps=-1, **common).val_losses
+        assert whole == llmpy.train(val_max_steps=batches, **common).val_losses
+        assert whole != llmpy.train(val_max_steps=batches - 1, **common).val_losses
+
+
 @pytest.mark.parametrize("desc, message", [
     # the sizes were refused under GPT2Config's field names, with neither the descriptor nor its key named
     ("layers=0,channels=16,heads=2", "model descriptor 'layers=0,channels=16,heads=2': layers must be positive, got 0"),

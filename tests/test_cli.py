@@ -1,5 +1,6 @@
 """The command line: bad input gets one line naming the file or flag, a non-zero exit and no traceback;
 nothing already saved is touched. And a tiny end-to-end run with a checkpoint and a sample."""
+import json
 import os
 import subprocess
 import sys
@@ -118,8 +119,17 @@ def test_tiny_run_trains_writes_checkpoint_and_log(tmp_path, shards):
     assert version == (5 if torch.cuda.is_available() else 3)
     assert config.num_layers == 1 and flat.isfinite().all()
     assert (out / "DONE_00000006").exists()
+    # llm.c's main.log: a train line is numbered by the updates before it (llm.c's 0-based step) and carries lr and
+    # norm; a validation line by the updates before it too, so s:3 trl and s:3 tel are the same weights
     log = (out / "main.log").read_text().splitlines()
-    assert "s:6 trl:" in log[-2] or any(l.startswith("s:6 trl:") for l in log)
+    steps = [json.loads(line) for line in (out / "main.jsonl").read_text().splitlines()]
+    train_recs, val_recs = [r for r in steps if r["kind"] == "train"], [r for r in steps if r["kind"] == "val"]
+    assert [r["step"] for r in train_recs] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in val_recs] == [0, 3, 6]
+    assert log == ["s:0 tel:%.6f" % val_recs[0]["loss"]] + [
+        "s:%d trl:%.6f lr:%.6f norm:%.2f" % (r["step"] - 1, r["loss"], r["lr"], r["norm"]) for r in train_recs[:3]] + [
+        "s:3 tel:%.6f" % val_recs[1]["loss"]] + [
+        "s:%d trl:%.6f lr:%.6f norm:%.2f" % (r["step"] - 1, r["loss"], r["lr"], r["norm"]) for r in train_recs[3:]] + [
+        "s:6 tel:%.6f" % val_recs[2]["loss"]]
     # the checkpoint samples through `llmpy sample`
     res = llmpy("sample", out / "model_00000006.bin", "--prompt", "def\a ", "-g", 5)
     assert res.returncode == 0, res.stderr
@@ -187,7 +197,9 @@ def test_unknown_descriptor_and_flag(shards):
     ("top_k", -2, "--top-k -2: must be >= 0 (0: all)"),
     ("val_every", -1, "-v -1: must be >= 0 (0: never)"),
     ("sample_every", -3, "-s -3: must be >= 0 (0: only at the end)"),
-    ("val_max_steps", 0, "-m 0: must be positive (-v 0 turns validation off)"),
+    ("val_max_steps", 0, "-m 0: must be positive, or -1 for the whole validation split (-v 0 turns validation off)"),
+    ("val_max_steps", -2, "-m -2: must be positive, or -1 for the whole validation split (-v 0 turns validation "
+                          "off)"),
     ("max_steps", 0, "-x 0: must be positive, or -1 for one epoch"),
     ("max_steps", -7, "-x -7: must be positive, or -1 for one epoch"),
     ("progress", 2, "--progress 2: must be one of -1, 0, 1"),

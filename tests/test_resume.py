@@ -312,7 +312,8 @@ def test_resume_after_a_record_cut_off_keeps_the_logs_readable(tmp_path, shards)
     steps = [(r["step"], r["kind"]) for r in read_log(out / "main.jsonl")]
     assert [s for s, kind in steps if kind == "train"] == [1, 2, 3, 4, 5, 6]
     lines = (out / "main.log").read_text().splitlines()
-    assert all(re.fullmatch(r"s:\d+ (trl|tel):\d+\.\d{6}", line) for line in lines), lines
+    assert all(re.fullmatch(r"s:\d+ (tel:\d+\.\d{6}|trl:\d+\.\d{6} lr:\d+\.\d{6} norm:\d+\.\d{2})", line)
+               for line in lines), lines
     assert lines[-1].startswith("s:6 ")
 
 

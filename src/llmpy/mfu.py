@@ -64,10 +64,14 @@ def peak_bf16_flops(device_name: str) -> float | None:
     return None
 
 
-def estimate_mfu(config: GPT2Config, T: int, tokens_per_second: float, device_name: str) -> float:
-    """llm.c's gpt2_estimate_mfu: (6N + 6LCT) * tokens/s over the device's bf16 peak, as a fraction
-    (0.5 = 50%); -1 when the device is not in the table (llm.c prints -1 then too)."""
+def estimate_mfu(config: GPT2Config, T: int, tokens_per_second: float, device_name: str,
+                 dtype: str = "bfloat16") -> float:
+    """llm.c's gpt2_estimate_mfu: (6N + 6LCT) * tokens/s over the device's peak for the run's precision, as a
+    fraction (0.5 = 50%); -1 when the device is not in the table (llm.c prints -1 then too). A float32 run is
+    measured against the TF32 peak, half the bf16 one on every card in the table, as llm.c's fp32 build is."""
     peak = peak_bf16_flops(device_name)
     if peak is None or tokens_per_second <= 0:
         return -1.0
+    if dtype == "float32":
+        peak /= 2
     return config.flops_per_token(T) * tokens_per_second / peak

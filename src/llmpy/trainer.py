@@ -188,8 +188,9 @@ class TrainOptions:
             if getattr(self, name) < 0:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be >= 0{zero}")
         check_sampling_options(self.gen_tokens, self.temperature, self.top_k)
-        if self.val_max_steps <= 0:
-            raise LlmpyError(f"-m {self.val_max_steps}: must be positive (-v 0 turns validation off)")
+        if self.val_max_steps <= 0 and self.val_max_steps != -1:
+            raise LlmpyError(f"-m {self.val_max_steps}: must be positive, or -1 for the whole validation split (-v 0 "
+                             "turns validation off)")
         if self.max_steps == 0 or self.max_steps < -1:
             raise LlmpyError(f"-x {self.max_steps}: must be positive, or -1 for one epoch of the train data")
         if self.resume and not self.output_dir:
@@ -216,7 +217,8 @@ FLAGS = [  # (short, long, field, type, help)
                                               "(nothing written)"),
     ("-n", "--checkpoint-every", "checkpoint_every", int, "write a checkpoint every N steps (0: only at the end)"),
     ("-nk", "--checkpoints-keep", "checkpoints_keep", int, "keep only the last K checkpoints (0: all)"),
-    ("-nm", "--major-checkpoint-every", "major_checkpoint_every", int, "keep the checkpoints of steps that are multiples of M for ever (llm.c's -nm)"),
+    ("-nm", "--major-checkpoint-every", "major_checkpoint_every", int,
+     "keep the checkpoints of steps that are multiples of M for ever (llm.c's -nm)"),
     ("-y", "--resume", "resume", int, "1: resume from the latest checkpoint in -o (none there yet: start the run)"),
     ("-b", "--batch-size", "batch_size", int, "micro-batch size B"),
     ("-t", "--seq-len", "seq_len", int, "sequence length T"),
@@ -228,10 +230,11 @@ FLAGS = [  # (short, long, field, type, help)
     ("-k", "--lr-schedule", "lr_schedule", str, f"learning-rate schedule: {', '.join(SCHEDULES)}"),
     ("-x", "--max-steps", "max_steps", int, "number of steps (-1: one epoch of the train data)"),
     ("-v", "--val-every", "val_every", int, "validation loss every N steps (0: never)"),
-    ("-m", "--val-max-steps", "val_max_steps", int, "batches per validation"),
+    ("-m", "--val-max-steps", "val_max_steps", int, "batches per validation (-1: the whole validation split)"),
     ("-s", "--sample-every", "sample_every", int, "print a sample every N steps (0: only at the end)"),
     ("-g", "--gen-tokens", "gen_tokens", int, "tokens per sample"),
-    ("-a", "--overfit-single-batch", "overfit_single_batch", int, "1: train on the first batch only"),
+    ("-a", "--overfit-single-batch", "overfit_single_batch", int,
+     "1: train on the first batch of the train data only (llm.c's is the validation data's)"),
     ("-f", "--tf32", "tf32", int, "1: allow TF32 matrix products in fp32 (GPU)"),
     ("-w", "--master-weights", "master_weights", int, "1: keep fp32 master weights (GPU, bf16)"),
     ("-r", "--recompute", "recompute", int, "0 none, 1 GELU, 2 GELU + layernorm recomputed in the backward (GPU)"),
@@ -598,8 +601,8 @@ class RunLog:
         return f"cannot write the log in {self.folder}: {e.strerror or e}"
 
     def _write(self, step: int, kind: str, **values):
-        if kind == "train":
-            self.text.write(f"s:{step} trl:{values['loss']:.6f}\n")
+        if kind == "train":  # llm.c numbers a train line by the updates before it: one less than its step line
+            self.text.write(f"s:{step - 1} trl:{values['loss']:.6f} lr:{values['lr']:.6f} norm:{values['norm']:.2f}\n")
         elif kind == "val":
             self.text.write(f"s:{step} tel:{values['loss']:.6f}\n")
         elif kind == "eval":
@@ -924,7 +927,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     val_loader = None
     if opts.val_data and opts.val_every > 0:
         val_loader = EvalLoader(opts.val_data, B, T, rank=rank, world_size=world, vocab_size=config.vocab_size)
-        val_batches = min(opts.val_max_steps, len(val_loader))
+        val_batches = len(val_loader) if opts.val_max_steps == -1 else min(opts.val_max_steps, len(val_loader))
     hs_examples = None
     if opts.hellaswag and opts.val_every > 0:
         from .hellaswag import read_eval_file
@@ -1021,7 +1024,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     if device == "cuda":
         from .mfu import estimate_mfu
         gpu_name = torch.cuda.get_device_name()
-        mfu_of = lambda tok_s: estimate_mfu(config, T, tok_s / world, gpu_name)  # noqa: E731  (per GPU)
+        mfu_of = lambda tok_s: estimate_mfu(config, T, tok_s / world, gpu_name, opts.dtype)  # noqa: E731  (per GPU)
 
     result = TrainResult(config=config, model=model, start_step=start_step, last_step=start_step)
     if start_step >= steps:
@@ -1057,13 +1060,15 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             result.val_losses.append((step, val))
             run_log.write(step, "val", loss=val)
             log(f"val loss {val:.6f}")
-        if hs_examples and writer:  # rank 0 scores the whole eval file (the forward is local)
+        # as llm.c, not at step 0 (a random model, and a whole pass over the file), but at the last step
+        score_hellaswag = hs_examples and (step > 0 or step == steps)
+        if score_hellaswag and writer:  # rank 0 scores the whole eval file (the forward is local)
             from .hellaswag import score
             hs = score(hs_examples, backend.position_losses, B, T)
             result.eval_accuracies.append((step, hs.accuracy))
             run_log.write(step, "eval", accuracy=hs.accuracy, correct=hs.correct, total=hs.total)
             log(f"HellaSwag: {hs.correct}/{hs.total} = {hs.accuracy:.4f}")
-        if hs_examples and dp is not None:  # the others wait here, where the wait is expected, not in the next step
+        if score_hellaswag and dp is not None:  # the others wait here, where the wait is expected, not in the next step
             dp.barrier()
 
     def sample(step):
