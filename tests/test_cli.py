@@ -300,14 +300,12 @@ def test_no_checkpoint_of_non_finite_weights(tmp_path):
 
     config = parse_descriptor(TINY)
 
-    class Diverged:
-        def parameters_fp32(self):
-            flat = torch.randn(config.num_parameters)
-            flat[config.num_parameters // 3] = float("nan")
-            return flat
-
+    class Diverged:  # bf16 weights with fp32 master weights, which an update made NaN (the bf16 copy kept its value)
         def state_tensors(self):
-            return {}
+            master = torch.randn(config.num_parameters)
+            params = master.to(torch.bfloat16)
+            master[int(torch.randint(config.num_parameters, ()))] = float("nan")
+            return {"params": params, "master": master, "m": torch.zeros_like(master), "v": torch.zeros_like(master)}
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(LlmpyError, match="step 7: the weights are not finite; no checkpoint written"):

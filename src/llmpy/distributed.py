@@ -51,6 +51,12 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, world, local
 
 
+def _all_gather_single(dist):
+    """torch's gather of equal-sized tensors into one: all_gather_single where torch has it (its
+    all_gather_into_tensor, the same call, warns there that it is deprecated), else all_gather_into_tensor."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def shard_bounds(n: int, world: int, chunk: int) -> list[tuple[int, int]]:
     """[lo, hi) of each rank's shard of an n-element buffer: whole chunks of `chunk` elements, rank r
     the chunks [r*C//N, (r+1)*C//N) of C = ceil(n / chunk); the last shard ends at n."""
@@ -96,7 +102,7 @@ class DataParallel:
                 self._gather_buffers[key] = bufs
         send, recv = bufs
         send[:mine.numel()].copy_(mine)
-        dist.all_gather_into_tensor(recv, send, group=self.group)
+        _all_gather_single(dist)(recv, send, group=self.group)
         for r, (lo, hi) in enumerate(bounds):
             out[lo:hi].copy_(recv[r * longest:r * longest + hi - lo])
         return out
@@ -105,7 +111,7 @@ class DataParallel:
         """(N, k) of every rank's k-element tensor, rank order (small: loss sums)."""
         import torch.distributed as dist
         out = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(out, mine.contiguous().view(-1), group=self.group)
+        _all_gather_single(dist)(out, mine.contiguous().view(-1), group=self.group)
         return out.view(self.world_size, -1)
 
     def barrier(self):
@@ -126,9 +132,13 @@ def init_data_parallel(device: str, zero_stage: int, timeout_s: float = 1800.0) 
     if device == "cuda":
         if not torch.cuda.is_available():
             raise LlmpyError("torchrun with --device cuda: no CUDA GPU is visible to torch")
-        if local >= torch.cuda.device_count():
-            raise LlmpyError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} GPU(s): "
-                             f"--nproc_per_node must be at most the GPU count")
+        count = torch.cuda.device_count()
+        if local >= count and count == 1:  # a launcher that shows each process its own GPU (CUDA_VISIBLE_DEVICES)
+            local = 0
+        elif local >= count:
+            name = "LOCAL_RANK" if "LOCAL_RANK" in os.environ else "RANK (no LOCAL_RANK given)"
+            raise LlmpyError(f"{name}={local} but this node has {count} GPU(s): --nproc_per_node must be at most "
+                             "the GPU count")
         torch.cuda.set_device(local)
     backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():

@@ -358,9 +358,6 @@ class CPUBackend:
         self.model.forward(torch.tensor([ctx]))
         return self.model.logits[0, -1]
 
-    def parameters_fp32(self) -> torch.Tensor:
-        return self.model.params_flat
-
     def state_tensors(self) -> dict:
         """What a resume needs besides the model file: the parameters and AdamW's m, v (zeros before
         the first update, which is what update() would start from)."""
@@ -415,9 +412,6 @@ class GPUBackend:
 
     def next_logits(self, ctx):
         return self.model.logits_last(ctx)[0]
-
-    def parameters_fp32(self) -> torch.Tensor:
-        return self.model.parameters_fp32()
 
     def state_tensors(self) -> dict:
         """The device's parameter storage in its own dtype (bf16 weights are not the round-to-nearest of
@@ -684,7 +678,9 @@ def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts
     the training state state_%08d.safetensors that -y 1 resumes from; llm.c's DONE_%08d marker once the pair is
     whole; then -nk/-nm pruning."""
     from .training_state import done_path, prune_checkpoints, save_checkpoint
-    params, tensors = backend.parameters_fp32(), backend.state_tensors()  # collectives under ZeRO-1
+    tensors = backend.state_tensors()  # collectives under ZeRO-1
+    # the fp32 weights: the master copy when there is one (gathered once, under ZeRO-1), else the parameters
+    params = tensors["master"] if "master" in tensors else tensors["params"].float()
     if not torch.isfinite(params).all():  # the update after the last loss seen diverged: keep the good files
         raise LlmpyError(f"step {step}: the weights are not finite; no checkpoint written (lower -l)")
     if not write:
@@ -1148,8 +1144,10 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
                         batches.append(train_loader.next_batch())
             lr = schedule(step)
             stepped = time.perf_counter()
-            # this process's first step compiles kernels and captures the graph: long, rightly
-            with patient() if step == start_step else contextlib.nullcontext():
+            # this process's first step compiles kernels and captures the graph: long, rightly; the second is the
+            # first to be timed, so until it is, nothing says how long a step may take (a large model's step on a few
+            # GPUs passes the 10 s a stop waits before it ends the process unsaved)
+            with patient() if step <= start_step + 1 else contextlib.nullcontext():
                 loss, norm = backend.train_step(batches, lr, step + 1, opts.weight_decay, opts.grad_clip,
                                                 skip=skip_fn)
             if step > start_step:
