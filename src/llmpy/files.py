@@ -114,7 +114,8 @@ def _process_exists(pid: int) -> bool:
 def remove_orphaned_temporaries(folder, log: Callable[[str], None] | None = None) -> int:
     """Remove the temporaries llmpy's writers leave where their process was killed mid-write (SIGKILL, the OOM
     killer, a power cut): a name of atomic_path's or prepare's pattern, a process id no process has (or this
-    process's id, on a file older than this process), and no change for ORPHAN_MIN_AGE_S. Returns how many it removed, and says so through `log` if it removed any."""
+    process's id, on a file older than this process), and no change for ORPHAN_MIN_AGE_S. Returns how many it
+    removed, and says so through `log` if it removed any."""
     removed = 0
     try:
         entries = list(os.scandir(folder))

@@ -271,10 +271,10 @@ def load_checkpoint(out_dir, step: int) -> TrainingState:
 
 def prune_checkpoints(out_dir, keep_last: int, keep_every: int, newest: int) -> list[int]:
     """-nk/-nm after the checkpoint of step `newest`: keep the last `keep_last` complete checkpoints up to it (0: all)
-    and every `keep_every`-th for ever; delete the files of the other steps before those kept (DONE too). Only complete pairs
-    count: a lone file (a run killed while writing) must not take a kept checkpoint's place, and files of steps after
-    `newest` (an earlier run's, which -y 1 went back before) are left for the run to replace. Returns the steps
-    removed."""
+    and the steps that are multiples of `keep_every` for ever; delete the files of the other steps before those kept
+    (DONE too). Only complete pairs count: a lone file (a run killed while writing) must not take a kept checkpoint's
+    place, and files of steps after `newest` (an earlier run's, which -y 1 went back before) are left for the run to
+    replace. Returns the steps removed."""
     if keep_last <= 0:
         return []
     out_dir = Path(out_dir)
