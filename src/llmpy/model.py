@@ -106,7 +106,7 @@ from .kernels.fused_classifier import fused_classifier
 from .kernels.gelu import gelu_forward
 from .rand import check_seed
 from .streams import OVERLAP_MODES, Lanes
-from .token_ids import check_integer_ids, host_ids, outside_vocabulary, vocabulary_error
+from .token_ids import check_integer_ids, check_vocabulary, host_ids
 
 RECOMPUTE_LEVELS = (0, 1, 2)
 GELU_FUSION_LEVELS = (0, 1, 2)
@@ -791,8 +791,7 @@ class GPT2Model:
 
     def _check_ids(self, ids: np.ndarray, what: str):
         """Token ids (numpy: see _stage) inside the vocabulary."""
-        if outside_vocabulary(ids, self.config.vocab_size):
-            raise vocabulary_error(ids, self.config.vocab_size, what)
+        check_vocabulary(ids, self.config.vocab_size, what)
 
     # ------------------------------------------------------------------------------------------------
     # forward

@@ -19,7 +19,7 @@ import torch
 
 from .config import PARAMETER_NAMES, GPT2Config, check_fits_in_host_memory, parameter_views
 from .errors import LlmpyError
-from .token_ids import host_ids, outside_vocabulary, vocabulary_error
+from .token_ids import check_vocabulary, host_ids
 
 LAYERNORM_EPS = 1e-5
 GELU_SCALING_FACTOR = math.sqrt(2.0 / math.pi)
@@ -355,9 +355,7 @@ class GPT2Reference:
         host = host_ids(ids, what)
         if host.ndim != 2 or 0 in host.shape:
             raise LlmpyError(f"{what} of shape {list(host.shape)}: must be (B, T) token ids, B and T at least 1")
-        V = self.config.vocab_size
-        if outside_vocabulary(host, V):
-            raise vocabulary_error(host, V, what)
+        check_vocabulary(host, self.config.vocab_size, what)
         return torch.from_numpy(host.astype(np.int64)).to(self.params_flat.device)
 
     # ---- backward

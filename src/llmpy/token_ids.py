@@ -33,7 +33,16 @@ def host_ids(ids, what: str) -> np.ndarray:
     return ids
 
 
-def outside_vocabulary(ids: np.ndarray, vocab_size: int) -> bool:
+def check_vocabulary(ids: np.ndarray, vocab_size: int, what: str) -> None:
+    """Raise, in both models' one message, for an id outside [0, vocab_size): the first such id and its index."""
+    if _outside_vocabulary(ids, vocab_size):
+        # only on the way to an error: the index search costs a valid batch nothing
+        where = [int(i) for i in np.argwhere((ids < 0) | (ids >= vocab_size))[0]]
+        raise LlmpyError(f"{what} hold token id {int(ids[tuple(where)])} at {where}, outside the model's vocabulary "
+                         f"[0, {vocab_size})")
+
+
+def _outside_vocabulary(ids: np.ndarray, vocab_size: int) -> bool:
     """Whether an id lies outside [0, vocab_size). Signed integers are read as unsigned, where a negative id is a
     huge one: one pass over the ids, not two (GPT2Model checks every step's batch while the GPU waits for it)."""
     if not ids.size:
@@ -41,11 +50,3 @@ def outside_vocabulary(ids: np.ndarray, vocab_size: int) -> bool:
     if ids.dtype.kind == "i":
         return int(ids.view(ids.dtype.str.replace("i", "u")).max()) >= vocab_size
     return int(ids.min()) < 0 or int(ids.max()) >= vocab_size
-
-
-def vocabulary_error(ids: np.ndarray, vocab_size: int, what: str) -> LlmpyError:
-    """The one message of both models for ids outside [0, vocab_size): the first such id and its index. Only on
-    the way to an error, so the index search costs a valid batch nothing."""
-    where = [int(i) for i in np.argwhere((ids < 0) | (ids >= vocab_size))[0]]
-    return LlmpyError(f"{what} hold token id {int(ids[tuple(where)])} at {where}, outside the model's vocabulary "
-                      f"[0, {vocab_size})")
