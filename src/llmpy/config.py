@@ -203,6 +203,12 @@ def _explicit(desc: str) -> GPT2Config:
         raise ConfigError(f"model descriptor {shown}: {e}") from None
 
 
+def looks_like_a_model_path(desc: str) -> bool:
+    """-e meant as a model file's path rather than a descriptor: a folder in it, or a model file's suffix."""
+    d = desc.strip()
+    return "/" in d or d.endswith((".bin", ".safetensors"))
+
+
 def parse_descriptor(desc: str) -> GPT2Config:
     """Turn llm.c's `-e` model descriptor (other than a checkpoint path) into a configuration."""
     if not isinstance(desc, str):
@@ -225,7 +231,7 @@ def parse_descriptor(desc: str) -> GPT2Config:
             return _gpt3_channels(_decimal(low[1:]))
     except ValueError:
         pass
-    if "/" in d or d.endswith((".bin", ".safetensors")):  # meant as a model file's path
+    if looks_like_a_model_path(d):
         raise ConfigError(f"{desc if len(desc) <= 200 else _shown(desc, 200)}: no such model file")
     raise ConfigError(f"unknown model descriptor {_shown(desc)}: expected dN, gpt2:dN, gpt3:cN, gpt2, gpt2-medium, "
                       "gpt2-large, gpt2-xl, layers=..,channels=..,heads=.. or a checkpoint file")

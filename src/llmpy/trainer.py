@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ATTENTION_IMPLS, GPT2Config, parse_descriptor
+from .config import ATTENTION_IMPLS, GPT2Config, looks_like_a_model_path, parse_descriptor
 from .errors import LlmpyError
 from .files import expand_user
 from .outliers import OutlierDetector
@@ -740,17 +740,12 @@ def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
                          f"{free / 1e9:.1f} GB available")
 
 
-def _looks_like_a_path(desc: str) -> bool:
-    """-e meant as a model file's path rather than a descriptor (config.parse_descriptor's reading)."""
-    return "/" in desc or os.sep in desc or desc.endswith((".bin", ".safetensors"))
-
-
 def _resumed_model_config(desc: str, state, log) -> GPT2Config:
     """The configuration -e names on a resume, only to compare with the checkpoint's (whose weights the run takes):
     an llm.c file's header alone is read, not GBs of weights, and a model file no longer there is a note (llm.c reads
     no -e on resume: the same command line resumes after the init file was cleaned away)."""
     from .checkpoint import load_model_file, read_llmc_header
-    if _looks_like_a_path(desc) and not os.path.exists(desc):
+    if looks_like_a_model_path(desc) and not os.path.exists(desc):
         log(f"note: -y 1: -e {desc} is not there; the run continues from the checkpoint's model "
             f"{state.model_file.name}")
         return state.config
