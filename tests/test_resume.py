@@ -758,8 +758,8 @@ def test_resume_notes_a_change_of_master_weights_tf32_or_engine(saved, shards, m
     state = load_checkpoint(saved, 6)
     assert state.meta["options"]["engine"] == "reference"
     lines = []
-    opts = options(shards, saved, max_steps=8, resume=1, master_weights=0, tf32=0, dtype="float32")
-    trainer._check_resume(state, opts, state.config, 1, lines.append, 1, "kernels")
+    opts = options(shards, saved, max_steps=8, resume=1, master_weights=0, tf32=0, dtype="float32", engine="kernels")
+    trainer._check_resume(state, opts, state.config, 1, lines.append, 1)
     assert lines == ["note: resuming with changed settings (engine reference -> kernels)"]
 
 

@@ -710,19 +710,19 @@ _RESUME_MAY_CHANGE = (("learning_rate", "-l"), ("lr_schedule", "-k"), ("warmup_s
                       ("final_lr_frac", "-q"), ("weight_decay", "-c"), ("grad_clip", "--grad-clip"),
                       ("overfit_single_batch", "-a"), ("skip_loss_z", "-sl"), ("skip_grad_z", "-sg"),
                       # these change the arithmetic: the run goes on, no longer bitwise the uninterrupted one
-                      ("master_weights", "-w"), ("tf32", "-f"))
+                      ("master_weights", "-w"), ("tf32", "-f"), ("engine", "engine"))  # engine: as resolved
 
 
-def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str, engine: str) -> dict:
-    """The options that define a run, as saved in each training state (engine: kernels or reference, as resolved)."""
+def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str) -> dict:
+    """The options that define a run, as saved in each training state."""
     from .training_state import config_dict
     keep = ("model", "train_data", "batch_size", "seq_len", "total_batch_size", "learning_rate", "lr_schedule",
             "warmup_steps", "final_lr_frac", "weight_decay", "grad_clip", "max_steps", "seed", "dtype",
-            "master_weights", "shuffle", "overfit_single_batch", "skip_loss_z", "skip_grad_z", "tf32")
+            "master_weights", "shuffle", "overfit_single_batch", "skip_loss_z", "skip_grad_z", "tf32", "engine")
     from .distributed import torchrun_env
     env = torchrun_env()
     return {**{k: getattr(opts, k) for k in keep}, "config": config_dict(config), "grad_accumulation": accum,
-            "device": device, "engine": engine, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
+            "device": device, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
 
 
 def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
@@ -759,8 +759,7 @@ def _resumed_model_config(desc: str, state, log) -> GPT2Config:
     return load_model_file(desc)[0]
 
 
-def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1,
-                  engine: str | None = None):
+def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1):
     """One line naming the field and both values when the run differs from its checkpoint where it must
     not; a note where it may (the schedule then differs from the original run's)."""
     from .training_state import CONFIG_FIELDS, config_dict
@@ -786,8 +785,6 @@ def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log
                          f"{accum} (-d {opts.total_batch_size})")
     changed = [f"{flag} {saved[fld]} -> {getattr(opts, fld)}" for fld, flag in _RESUME_MAY_CHANGE
                if fld in saved and saved[fld] != getattr(opts, fld)]
-    if engine is not None and saved.get("engine", engine) != engine:  # the CPU reference's sums are not the kernels'
-        changed.append(f"engine {saved['engine']} -> {engine}")
     if changed:
         log(f"note: resuming with changed settings ({', '.join(changed)})")
     if opts.model and _names_a_model_file(opts.model) and saved.get("model") != opts.model:
@@ -846,6 +843,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         raise LlmpyError(("several processes on the CPU run" if several else "--engine kernels on the CPU runs")
                          + " the kernel model in Triton's interpreter: set TRITON_INTERPRET=1 (slow; meant "
                          "for tests), or train on GPUs")
+    opts.engine = "kernels" if kernels else "reference"  # resolved, as --dtype below: what a checkpoint records
     dp = init_data_parallel(device, opts.zero_stage)
     world, rank = (dp.world_size, dp.rank) if dp else (1, 0)
     if dp is not None:
@@ -939,7 +937,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     loss_outliers, grad_outliers = OutlierDetector(), OutlierDetector()
     first_batch = None
     if state is not None:
-        _check_resume(state, opts, config, accum, log, world, "kernels" if kernels else "reference")
+        _check_resume(state, opts, config, accum, log, world)
         if opts.overfit_single_batch:  # -a 1 trains on the loader's first batch, whatever its position
             first_batch = train_loader.next_batch()
         try:
@@ -1095,7 +1093,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     skip_fn = outlier if (opts.skip_loss_z > 0 or opts.skip_grad_z > 0) else None
 
     from . import __version__
-    run_options = _run_options(opts, config, accum, device, "kernels" if kernels else "reference")
+    run_options = _run_options(opts, config, accum, device)
 
     def checkpoint(step_done: int):
         meta = {"llmpy_version": __version__, "total_steps": steps, "options": run_options,
