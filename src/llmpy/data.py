@@ -350,8 +350,8 @@ class DataLoader:
         self._open_index, self._open_file = None, None
 
     def __del__(self):
-        if getattr(self, "_open_file", None) is not None:
-            self._open_file.close()
+        if getattr(self, "_open_file", None) is not None:  # none where __init__ failed
+            self.close()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         shard = int(self._order[self.shard_pos])
