@@ -20,7 +20,6 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
 from bench import bench_step
 
@@ -65,8 +64,7 @@ def main(argv=None, runner=None) -> int:
         ap.error("variant names must differ")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    if args.json:  # a bad path should fail now, not after every round
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    bench_step.make_output_folders(args.json)
     # each variant's bench_step arguments, checked before the first run (a bad one ends the call now)
     step_argvs = {name: ["--systems", "llmpy", *common, *extra] for name, extra in variants}
     step_args = {name: bench_step.parse_args(step_argv) for name, step_argv in step_argvs.items()}

@@ -29,9 +29,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from bench.bench_step import check_sizes, make_batches
+from bench.bench_step import check_sizes, make_batches, make_output_folders
 
 # group -> the launchers the model calls for it, as (module, attribute path in it); the model looks them up
 # at call time, so replacing one removes its kernels from the next capture. (LANE, name): a call the
@@ -153,8 +152,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             ap.error(str(e))
     config = check_sizes(ap, args, {"B": 1, "T": 1, "steps": 1, "warmup": 0, "rounds": 1})
-    if args.json:  # a bad path should fail now, not after every round
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    make_output_folders(args.json)
 
     import torch
     from llmpy.init import init_parameters

@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 
 def parse_args(argv=None):
@@ -218,8 +217,8 @@ def main(argv=None) -> int:
         return 0
     N = args.nproc
     variants = [(text, parse_env(text)) for text in args.nccl_env]
-    if args.json:  # a bad path should fail now, not after every run
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    from bench.bench_step import make_output_folders
+    make_output_folders(args.json)
     runs = [launch(args, 1, 0, 1, args.steps, "1gpu"),
             launch(args, N, 0, 1, args.steps, f"{N}gpu_z0"),
             launch(args, N, 1, 1, args.steps, f"{N}gpu_z1"),

@@ -59,6 +59,14 @@ ANCHORS = {
 }
 
 
+def make_output_folders(*paths) -> None:
+    """The folders of the output files asked for (None: not asked), made before any measuring: a bad path fails
+    now, not after minutes of benchmarking."""
+    for path in paths:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
 def check_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, least: dict):
     """One usage line, before any GPU work, for an option below its least value (least: option name -> value), a
     --model that is no descriptor or a --T beyond its context; returns the model's config."""
@@ -739,8 +747,7 @@ def main(argv=None, runner=None) -> int:
         res = run_system(args, args.child)
         return 0 if res.get("ok") else 1
     runner = runner or run_child_process
-    if args.json:  # a bad path should fail now, not after minutes of benchmarking
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    make_output_folders(args.json)
     results = {}
     for system in args.system_list:
         print(f"=== {system}", flush=True)

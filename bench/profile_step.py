@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.bench_step import add_model_switches, check_sizes, json_safe, model_switches
+from bench.bench_step import add_model_switches, check_sizes, json_safe, make_output_folders, model_switches
 from llmpy.config import ATTENTION_IMPLS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,9 +339,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     check_sizes(ap, args, {"B": 1, "T": 1, "steps": 1, "warmup": 0, "graph_steps": 1, "graph_profile_steps": 0,
                            "top": 0})
-    for path in (args.json, args.md, args.trace, args.graph_trace):  # fail now, not after minutes of profiling
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    make_output_folders(args.json, args.md, args.trace, args.graph_trace)
     return args
 
 
