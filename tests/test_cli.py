@@ -291,6 +291,37 @@ def test_diverging_run_stops_in_one_line_and_keeps_its_checkpoints(tmp_path, sha
     assert config.num_layers == 1 and flat.numel() == config.num_parameters
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_rank_that_writes_no_checkpoint_makes_no_host_copies(tmp_path, device, dtype):
+    # every rank joins a checkpoint's gathers, but only the writer needs the state on the CPU (about 18 bytes a
+    # parameter, on every rank of a node before); the others still refuse non-finite weights with the writer
+    from llmpy.config import parse_descriptor
+    from llmpy.errors import LlmpyError
+    from llmpy.init import init_parameters
+    from llmpy.trainer import GPUBackend, TrainOptions, _save_checkpoint
+
+    config = parse_descriptor(TINY)
+    opts = TrainOptions(batch_size=2, seq_len=8, dtype=dtype)
+    backend = GPUBackend(config, init_parameters(config, seed=int(torch.randint(1000, ()))), opts, device=device)
+    md = backend.model
+    whole = backend.state_tensors()
+    kept = {"params", "master"} if dtype == "bfloat16" else {"params"}
+    assert set(whole) == kept | {"m", "v"} and all(t.device.type == "cpu" for t in whole.values())
+    on_device = backend.state_tensors(host=False)
+    assert set(on_device) == kept  # m and v: gathered (under ZeRO-1) and dropped
+    assert on_device["params"].data_ptr() == md.params_memory.data_ptr()  # no copy of what is already whole
+    assert all(t.device == md.params_memory.device for t in on_device.values())
+    assert torch.equal(on_device["params"].cpu(), whole["params"])
+    if dtype == "bfloat16":
+        assert torch.equal(on_device["master"].cpu(), whole["master"])
+    (md.master_memory if md.master_memory is not None else md.params_memory)[3] = float("nan")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(LlmpyError, match="step 5: the weights are not finite; no checkpoint written"):
+        _save_checkpoint(out, 5, config, backend, opts, {}, write=False)
+    assert list(out.iterdir()) == []
+
+
 def test_no_checkpoint_of_non_finite_weights(tmp_path):
     """The update after the last loss seen can diverge unseen: _save_checkpoint refuses non-finite weights
     before writing anything (every rank checks, so none waits on a rank that stopped)."""
@@ -301,7 +332,7 @@ def test_no_checkpoint_of_non_finite_weights(tmp_path):
     config = parse_descriptor(TINY)
 
     class Diverged:  # bf16 weights with fp32 master weights, which an update made NaN (the bf16 copy kept its value)
-        def state_tensors(self):
+        def state_tensors(self, host=True):
             master = torch.randn(config.num_parameters)
             params = master.to(torch.bfloat16)
             master[int(torch.randint(config.num_parameters, ()))] = float("nan")

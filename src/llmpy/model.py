@@ -704,14 +704,15 @@ class GPT2Model:
         # the working copy: the round-to-nearest of the (master) values
         self.params_memory.copy_(flat.to(torch.float32))
 
-    def _whole(self, shard: torch.Tensor) -> torch.Tensor:
+    def _whole(self, shard: torch.Tensor, host: bool = True) -> torch.Tensor:
         """A flat fp32 CPU copy of an optimizer-side buffer: itself, or with ZeRO-1 every rank's shard
-        gathered (a collective: every rank calls it)."""
+        gathered (a collective: every rank calls it). host=False: the whole buffer on the device, not copied
+        when it is already whole (a rank that writes no checkpoint joins the gather, but needs no CPU copy)."""
         if self.zero_stage != 1:
-            return shard.detach().to("cpu", torch.float32).clone()
+            return shard.detach().to("cpu", torch.float32).clone() if host else shard.detach()
         whole = torch.empty(self.config.num_parameters, dtype=shard.dtype, device=shard.device)
         self.dp.all_gather_uneven(whole, shard, self._shards, keep=False)
-        return whole.to("cpu", torch.float32)
+        return whole.to("cpu", torch.float32) if host else whole
 
     def _mine(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole flat buffer (all of it without ZeRO-1)."""
@@ -725,13 +726,19 @@ class GPT2Model:
             return self._whole(self.master_memory)
         return self.params_memory.detach().to("cpu", torch.float32).clone()
 
-    def master_fp32(self) -> torch.Tensor | None:
-        """The whole fp32 master weights on the CPU, or None without them (ZeRO-1: a collective)."""
-        return None if self.master_memory is None else self._whole(self.master_memory)
+    def master_fp32(self, host: bool = True) -> torch.Tensor | None:
+        """The whole fp32 master weights on the CPU (host=False: on the device), or None without them
+        (ZeRO-1: a collective)."""
+        return None if self.master_memory is None else self._whole(self.master_memory, host)
 
-    def optimizer_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def optimizer_state(self, host: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """AdamW's (m, v), whole flat fp32 CPU copies (for checkpoints that resume; ZeRO-1: gathered from
-        every rank's shard, a collective), so a checkpoint resumes on any number of GPUs."""
+        every rank's shard, a collective), so a checkpoint resumes on any number of GPUs. host=False: only
+        this rank's part in the collectives, and None (a rank that writes no checkpoint)."""
+        if not host:
+            self._whole(self.m_memory, host=False)  # joined, then dropped: one whole buffer at a time
+            self._whole(self.v_memory, host=False)
+            return None
         return self._whole(self.m_memory), self._whole(self.v_memory)
 
     def load_optimizer_state(self, m: torch.Tensor, v: torch.Tensor):

@@ -358,9 +358,9 @@ class CPUBackend:
         self.model.forward(torch.tensor([ctx]))
         return self.model.logits[0, -1]
 
-    def state_tensors(self) -> dict:
+    def state_tensors(self, host: bool = True) -> dict:
         """What a resume needs besides the model file: the parameters and AdamW's m, v (zeros before
-        the first update, which is what update() would start from)."""
+        the first update, which is what update() would start from). On the CPU already, whatever `host`."""
         m = self.model
         zeros = torch.zeros_like(m.params_flat)
         return {"params": m.params_flat, "m": zeros if m.m_flat is None else m.m_flat,
@@ -413,13 +413,18 @@ class GPUBackend:
     def next_logits(self, ctx):
         return self.model.logits_last(ctx)[0]
 
-    def state_tensors(self) -> dict:
+    def state_tensors(self, host: bool = True) -> dict:
         """The device's parameter storage in its own dtype (bf16 weights are not the round-to-nearest of
-        the master weights: stochastic rounding made them), the fp32 master weights, AdamW's m and v."""
+        the master weights: stochastic rounding made them), the fp32 master weights, AdamW's m and v.
+        host=False (a rank that writes no checkpoint): the same collectives, but no CPU copies: the
+        parameters and master weights stay on the device (for the finiteness check), m and v are left out."""
         md = self.model
-        m, v = md.optimizer_state()  # whole, also under ZeRO-1 (gathered: every rank calls this)
-        out = {"params": md.params_memory.detach().cpu().clone(), "m": m, "v": v}
-        master = md.master_fp32()
+        out = {}
+        mv = md.optimizer_state(host)  # whole, also under ZeRO-1 (gathered: every rank calls this)
+        if mv is not None:
+            out["m"], out["v"] = mv
+        out["params"] = md.params_memory.detach().cpu().clone() if host else md.params_memory.detach()
+        master = md.master_fp32(host)
         if master is not None:
             out["master"] = master
         return out
@@ -678,7 +683,8 @@ def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts
     the training state state_%08d.safetensors that -y 1 resumes from; llm.c's DONE_%08d marker once the pair is
     whole; then -nk/-nm pruning."""
     from .training_state import done_path, prune_checkpoints, save_checkpoint
-    tensors = backend.state_tensors()  # collectives under ZeRO-1
+    # collectives under ZeRO-1; only the rank that writes copies the state to the CPU (about 18 bytes a parameter)
+    tensors = backend.state_tensors(host=write)
     # the fp32 weights: the master copy when there is one (gathered once, under ZeRO-1), else the parameters
     params = tensors["master"] if "master" in tensors else tensors["params"].float()
     if not torch.isfinite(params).all():  # the update after the last loss seen diverged: keep the good files
