@@ -799,3 +799,23 @@ def test_a_bf16_model_file_holds_the_weights_the_run_computes_with(tmp_path, sha
     assert version == 5 and tensors["params"].dtype == torch.bfloat16
     assert torch.equal(in_file.view(torch.int16), tensors["params"].view(torch.int16))
     assert not torch.equal(in_file, tensors["master"].to(torch.bfloat16))  # stochastic rounding differs somewhere
+
+
+def test_overfit_single_batch_trains_on_the_validation_datas_first_batch(shards, tmp_path):
+    # llm.c's -a 1: one batch, the validation data's first, so the validation loss follows the training loss
+    lines = []
+    res = train(options(shards, tmp_path / "a", max_steps=8, val_every=1, val_max_steps=1, overfit_single_batch=1,
+                        warmup_steps=0), log=lines.append)
+    assert f"-a 1: every step trains on the first batch of {shards[1]}" in lines
+    # before each update the same batch is validated and trained on: the same loss, step after step
+    assert [loss for _, loss in res.val_losses[:8]] == res.train_losses
+    assert res.train_losses[-1] < res.train_losses[0] - 0.5  # overfitting, as asked
+    fresh = train(options(shards, tmp_path / "b", max_steps=1, val_every=0), log=quiet)
+    assert fresh.train_losses[0] != res.train_losses[0]  # not the train data's first batch
+
+
+def test_overfit_single_batch_without_validation_data_takes_the_train_datas(shards, tmp_path):
+    res = train(options(shards, tmp_path / "a", max_steps=3, val_data=None, overfit_single_batch=1), log=quiet)
+    fresh = train(options(shards, tmp_path / "b", max_steps=1, val_data=None), log=quiet)
+    assert res.train_losses[0] == fresh.train_losses[0]
+    assert res.train_losses[1] < res.train_losses[0]

@@ -234,7 +234,7 @@ FLAGS = [  # (short, long, field, type, help)
     ("-s", "--sample-every", "sample_every", int, "print a sample every N steps (0: only at the end)"),
     ("-g", "--gen-tokens", "gen_tokens", int, "tokens per sample"),
     ("-a", "--overfit-single-batch", "overfit_single_batch", int,
-     "1: train on the first batch of the train data only (llm.c's is the validation data's)"),
+     "1: train on one batch only: the validation data's first (the train data's without -j), as llm.c"),
     ("-f", "--tf32", "tf32", int, "1: allow TF32 matrix products in fp32 (GPU)"),
     ("-w", "--master-weights", "master_weights", int, "1: keep fp32 master weights (GPU, bf16)"),
     ("-r", "--recompute", "recompute", int, "0 none, 1 GELU, 2 GELU + layernorm recomputed in the backward (GPU)"),
@@ -815,6 +815,20 @@ class TrainResult:
     last_step: int = 0                     # the last completed step
 
 
+def _single_batch(opts: TrainOptions, train_loader, vocab_size: int, rank: int, world: int):
+    """-a 1's one batch, as llm.c's: the first of the validation data when there is some (smaller, and the
+    validation loss then follows the training loss), else the first of the train data."""
+    from .data import DataLoader
+    if not opts.val_data:
+        return train_loader.next_batch()
+    loader = DataLoader(opts.val_data, opts.batch_size, opts.seq_len, rank=rank, world_size=world,
+                        shuffle=bool(opts.shuffle), seed=opts.seed, vocab_size=vocab_size)
+    try:
+        return loader.next_batch()
+    finally:
+        loader.close()
+
+
 def train(opts: TrainOptions, log=print) -> TrainResult:
     """Run one training as the options say; returns the losses and the trained model."""
     from .distributed import signals_watched
@@ -944,8 +958,9 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     first_batch = None
     if state is not None:
         _check_resume(state, opts, config, accum, log, world)
-        if opts.overfit_single_batch:  # -a 1 trains on the loader's first batch, whatever its position
-            first_batch = train_loader.next_batch()
+    if opts.overfit_single_batch:  # whatever the train loader's position (also on resume)
+        first_batch = _single_batch(opts, train_loader, config.vocab_size, rank, world)
+    if state is not None:
         try:
             train_loader.load_state_dict(state.meta["data"])
             loss_outliers.load_state_dict(state.meta["outliers"]["loss"])
@@ -982,6 +997,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     log(f"data {opts.train_data}: {train_loader.num_tokens:,} tokens, {len(train_loader)} batches of B={B} T={T}"
         + (f" | val {opts.val_data}" if val_loader else "")
         + (f" | hellaswag {opts.hellaswag_file} ({len(hs_examples)} examples)" if hs_examples else ""))
+    if opts.overfit_single_batch:
+        log(f"-a 1: every step trains on the first batch of {opts.val_data or opts.train_data}")
     for loader in (train_loader, val_loader):
         if loader is not None and loader.skipped:
             shown = ", ".join(f"{f.name} ({n:,} tokens)" for f, n in loader.skipped[:3])
@@ -1137,7 +1154,6 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             with patient():  # a new shard from a slow file system may take long: no peer is waited for here
                 for _ in range(accum):
                     if opts.overfit_single_batch:
-                        first_batch = first_batch or train_loader.next_batch()
                         batches.append(first_batch)
                     else:
                         batches.append(train_loader.next_batch())
