@@ -3,7 +3,9 @@
 The numerator is llm.c's: 6N + 6LCT FLOPs per token (config.flops_per_token), N counting the whole flat
 parameter buffer, the attention term for a sequence of T. The denominator is the dense (no sparsity)
 bf16 tensor-core peak with fp32 accumulation from the vendors' data sheets, by device name. llm.c derives
-its numbers from tensor-core counts and clocks; these are the published peaks, which agree closely.
+its numbers from tensor-core counts and clocks; these are the published peaks, which agree closely, except on the
+workstation cards (RTX A4000-A6000, RTX 6000 Ada): their fp32 accumulation runs at full rate, where llm.c's table
+gives them the GeForce half rate, so llm.c's MFU there is twice ours.
 """
 from __future__ import annotations
 
@@ -45,8 +47,11 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     # GeForce (bf16 with fp32 accumulation runs at half the fp16-accumulate rate)
     "RTX 5090": 209.5e12,
     "RTX 4090": 165.2e12,
+    "RTX 4080 SUPER": 104.5e12,  # SUPER cards have more tensor cores: not the plain card's peak
     "RTX 4080": 97.5e12,
+    "RTX 4070 Ti SUPER": 88.2e12,
     "RTX 4070 Ti": 80.2e12,
+    "RTX 4070 SUPER": 71.0e12,
     "RTX 3090 Ti": 80e12,
     "RTX 3090": 71e12,
     "RTX 3080 Ti": 68.2e12,
@@ -56,8 +61,11 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 
 def peak_bf16_flops(device_name: str) -> float | None:
     """Dense bf16 peak FLOP/s for a device name (e.g. torch.cuda.get_device_name()), or None if unknown.
-    A key matches as whole words ("A10" does not match "A100"), the longest matching key wins."""
+    A key matches as whole words ("A10" does not match "A100"), the longest matching key wins; laptop parts are
+    unknown (llm.c's table has none either)."""
     name = device_name.lower()
+    if re.search(r"(?<![0-9a-z])laptop(?![0-9a-z])", name):
+        return None  # a laptop part shares its desktop card's name but not its clocks (nor, often, its chip)
     for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if re.search(r"(?<![0-9a-z])" + re.escape(key.lower()) + r"(?![0-9a-z])", name):
             return PEAK_BF16_FLOPS[key]
