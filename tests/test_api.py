@@ -157,6 +157,10 @@ def test_sample_refuses_a_tokenizer_dir_for_the_bytes_tokenizer(tmp_path):
     model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16,vocab=257", seed=5)
     with pytest.raises(LlmpyError, match="tokenizer_dir .*: the bytes tokenizer has no files; leave it out"):
         llmpy.sample(model, "a", tokenizer="bytes", tokenizer_dir=tmp_path)
+    # "auto" picks bytes for this model: the folder, even a missing one, was ignored without a word
+    with pytest.raises(LlmpyError, match=r"^tokenizer_dir '.*missing': the model's 257-token vocab samples with the "
+                                         r"bytes tokenizer, which has no files; leave it out$"):
+        llmpy.sample(model, "a", tokenizer_dir=tmp_path / "missing")
 
 
 @pytest.mark.parametrize("progress", [0, 1])

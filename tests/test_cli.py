@@ -683,6 +683,19 @@ def test_sample_refuses_a_tokenizer_dir_for_the_bytes_tokenizer(tmp_path):
     assert_one_line_error(res, f"--tokenizer-dir '{tmp_path}': the bytes tokenizer has no files; leave it out")
 
 
+def test_sample_refuses_a_tokenizer_dir_for_a_byte_model_under_auto(tmp_path):
+    # --tokenizer auto picks bytes for a 257-token vocab: the folder, even a missing one, was ignored without a word
+    from llmpy.checkpoint import save_llmc
+    from llmpy.config import parse_descriptor
+    cfg = parse_descriptor(TINY)
+    model = tmp_path / "tiny.bin"
+    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    res = llmpy("sample", model, "-g", 2, "--tokenizer-dir", tmp_path / "missing")
+    assert_one_line_error(res, f"--tokenizer-dir '{tmp_path / 'missing'}': the model's 257-token vocab samples with "
+                               "the bytes tokenizer, which has no files; leave it out")
+    assert res.stdout == ""
+
+
 def test_a_second_run_into_an_output_folder_in_use_is_refused(tmp_path, shards):
     # two runs at once into one -o would write their checkpoints over each other's and their steps into one log
     import fcntl

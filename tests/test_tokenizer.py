@@ -70,6 +70,11 @@ def test_gpt2_encode_arrays_are_encode_in_parallel_and_without_lists(gpt2, rng, 
         assert all(a.dtype == np.uint16 for a in arrays) and [a.tolist() for a in arrays] == want
 
 
+def test_encode_arrays_of_no_texts_is_no_arrays(tok):
+    # as encode_batch([]); GPT-2's made a pool of 0 threads: a ValueError
+    assert tok.encode_arrays([]) == [] and tok.encode_batch([]) == []
+
+
 def test_gpt2_round_trip_on_shakespeare(gpt2, rng, shared_data):
     text = (shared_data(SHAKESPEARE) / SHAKESPEARE).read_text(encoding="utf-8")
     start = int(rng.integers(0, len(text) - 20000))

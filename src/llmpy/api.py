@@ -73,5 +73,5 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
         raise LlmpyError(f"tokenizer_dir {tokenizer_dir!r}: must be a folder's path")
     refuse_files_for_bytes(tokenizer, tokenizer_dir, "tokenizer_dir")  # as `llmpy sample`
     tok = tokenizer_for_model(tokenizer, model.config.vocab_size, tokenizer_dir,
-                              f"sample(): the model's vocab of {model.config.vocab_size}")
+                              f"sample(): the model's vocab of {model.config.vocab_size}", "tokenizer_dir")
     return sample_text(model, tok, prompt, gen_tokens, temperature, top_k, seed)

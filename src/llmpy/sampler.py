@@ -115,12 +115,16 @@ def check_prompt(prompt) -> None:
         raise LlmpyError(f"--prompt: not UTF-8 text (the bytes {bad!r} at character {e.start})") from None
 
 
-def tokenizer_for_model(name: str, vocab_size: int, tokenizer_dir, model_vocab: str):
+def tokenizer_for_model(name: str, vocab_size: int, tokenizer_dir, model_vocab: str,
+                        dir_label: str = "--tokenizer-dir"):
     """The tokenizer `llmpy sample` and the API sample with: "auto" is bytes for a 257-token vocab, GPT-2's BPE
     otherwise; its vocabulary must be the model's (`model_vocab` begins the error line, naming the model)."""
     from .tokenizer import load_tokenizer
     if name == "auto":
         name = "bytes" if vocab_size == 257 else "gpt2"
+        if name == "bytes" and tokenizer_dir is not None:  # read by no one: even a missing folder passed silently
+            raise LlmpyError(f"{dir_label} {str(tokenizer_dir)!r}: the model's 257-token vocab samples with the bytes "
+                             "tokenizer, which has no files; leave it out")
     tokenizer = load_tokenizer(name, tokenizer_dir)
     if tokenizer.vocab_size != vocab_size:
         raise LlmpyError(f"{model_vocab} does not match the {tokenizer.name} tokenizer's {tokenizer.vocab_size}")

@@ -341,8 +341,8 @@ class GPT2Tokenizer(Tokenizer):
 
         def one(text: str) -> np.ndarray:
             return to_numpy(text, allowed_special=set(), disallowed_special=()).astype(np.uint16)
-        if len(texts) == 1:
-            return [one(texts[0])]
+        if len(texts) <= 1:  # no pool for one text, nor for none (a pool of 0 threads is a ValueError)
+            return [one(t) for t in texts]
         with ThreadPoolExecutor(min(ENCODE_THREADS, len(texts))) as pool:
             return list(pool.map(one, texts))
 
