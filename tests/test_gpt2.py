@@ -782,3 +782,49 @@ def test_gpu_out_of_memory_message():
     cfg = parse_descriptor("d12")
     with pytest.raises(LlmpyError, match="lower -b"):
         GPT2Model(cfg, torch.zeros(cfg.num_parameters), 1024, 1024, device="cuda")
+
+
+def test_grad_norm_follows_a_chunked_training_forward(device):
+    """Chunked, a training forward adds the classifier's share to dwte: grad_norm() then kept the norm read
+    before it, of gradients no longer in the buffer."""
+    params = trained_like(SMALL, seed=3)
+    (x, y), (x2, y2) = (make_batch(SMALL, B, T, seed=40 + i) for i in range(2))
+    model = GPT2Model(SMALL, params, B, T, device=device, dtype=FP32, attention="flash", classifier_chunks=2)
+    model.zero_grad()
+    model.forward(x, y, dloss=1.0 / (B * T))
+    model.backward()
+    before = model.grad_norm()
+    model.forward(x2, y2, dloss=1.0 / (B * T))
+    want = float(model.gradients_fp32().double().norm())
+    assert want != pytest.approx(before, rel=1e-3)
+    assert model.grad_norm() == pytest.approx(want, rel=1e-5)
+
+
+def test_gradients_fp32_gathers_on_every_zero_1_rank():
+    """ZeRO-1, after a step: gradients_fp32 gathers the ranks' reduced shards, a collective every rank must join.
+    A model of one norm chunk has one rank's shard the whole buffer; that rank chose by the size and skipped it."""
+    from llmpy.distributed import DataParallel, shard_bounds
+    from llmpy.kernels.global_norm import NORM_CHUNK
+    config = parse_descriptor("layers=1,channels=8,heads=1,seq=8,vocab=100")
+    N = config.num_parameters
+    assert [hi - lo for lo, hi in shard_bounds(N, 2, NORM_CHUNK)] == [0, N]
+    shards = [torch.zeros(0), torch.randn(N)]  # each rank's reduced shard of the step's gradient
+
+    class Ranks(DataParallel):
+        gathers = 0
+
+        def all_gather_uneven(self, out, mine, bounds, keep=True):
+            # both ranks' shards in place, as the collective leaves them
+            Ranks.gathers += 1
+            for (lo, hi), shard in zip(bounds, shards):
+                out[lo:hi] = shard
+            return out
+
+    for rank in (0, 1):
+        model = GPT2Model(config, init_parameters(config, 1), 1, 8, device="cpu", dtype=FP32, attention="flash",
+                          cuda_graph=False, data_parallel=Ranks(rank=rank, world_size=2, zero_stage=1))
+        model._prepare(1)
+        model._update_grads = model._reduce_bufs["reduced"].copy_(shards[rank])  # as _reduce_norm_clip leaves it
+        before = Ranks.gathers
+        assert torch.equal(model.gradients_fp32(), shards[1])
+        assert Ranks.gathers == before + 1, f"rank {rank} did not join the gather"

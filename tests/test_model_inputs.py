@@ -402,3 +402,98 @@ def test_logits_and_losses_handed_out_are_copies(device):
     assert torch.equal(logits, kept) and 0 < float(kept.abs().max()) < 10
     model.validate(_ids(config, rng), _ids(config, rng))
     assert torch.equal(losses, kept_losses) and float(losses.mean()) == pytest.approx(model.validate(x, y), rel=1e-6)
+
+
+def test_validate_without_targets_is_refused(device):
+    # a forward without targets writes no losses: validate(x, None) returned the batch before's loss as this one's
+    model, config, _ = _gpt2(device)
+    rng = np.random.default_rng()
+    loss = model.validate(_ids(config, rng), _ids(config, rng))
+    assert _one_line_error(lambda: model.validate(_ids(config, rng), None)) == \
+        "validate: targets is None; it needs the (B, T) targets of the inputs"
+    assert model.loss() == loss and 4.5 < loss < 7.0
+
+
+def test_a_cpu_model_without_the_interpreter_is_one_line(monkeypatch):
+    # a CPU model's kernels run only in Triton's interpreter: without it every call was Triton's raw RuntimeError
+    # ("0 active drivers"); the model itself is still built (its memory plan needs no kernel)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model, config, _ = _gpt2("cpu", dtype=torch.bfloat16)
+    rng = np.random.default_rng()
+    x, y = _ids(config, rng), _ids(config, rng)
+    seeds = model.seed_state()
+    for who, call in [("forward", lambda: model.forward(x, y)), ("forward", lambda: model.validate(x, y)),
+                      ("forward", lambda: model.logits_last(x[0])), ("train_step", lambda: model.train_step([(x, y)],
+                                                                                                          1e-3, 1)),
+                      ("update", lambda: model.update(1e-3, 1)), ("grad_norm", model.grad_norm)]:
+        assert _one_line_error(call) == (f"GPT2Model.{who}: a model on the CPU runs its kernels in Triton's "
+                                         "interpreter: set TRITON_INTERPRET=1 before importing llmpy (slow; meant for "
+                                         "tests), or use device=cuda")
+    assert model.seed_state() == seeds  # the refused step drew no rounding seeds
+
+
+@pytest.mark.parametrize("make, got", [(lambda t: t.numpy(), "a ndarray"), (lambda t: t.tolist(), "a list"),
+                                       (lambda t: None, "None"), (lambda t: t.long(), "a torch.int64 tensor")])
+def test_optimizer_state_and_master_weights_must_be_tensors(device, make, got):
+    # they were an AttributeError (no numel) or, as integers, silently truncated
+    model, config, _ = _gpt2(device, dtype=torch.bfloat16)
+    N = config.num_parameters
+    m, v = torch.randn(N), torch.rand(N)
+    model.load_optimizer_state(m, v)
+    tail = "a floating-point torch tensor"
+    assert _one_line_error(lambda: model.load_optimizer_state(make(m), v)) == \
+        f"load_optimizer_state: m is {got}; it must be AdamW's whole flat m, {tail}"
+    assert _one_line_error(lambda: model.load_optimizer_state(m, make(v))) == \
+        f"load_optimizer_state: v is {got}; it must be AdamW's whole flat v, {tail}"
+    assert _one_line_error(lambda: model.load_master(make(m))) == \
+        f"load_master: master is {got}; it must be the whole flat master weights, {tail}"
+    got_m, got_v = model.optimizer_state()
+    assert torch.equal(got_m, m) and torch.equal(got_v, v)
+
+
+def test_a_refused_batch_is_refused_before_the_step_graph_is_captured(device, monkeypatch):
+    # the step's graph was captured before its batches were checked: a refused batch left the host flags as if
+    # the step had run (here: the logit gradient of a pending forward gone). The CUDA calls are stand-ins that
+    # run the "captured" work eagerly, so the CPU takes the graph path (a GPU runs the real graphs' tests).
+    import contextlib
+    if device != "cpu":
+        pytest.skip("CUDA's calls are stood in for on the CPU only")
+    captures = []
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def pool(self):
+            return None
+
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode=None):
+        captures.append(g)
+        yield
+
+    for name, value in [("CUDAGraph", Graph), ("graph", graph), ("Stream", Stream), ("current_stream", Stream),
+                        ("stream", lambda s: contextlib.nullcontext())]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    model, config, _ = _gpt2(device)
+    model.cuda_graph = True
+    rng = np.random.default_rng()
+    x, y = _ids(config, rng), _ids(config, rng)
+    bad = y.clone()
+    bad[0, 0] = config.vocab_size
+    model.train_step([(x, y)], 1e-3, 1)  # the warm-up step, eager
+    model.zero_grad()
+    model.forward(x, y, dloss=1.0 / (MB * MT))
+    assert _one_line_error(lambda: model.train_step([(x, bad)], 1e-3, 2)) == \
+        "micro-batch 0: targets hold token id 257 at [0, 0], outside the model's vocabulary [0, 257)"
+    assert not captures
+    model.backward()  # the forward's logit gradient is still there
+    loss, norm = model.train_step([(x, y)], 1e-3, 2)  # captured (and run eagerly by the stand-ins) now
+    assert len(captures) == 1 and 4.5 < loss < 7.0 and norm > 0

@@ -398,11 +398,11 @@ def format_memory(plan: dict) -> str:
             + " | largest: " + ", ".join(f"{n} {b / gib:.2f}" for n, b in big))
 
 
-def _check_flat_buffer(flat, who: str):
+def _check_flat_buffer(flat, who: str, what: str = "the flat parameter buffer"):
     if not isinstance(flat, torch.Tensor) or not flat.is_floating_point():
         got = (f"a {flat.dtype} tensor" if isinstance(flat, torch.Tensor)
                else "None" if flat is None else f"a {type(flat).__name__}")
-        raise LlmpyError(f"{who} is {got}; it must be the flat parameter buffer, a floating-point torch tensor")
+        raise LlmpyError(f"{who} is {got}; it must be {what}, a floating-point torch tensor")
 
 
 class _Arena:
@@ -631,6 +631,13 @@ class GPT2Model:
         self._readout = None           # pinned fp32: the step's loss sums and squared norm, read back (_fetch)
         self.last_step_skipped = False
 
+    def _check_kernels_run(self, who: str):
+        # a CPU model runs its kernels in Triton's interpreter only (without it, Triton's raw "0 active drivers");
+        # checked at the first kernel, not at construction: a model built for its memory plan runs none
+        if self.device.type == "cpu" and not interpreting():
+            raise LlmpyError(f"GPT2Model.{who}: a model on the CPU runs its kernels in Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before importing llmpy (slow; meant for tests), or use device=cuda")
+
     @staticmethod
     def _check_device(device) -> torch.device:
         try:
@@ -744,6 +751,8 @@ class GPT2Model:
     def load_optimizer_state(self, m: torch.Tensor, v: torch.Tensor):
         """Whole (m, v) as optimizer_state() returns them; ZeRO-1 keeps this rank's shard."""
         N = self.config.num_parameters
+        _check_flat_buffer(m, "load_optimizer_state: m", "AdamW's whole flat m")
+        _check_flat_buffer(v, "load_optimizer_state: v", "AdamW's whole flat v")
         if m.numel() != N or v.numel() != N:  # both checked before either is written (copy_ would broadcast one)
             raise LlmpyError(f"load_optimizer_state: m has {m.numel():,} elements, v {v.numel():,}; the model has "
                              f"{N:,} parameters")
@@ -755,6 +764,7 @@ class GPT2Model:
         if self.master_memory is None:
             raise LlmpyError("load_master: this model keeps no master weights (only bf16 storage with "
                              "master_weights=True has them)")
+        _check_flat_buffer(master, "load_master: master", "the whole flat master weights")
         if master.numel() != self.config.num_parameters:
             raise LlmpyError(f"load_master: the master weights have {master.numel():,} elements, the model "
                              f"{self.config.num_parameters:,} parameters")
@@ -764,7 +774,9 @@ class GPT2Model:
         """The gradient as fp32 on the CPU (tests, debugging): after train_step the one AdamW used (the
         micro-steps' sum, reduced over ranks; ZeRO-1: gathered, a collective), else the gradient buffer."""
         g = self._update_grads
-        if g.numel() != self.config.num_parameters:
+        # ZeRO-1's reduced shard: gathered on every rank (not told by its size: a model of one norm chunk has one
+        # rank's shard the whole buffer, and that rank skipped the collective the others waited in)
+        if self.zero_stage == 1 and g is not self.grads_memory:
             return self._whole(g)
         return g.detach().to("cpu", torch.float32).clone()
 
@@ -848,6 +860,7 @@ class GPT2Model:
         classifier_chunks > 1: the logits exist one chunk at a time; a training forward also runs the
         classifier's backward (dlnf, and dwte ACCUMULATED: zero_grad() comes before it, not between it and
         backward()), and a forward without targets stops at lnf (logits_last computes its rows)."""
+        self._check_kernels_run("forward")
         lt = self.use_cublaslt
         cfg, p, a = self.config, self.params, self.acts
         NH, L = cfg.num_heads, cfg.num_layers
@@ -902,6 +915,7 @@ class GPT2Model:
                 kln.fused_residual_forward(b["residual3"], *ln_out, b["residual2"], proj, ln_w, ln_b)
         if self.classifier_chunks > 1:
             if targets is not None:
+                self._norm_fresh = self._norm_fresh and dloss is None  # a training forward adds dwte's share
                 self._chunked_classifier(self._device_ids(targets, self.targets), dloss)
                 self._have_dlogits = dloss is not None
                 self._have_losses = True
@@ -965,6 +979,8 @@ class GPT2Model:
 
     def validate(self, inputs, targets) -> float:
         """Mean loss over a (B, T) batch, no gradient (the fused classifier's validation variant)."""
+        if targets is None:  # a forward without targets writes no losses: loss() would read an earlier batch's
+            raise LlmpyError("validate: targets is None; it needs the (B, T) targets of the inputs")
         self.forward(inputs, targets)
         return self.loss()
 
@@ -1247,6 +1263,7 @@ class GPT2Model:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient buffer (computed on the device if not yet; one host sync)."""
+        self._check_kernels_run("grad_norm")
         if not self._norm_fresh:
             self._compute_norm()
         return math.sqrt(float(self._norm_sq))
@@ -1262,6 +1279,7 @@ class GPT2Model:
         if self.world_size > 1:
             raise LlmpyError("update(): with several ranks the gradients must be reduced first; use train_step")
         self._check_step(step)
+        self._check_kernels_run("update")
         if not self._norm_fresh:
             self._compute_norm()
         self._update_grads = self.grads_memory
@@ -1502,6 +1520,7 @@ class GPT2Model:
         if not batches:
             raise LlmpyError("train_step needs at least one micro-batch")
         self._check_step(step)
+        self._check_kernels_run("train_step")
         pairs = []
         for k, b in enumerate(batches):
             try:  # a tuple, a list, or one stacked (2, B, T) tensor or array
@@ -1539,7 +1558,9 @@ class GPT2Model:
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 self._warmed.add(key)
                 return result
-            dev_in, dev_tg = self._staging[accum][:2]
+            # the batches checked (and staged) before the capture: one refused after it had left the host flags
+            # (the norm fresh, no logit gradient) as if the step had run
+            dev_in, dev_tg = self._stage(batches)
             # several ranks: no eager collective may still be in flight when the capture starts, and the
             # capture checks only this thread (the process group's watchdog thread polls its own events)
             mode = "global"
@@ -1558,8 +1579,9 @@ class GPT2Model:
                 with torch.cuda.graph(upd, pool=main.pool(), capture_error_mode=mode):
                     self._adamw()
             self._graphs[key] = (main, upd)
+        else:
+            self._stage(batches)
         main, upd = self._graphs[key]
-        self._stage(batches)
         if upd is None:
             self._set_hyper(lr, step, *hp)
             main.replay()
