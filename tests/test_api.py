@@ -245,3 +245,12 @@ def test_descriptor_sizes_are_plain_decimal_digits(desc):
 
 def test_descriptor_sizes_may_have_leading_zeros():
     assert llmpy.parse_descriptor("layers=01,channels=16,heads=2,seq=" + "0" * 20 + "16").max_seq_len == 16
+
+
+@pytest.mark.parametrize("desc", ["runs/lr=3e-4/model_00001000.bin", "sweep/wd=0.1/model", "run_lr=3e-4.bin"])
+def test_a_missing_model_file_with_an_equals_sign_is_no_such_file(desc):
+    # a sweep's folder names hold "=": the path was read as a layers=... descriptor ("bad model descriptor part")
+    for call in (lambda: llmpy.parse_descriptor(desc), lambda: llmpy.create_model(desc)):
+        with pytest.raises(LlmpyError) as e:
+            call()
+        assert str(e.value) == f"{desc}: no such model file"

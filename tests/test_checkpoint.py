@@ -755,3 +755,13 @@ def test_transformers_loads_saved_model_and_back(tmp_path):
     cfg, loaded = ck.load_hf(tmp_path / "theirs")
     assert cfg == config
     assert torch.equal(loaded, zero_pad_rows(config, flat))
+
+
+@pytest.mark.parametrize("name", ["x" * 251, "é" * 125 + ".bin", "d" * 255], ids=["ascii", "utf8", "max"])
+def test_a_long_file_name_gets_a_temporary_the_file_system_takes(tmp_path, name):
+    # the temporary was the name plus ~20 characters: past NAME_MAX (255 bytes) where the file's own name is not, so
+    # `llmpy prepare` of a text file with a 240-character name failed with "File name too long"
+    files.atomic_write(tmp_path / name, lambda f: f.write(b"ok"))
+    assert os.listdir(tmp_path) == [name] and (tmp_path / name).read_bytes() == b"ok"
+    tmp = files.temporary_sibling(tmp_path / name, "part")
+    assert len(os.fsencode(tmp.name)) <= 255 and files._TEMPORARY_NAME.match(tmp.name)

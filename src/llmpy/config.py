@@ -219,7 +219,7 @@ def parse_descriptor(desc: str) -> GPT2Config:
     low = d.lower()
     if low in GPT2_NAMES:
         return _gpt2_depth(GPT2_NAMES[low])
-    if "=" in d:
+    if "=" in d and not looks_like_a_model_path(d):  # a missing runs/lr=3e-4/model.bin is a file, not layers=...
         return _explicit(d)
     family = "gpt2"
     if ":" in low:
@@ -237,16 +237,67 @@ def parse_descriptor(desc: str) -> GPT2Config:
                       "gpt2-large, gpt2-xl, layers=..,channels=..,heads=.. or a checkpoint file")
 
 
+_CGROUP_ROOT = "/sys/fs/cgroup"  # module constants: the tests point them at a fake hierarchy
+_PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
+def _read_ints(path: str, keys=None) -> dict | int | None:
+    """A file's one integer ("max": None), or with keys the integers of those `key value` lines; None if unreadable."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        if keys is None:
+            return None if text.strip() == "max" else int(text)
+        return {k: int(v) for k, v in (line.split() for line in text.splitlines()) if k in keys}
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup_memory_left() -> int | None:
+    """What the memory limit of this process's cgroup (and of each cgroup above it, v2 or v1) still leaves, page cache
+    counted as free: in a container MemAvailable is the host's, and a model past the container's limit is killed."""
+    try:
+        with open(_PROC_SELF_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    left = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
+        if controllers == "":  # v2
+            base, names = _CGROUP_ROOT, ("memory.max", "memory.current", ("file",))
+        elif "memory" in controllers.split(","):  # v1
+            base, names = _CGROUP_ROOT + "/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                     ("total_cache", "cache"))
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # this cgroup up to the hierarchy's root (a container sees its own)
+            folder = "/".join([base, *parts[:depth]])
+            limit, used = _read_ints(f"{folder}/{names[0]}"), _read_ints(f"{folder}/{names[1]}")
+            if limit is None or used is None:
+                continue
+            stat = _read_ints(f"{folder}/memory.stat", names[2]) or {}
+            cache = max((stat.get(k, 0) for k in names[2]), default=0)
+            free = max(0, limit - used + cache)
+            left = free if left is None else min(left, free)
+    return left
+
+
 def host_memory_available() -> int | None:
-    """Bytes the kernel says a process can still take (MemAvailable), None where it does not say."""
+    """Bytes the kernel says a process can still take (MemAvailable, or less where a cgroup's limit leaves less), None
+    where it does not say."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    left = _cgroup_memory_left()
+    return left if avail is None else avail if left is None else min(avail, left)
 
 
 def check_fits_in_host_memory(config: GPT2Config, nbytes: int, what: str) -> None:
@@ -260,11 +311,13 @@ def check_fits_in_host_memory(config: GPT2Config, nbytes: int, what: str) -> Non
 
 def parameter_views(flat, config: GPT2Config) -> dict:
     """Views of the 16 tensors inside one flat buffer (torch tensor or numpy array), llm.c's order."""
+    # checked first: a short buffer would fail in reshape, a torch or numpy error naming neither buffer nor model
+    if len(flat.shape) != 1 or flat.shape[0] != config.num_parameters:
+        raise ConfigError(f"flat buffer of shape {list(flat.shape)}: the model ({config.describe()}) needs "
+                          f"{config.num_parameters} elements")
     views, offset = {}, 0
     for name, shape in config.parameter_shapes().items():
         n = math.prod(shape)
         views[name] = flat[offset:offset + n].reshape(shape)
         offset += n
-    if offset != flat.shape[0]:
-        raise ConfigError(f"flat buffer has {flat.shape[0]} elements, the model needs {offset}")
     return views

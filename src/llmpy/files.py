@@ -42,7 +42,10 @@ def temporary_sibling(path: Path, suffix: str) -> Path:
     """`.NAME.PID.TAG.SUFFIX` beside `path` (suffix "tmp": atomic_path's; "part": prepare's staged shards; "old":
     the shards they replace, set aside while they move in), so that remove_orphaned_temporaries can tell a killed
     writer's leftovers by the process id."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}")
+    tail = f".{os.getpid()}.{secrets.token_hex(4)}.{suffix}"
+    # the name cut to keep the whole within NAME_MAX (255 bytes): a valid long name would fail as the temporary's
+    name = os.fsdecode(os.fsencode(path.name)[:max(1, 254 - len(tail))])
+    return path.with_name(f".{name}{tail}")
 
 
 @contextlib.contextmanager

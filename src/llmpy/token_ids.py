@@ -47,6 +47,7 @@ def _outside_vocabulary(ids: np.ndarray, vocab_size: int) -> bool:
     huge one: one pass over the ids, not two (GPT2Model checks every step's batch while the GPU waits for it)."""
     if not ids.size:
         return False
-    if ids.dtype.kind == "i":
+    # only where every negative id, read so, lands at or past vocab_size: int8's -1 is 255, int16's -20000 is 45536
+    if ids.dtype.kind == "i" and vocab_size <= 2 ** (8 * ids.dtype.itemsize - 1):
         return int(ids.view(ids.dtype.str.replace("i", "u")).max()) >= vocab_size
     return int(ids.min()) < 0 or int(ids.max()) >= vocab_size
