@@ -263,7 +263,10 @@ def _cgroup_memory_left() -> int | None:
         return None
     left = None
     for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
+        fields = line.split(":", 2)  # hierarchy-id:controllers:path
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":  # v2
             base, names = _CGROUP_ROOT, ("memory.max", "memory.current", ("file",))
         elif "memory" in controllers.split(","):  # v1

@@ -419,11 +419,10 @@ class GPUBackend:
         host=False (a rank that writes no checkpoint): the same collectives, but no CPU copies: the
         parameters and master weights stay on the device (for the finiteness check), m and v are left out."""
         md = self.model
-        out = {}
+        out = {"params": md.params_memory.detach().cpu().clone() if host else md.params_memory.detach()}
         mv = md.optimizer_state(host)  # whole, also under ZeRO-1 (gathered: every rank calls this)
         if mv is not None:
             out["m"], out["v"] = mv
-        out["params"] = md.params_memory.detach().cpu().clone() if host else md.params_memory.detach()
         master = md.master_fp32(host)
         if master is not None:
             out["master"] = master
@@ -685,16 +684,15 @@ def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts
     from .training_state import done_path, prune_checkpoints, save_checkpoint
     # collectives under ZeRO-1; only the rank that writes copies the state to the CPU (about 18 bytes a parameter)
     tensors = backend.state_tensors(host=write)
-    # the fp32 weights: the master copy when there is one (gathered once, under ZeRO-1), else the parameters
-    params = tensors["master"] if "master" in tensors else tensors["params"].float()
-    if not torch.isfinite(params).all():  # the update after the last loss seen diverged: keep the good files
+    # the master weights when there are some (gathered once, under ZeRO-1), else the parameters themselves
+    weights = tensors.get("master", tensors["params"])
+    if not torch.isfinite(weights).all():  # the update after the last loss seen diverged: keep the good files
         raise LlmpyError(f"step {step}: the weights are not finite; no checkpoint written (lower -l)")
     if not write:
         return
     # the model file holds the weights the run computes with, as llm.c's: in bf16 the device's stochastically
     # rounded copy, not the master weights rounded to nearest (those are in the state file)
-    model_params = tensors["params"] if tensors["params"].dtype == torch.bfloat16 else params
-    save_checkpoint(out_dir, step, config, model_params, tensors, meta, model_dtype=opts.dtype)
+    save_checkpoint(out_dir, step, config, tensors["params"], tensors, meta, model_dtype=opts.dtype)
     try:
         done_path(out_dir, step).write_text("")
     except OSError as e:  # the pair is whole and -y 1 reads it; only the marker for llm.c's scripts is missing
@@ -956,11 +954,10 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     start_step = 0
     loss_outliers, grad_outliers = OutlierDetector(), OutlierDetector()
     first_batch = None
-    if state is not None:
-        _check_resume(state, opts, config, accum, log, world)
-    if opts.overfit_single_batch:  # whatever the train loader's position (also on resume)
+    if opts.overfit_single_batch:  # taken before a resume moves the train loader: the same batch at any position
         first_batch = _single_batch(opts, train_loader, config.vocab_size, rank, world)
     if state is not None:
+        _check_resume(state, opts, config, accum, log, world)
         try:
             train_loader.load_state_dict(state.meta["data"])
             loss_outliers.load_state_dict(state.meta["outliers"]["loss"])

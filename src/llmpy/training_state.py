@@ -117,14 +117,14 @@ class TrainingState:
     state_file: Path
 
 
-def save_checkpoint(out_dir, step: int, config: GPT2Config, params_fp32: torch.Tensor, tensors: dict,
+def save_checkpoint(out_dir, step: int, config: GPT2Config, model_params: torch.Tensor, tensors: dict,
                     meta: dict, model_dtype: str = "float32") -> tuple[Path, Path]:
-    """Write the model file then the state file of `step`. On failure (a full disk, say) neither file of
+    """Write the model file (model_params, written in model_dtype) then the state file of `step`. On failure (a full disk, say) neither file of
     this step is left behind, no temp file either, and every earlier checkpoint is untouched."""
     mpath, spath = model_path(out_dir, step), state_path(out_dir, step)
     wrote_model = False
     try:
-        save_llmc(mpath, config, params_fp32, dtype=model_dtype)
+        save_llmc(mpath, config, model_params, dtype=model_dtype)
         wrote_model = True
         crcs = {name: _tensor_crc(t) for name, t in tensors.items()}
         crcs["model_file"] = _file_crc(mpath)
