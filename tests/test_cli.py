@@ -362,6 +362,22 @@ def test_sample_command_refuses_impossible_options(tmp_path):
         "drawn from the last 32 only"], res.stderr
 
 
+def test_sample_into_a_pipe_closed_early_stops_quietly(tmp_path):
+    # `llmpy sample | head`: the reader goes away mid-sample; no error line, SIGPIPE's status as a C program's
+    from llmpy.checkpoint import save_llmc
+    from llmpy.config import parse_descriptor
+    cfg = parse_descriptor(TINY)
+    model = tmp_path / "tiny.bin"
+    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "llmpy", "sample", str(model), "-g", "1000000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert len(proc.stdout.read(64)) == 64
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141 and err == b"", err
+
+
 def test_sample_of_a_gpt2_model_reads_the_tokenizer_locally(tmp_path, shared_data):
     # GPT-2's BPE from --tokenizer-dir; without it (no $LLMPY_GPT2_DIR, an empty tiktoken cache) one line, no fetch
     from llmpy.checkpoint import save_llmc

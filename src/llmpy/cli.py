@@ -110,6 +110,15 @@ def _escape_what_stdout_cannot_encode():
             pass
 
 
+def _quiet_stdout():
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (a test's StringIO)
+        pass
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _escape_what_stdout_cannot_encode()
@@ -138,6 +147,11 @@ def main(argv=None) -> int:
         print(f"{who}: error: out of memory ({detail[:200]}); lower the batch size -b, "
               "raise recompute -r, or use a smaller model", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # the reader of stdout went away (`llmpy sample | head`): stop quietly, as a C program killed by SIGPIPE
+        # would; stdout goes to /dev/null so that the interpreter's flush at exit cannot fail a second time
+        _quiet_stdout()
+        return 128 + 13  # SIGPIPE on Linux and macOS (Windows has no signal.SIGPIPE)
     except OSError as e:  # the system refused a read or write the checks could not foresee (disk full, ...)
         where = f"{e.filename}: " if e.filename else ""
         print(f"{who}: error: {where}{e.strerror or e}", file=sys.stderr)
