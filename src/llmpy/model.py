@@ -915,7 +915,9 @@ class GPT2Model:
                 kln.fused_residual_forward(b["residual3"], *ln_out, b["residual2"], proj, ln_w, ln_b)
         if self.classifier_chunks > 1:
             if targets is not None:
-                self._norm_fresh = self._norm_fresh and dloss is None  # a training forward adds dwte's share
+                if dloss is not None:  # a training forward adds dwte's share to the buffer
+                    self._norm_fresh = False
+                    self._update_grads = self.grads_memory
                 self._chunked_classifier(self._device_ids(targets, self.targets), dloss)
                 self._have_dlogits = dloss is not None
                 self._have_losses = True
@@ -1058,6 +1060,7 @@ class GPT2Model:
             raise LlmpyError("backward() needs a forward(inputs, targets, dloss=...) just before it")
         self._have_dlogits = False
         self._norm_fresh = False
+        self._update_grads = self.grads_memory  # the gradient is the buffer again, not a past train_step's sum
         cfg, p, g, a = self.config, self.params, self.grads, self.acts
         B, T, C, NH, L = self.B, self.T, cfg.channels, cfg.num_heads, cfg.num_layers
         gf = self.gelu_fusion
@@ -1209,12 +1212,12 @@ class GPT2Model:
     # update
 
     def _compute_norm(self, grads: torch.Tensor | None = None, shard: bool = False):
-        """The squared global norm of grads (default: the gradient buffer) into _norm_sq, on the device.
+        """The squared global norm of grads (default: the current gradient, _update_grads) into _norm_sq.
         shard (ZeRO-1, grads = this rank's reduced shard): the shard's chunk partials, gathered from every
         rank in chunk order, then summed - the bits one GPU gets over the whole buffer. Every rank must take the
         same branch (the gather is a collective), so it is not told by the shard's size: a model of one norm chunk
         has one rank's shard the whole buffer and the others' empty."""
-        grads = self.grads_memory if grads is None else grads
+        grads = self._update_grads if grads is None else grads
         partials = self.acts["norm_partials"]
         count = knorm.num_norm_partials(self.config.num_parameters)
         if not shard:
@@ -1262,7 +1265,8 @@ class GPT2Model:
         self.dp.all_gather_uneven(self.params_memory, self.params_memory[lo:hi], self._shards)
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the gradient buffer (computed on the device if not yet; one host sync)."""
+        """Global L2 norm of the current gradient - the buffer after backward(), right after train_step that step's
+        (its micro-steps' sum), as gradients_fp32() - computed on the device if not yet; one host sync."""
         self._check_kernels_run("grad_norm")
         if not self._norm_fresh:
             self._compute_norm()
@@ -1272,7 +1276,8 @@ class GPT2Model:
                weight_decay: float = 0.0, grad_clip: float = 1.0):
         """llm.c's gpt2_update: the global norm (device), the clip scale (device: max_norm / norm when the norm
         is above grad_clip > 0, else 1), AdamW over the flat buffer, weight decay on the 2-D tensors only,
-        master weights and stochastic rounding. step counts from 1. No host sync.
+        master weights and stochastic rounding. step counts from 1. No host sync. Its gradient is grad_norm()'s:
+        right after a train_step of several micro-steps, their sum, not the last one's left in the buffer.
 
         To skip an update on an outlier (-sl/-sg): read loss() and grad_norm(), decide, and call update()
         or not. train_step(..., skip=fn) does that inside the graphed step."""
@@ -1282,7 +1287,6 @@ class GPT2Model:
         self._check_kernels_run("update")
         if not self._norm_fresh:
             self._compute_norm()
-        self._update_grads = self.grads_memory
         self._clip(grad_clip)
         self._set_hyper(lr, step, beta1, beta2, eps, weight_decay)
         self._adamw()
