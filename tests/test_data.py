@@ -1219,3 +1219,45 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"llmpy prepare: error: {os.devnull}: not a regular file or folder "
         "(give a text or .jsonl file, or a folder of them)"]
+
+
+@pytest.mark.parametrize("split", ["val_tokens", "val_fraction"])
+def test_a_long_prepare_keeps_its_waiting_temporaries_fresh(tmp_path, monkeypatch, split):
+    """A finished shard waits unchanged until the commit (and with --val-fraction the spilled stream while it is read
+    back). A prepare on another host of a shared folder cannot see this process and removes temporaries by their
+    age alone: this prepare must touch its own, or the other removes them and this one's commit fails. Here time
+    passes by ageing the folder's files while the shards are written, and the other host's cleanup runs after that."""
+    import time
+    from llmpy import files
+    out = tmp_path / "o"
+    text = "hello world, some text here.\n" * 20  # 580 bytes a group
+
+    def meanwhile(i):  # before the i-th piece of the stream that the shards are cut from
+        if i == 2:  # ten minutes and more with no write to the waiting files
+            for p in out.iterdir():
+                os.utime(p, (time.time() - files.ORPHAN_MIN_AGE_S - 5,) * 2)
+        if i == 4:  # the other host's cleanup, for which no process of this one runs
+            with monkeypatch.context() as m:
+                m.setattr(files, "_process_exists", lambda pid: False)
+                files.remove_orphaned_temporaries(out)
+
+    def groups():
+        for i in range(6):
+            if split == "val_tokens":
+                meanwhile(i)
+            yield False, [text]
+    unspill = prep._unspill
+
+    def unspill_slowly(path):  # the second pass: the spill read back
+        for i, piece in enumerate(unspill(path)):
+            meanwhile(i)
+            yield piece
+    monkeypatch.setattr(prep, "resolve_source", lambda *a, **k: prep.Source(name="long", groups=groups))
+    monkeypatch.setattr(prep, "_unspill", unspill_slowly)
+    monkeypatch.setattr(prep, "SPILL_READ_TOKENS", 580)
+    monkeypatch.setattr(prep, "KEEP_FRESH_S", 0.0)
+    kw = {"val_tokens": 100} if split == "val_tokens" else {"val_fraction": 0.05}
+    result = prep.prepare("long", out, tokenizer="bytes", shard_size=500, log=lambda line: None, **kw)
+    total = sum(n for files_ in result.values() for _, n in files_)
+    assert total == 6 * (len(text) + 1) and len(result["train"]) > 2  # every document with its end-of-text
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for files_ in result.values() for p, _ in files_)

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .files import atomic_path, expand_user, remove_orphaned_temporaries, temporary_sibling, writable_dir
+from .files import (ORPHAN_MIN_AGE_S, atomic_path, expand_user, remove_orphaned_temporaries, temporary_sibling,
+                    writable_dir)
 from .data import ShardFile, shard_name
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Document, Tokenizer, load_tokenizer, refuse_files_for_bytes
@@ -345,12 +347,31 @@ def resolve_source(source: str, cache: Path, shard_size: int, text_field: str | 
 # ----------------------------------------------------------------------------------------------
 # writing
 
+KEEP_FRESH_S = ORPHAN_MIN_AGE_S / 10  # how often a prepare touches its temporaries that no write changes
+
+
 class Staging:
     """Shards written under temporary names in the output folder and renamed into place together once the
     whole prepare succeeded, so that a failed or interrupted one leaves an earlier dataset as it was."""
 
     def __init__(self):
         self.pending: list[tuple[Path, Path]] = []  # (temporary, final)
+        self.others: list[Path] = []  # the run's other temporaries (the spilled token stream)
+        self._touched = time.monotonic()
+
+    def keep_fresh(self) -> None:
+        """Touch the run's temporaries every KEEP_FRESH_S. A finished shard waits unchanged until the commit, and
+        the spill while it is read back, for hours on a large corpus; a prepare on another host of a shared folder
+        (or in another container) cannot see this process, so it tells a live writer's files only by their age."""
+        now = time.monotonic()
+        if now - self._touched < KEEP_FRESH_S:
+            return
+        self._touched = now
+        for path in [tmp for tmp, _ in self.pending] + self.others:
+            try:
+                os.utime(path)
+            except OSError:  # not created yet (a shard's file opens at its first tokens), or gone: nothing to keep
+                pass
 
     def temporary(self, final: Path) -> Path:
         # hidden and not ending in .bin: neither a shard glob nor _remove_stale picks it up; named by this process,
@@ -536,12 +557,14 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
             chunks: Iterable[tuple[bool, np.ndarray]] = counted(_token_chunks(src, tok))
             if not use_hints and n_val is None:  # a fraction of a total not known yet
                 spill = temporary_sibling(out / f"{name}_tokens", "part")  # a killed run's is an orphan to remove
+                staging.others.append(spill)
                 total = _spill(chunks, spill)
                 chunks = counted(_unspill(spill))
                 n_val = int(round(total * (DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction)))
                 bar.set_description(f"splitting {src.name}")  # the second pass: from the spill into shards
                 bar.reset(total=total)
             for hint, tokens in chunks:
+                staging.keep_fresh()
                 if use_hints:
                     writers["val" if hint else "train"].add(tokens)
                 else:
