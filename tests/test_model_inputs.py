@@ -451,13 +451,10 @@ def test_optimizer_state_and_master_weights_must_be_tensors(device, make, got):
     assert torch.equal(got_m, m) and torch.equal(got_v, v)
 
 
-def test_a_refused_batch_is_refused_before_the_step_graph_is_captured(device, monkeypatch):
-    # the step's graph was captured before its batches were checked: a refused batch left the host flags as if
-    # the step had run (here: the logit gradient of a pending forward gone). The CUDA calls are stand-ins that
-    # run the "captured" work eagerly, so the CPU takes the graph path (a GPU runs the real graphs' tests).
+def _cuda_graph_stand_ins(monkeypatch) -> list:
+    """torch.cuda's graph calls stood in for on the CPU, so that a CPU model takes the graph path: a capture runs
+    the work eagerly, a replay does nothing. Returns the list of graphs captured so far."""
     import contextlib
-    if device != "cpu":
-        pytest.skip("CUDA's calls are stood in for on the CPU only")
     captures = []
 
     class Stream:
@@ -482,6 +479,16 @@ def test_a_refused_batch_is_refused_before_the_step_graph_is_captured(device, mo
     for name, value in [("CUDAGraph", Graph), ("graph", graph), ("Stream", Stream), ("current_stream", Stream),
                         ("stream", lambda s: contextlib.nullcontext())]:
         monkeypatch.setattr(torch.cuda, name, value)
+    return captures
+
+
+def test_a_refused_batch_is_refused_before_the_step_graph_is_captured(device, monkeypatch):
+    # the step's graph was captured before its batches were checked: a refused batch left the host flags as if
+    # the step had run (here: the logit gradient of a pending forward gone). The CUDA calls are stand-ins that
+    # run the "captured" work eagerly, so the CPU takes the graph path (a GPU runs the real graphs' tests).
+    if device != "cpu":
+        pytest.skip("CUDA's calls are stood in for on the CPU only")
+    captures = _cuda_graph_stand_ins(monkeypatch)
     model, config, _ = _gpt2(device)
     model.cuda_graph = True
     rng = np.random.default_rng()
@@ -497,3 +504,26 @@ def test_a_refused_batch_is_refused_before_the_step_graph_is_captured(device, mo
     model.backward()  # the forward's logit gradient is still there
     loss, norm = model.train_step([(x, y)], 1e-3, 2)  # captured (and run eagerly by the stand-ins) now
     assert len(captures) == 1 and 4.5 < loss < 7.0 and norm > 0
+
+
+def test_a_replayed_step_graph_names_its_own_gradient(device, monkeypatch):
+    # graphs of one and of two micro-steps captured in turn, then the two-step one replayed: gradients_fp32() (and
+    # grad_norm(), update()) must mean its gradient, the micro-steps' sum in the accumulator, not the buffer the
+    # last capture pointed them at. Stand-ins as above: a replay runs nothing, so the buffers keep the captures'.
+    if device != "cpu":
+        pytest.skip("CUDA's calls are stood in for on the CPU only")
+    captures = _cuda_graph_stand_ins(monkeypatch)
+    model, config, _ = _gpt2(device)
+    model.cuda_graph = True
+    rng = np.random.default_rng()
+    two = [(_ids(config, rng), _ids(config, rng)) for _ in range(2)]
+    one = [(_ids(config, rng), _ids(config, rng))]
+    model.train_step(two, 1e-3, 1)  # warm-ups, eager
+    model.train_step(one, 1e-3, 2)
+    model.train_step(two, 1e-3, 3)  # captured
+    summed = model.gradients_fp32()
+    model.train_step(one, 1e-3, 4)  # captured
+    single = model.gradients_fp32()
+    assert len(captures) == 2 and not torch.equal(summed, single)
+    model.train_step(two, 1e-3, 5)  # replayed
+    assert torch.equal(model.gradients_fp32(), summed)

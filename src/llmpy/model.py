@@ -623,6 +623,7 @@ class GPT2Model:
         self._have_losses = False    # a forward with targets has written the losses (the arena starts uninitialised)
         self._norm_fresh = False     # _norm_sq holds the norm of the current gradients
         self._graphs: dict = {}      # key -> (main graph, update graph or None)
+        self._graph_grads: dict = {}  # key -> the gradient its AdamW reads (_update_grads as the capture set it)
         if self.world_size > 1:  # the graphs will hold NCCL work: free them before the group goes
             release_before_shutdown(self.release_graphs)
         self._warmed: set = set()
@@ -1509,6 +1510,7 @@ class GPT2Model:
                 if graph is not None:
                     graph.reset()
         self._graphs.clear()
+        self._graph_grads.clear()
 
     def train_step(self, batches, lr: float, step: int, weight_decay: float = 0.0, grad_clip: float = 1.0, *,
                    beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, skip=None) -> tuple[float, float]:
@@ -1583,9 +1585,13 @@ class GPT2Model:
                 with torch.cuda.graph(upd, pool=main.pool(), capture_error_mode=mode):
                     self._adamw()
             self._graphs[key] = (main, upd)
+            self._graph_grads[key] = self._update_grads
         else:
             self._stage(batches)
         main, upd = self._graphs[key]
+        # another key's capture may have come since: the host's view follows the graph that runs (accumulated
+        # micro-steps leave their sum in the fp32 accumulator, a single one in the gradient buffer)
+        self._update_grads = self._graph_grads[key]
         if upd is None:
             self._set_hyper(lr, step, *hp)
             main.replay()
