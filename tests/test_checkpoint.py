@@ -490,6 +490,28 @@ def test_hf_deeply_nested_config_or_index_is_one_line(tmp_path):
         ck.load_model_file(sharded)
 
 
+def test_hf_config_or_index_that_cannot_be_read_is_not_called_bad_json(tmp_path, monkeypatch):
+    # was "config.json: not valid JSON (Permission denied)": the file's content was never looked at
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=13))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    for method in ("read_bytes", "read_text"):
+        def denied(self, *args, _read=getattr(Path, method), **kwargs):
+            if self.name in ("config.json", "model.safetensors.index.json"):
+                raise PermissionError(13, "Permission denied", str(self))
+            return _read(self, *args, **kwargs)
+        monkeypatch.setattr(Path, method, denied)
+    with pytest.raises(LlmpyError, match=r"config\.json: cannot read: Permission denied$"):
+        ck.load_model_file(tmp_path)
+    with pytest.raises(LlmpyError, match=r"model\.safetensors\.index\.json: cannot read: Permission denied$"):
+        ck.load_model_file(sharded)
+    monkeypatch.undo()
+    (tmp_path / "config.json").write_bytes(b'{"n_layer": "\xff"}')  # not UTF-8: still the one line of bad JSON
+    with pytest.raises(LlmpyError, match=r"config\.json: not valid JSON \('utf-8' codec can't decode"):
+        ck.load_model_file(tmp_path)
+
+
 def test_hf_config_weights_or_shard_that_is_not_a_file_says_so(tmp_path):
     # was "no config.json beside it and the width ...", "is a directory without model.safetensors" and "no such file"
     flat = rand_params(SMALL, seed=14)

@@ -377,8 +377,12 @@ def _hf_files(path: Path) -> tuple[list[Path], Path]:
         refuse_non_file(index, "a safetensors index")
         if index.is_file():  # sharded: model-0000x-of-0000n.safetensors listed in the index
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # deep nesting: RecursionError
+                text = index.read_bytes()  # decoded by json.loads, whose errors are ValueErrors below
+            except OSError as e:  # unreadable (permissions, I/O): not "not a safetensors index"
+                raise LlmpyError(f"{index}: cannot read: {e.strerror or e}") from None
+            try:
+                weight_map = json.loads(text)["weight_map"]
+            except (ValueError, KeyError, TypeError, RecursionError) as e:  # deep nesting: RecursionError
                 raise LlmpyError(f"{index}: not a safetensors index ({getattr(e, 'strerror', None) or e})") from None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
                 raise LlmpyError(f"{index}: not a safetensors index (its weight_map must map tensor names to file "
@@ -396,8 +400,12 @@ def _read_hf_config(path: Path) -> dict | None:
         return None
     refuse_non_file(path, "a JSON config")  # there but unreadable: not the same as absent
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as e:  # deep nesting ([[[...) is a RecursionError
+        text = path.read_bytes()  # decoded by json.loads, whose errors are ValueErrors below
+    except OSError as e:  # unreadable (permissions, I/O): not "not valid JSON"
+        raise LlmpyError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        cfg = json.loads(text)
+    except (ValueError, RecursionError) as e:  # deep nesting ([[[...) is a RecursionError
         raise LlmpyError(f"{path}: not valid JSON ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(cfg, dict):
         raise LlmpyError(f"{path}: expected a JSON object")
