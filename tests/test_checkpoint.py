@@ -512,6 +512,16 @@ def test_hf_config_or_index_that_cannot_be_read_is_not_called_bad_json(tmp_path,
         ck.load_model_file(tmp_path)
 
 
+def test_hf_layer_number_in_other_digits_is_an_unexpected_tensor(tmp_path):
+    # "h.².ln_1.weight": str.isdigit() took "²" as a layer number that int() then refused (a ValueError traceback)
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=15))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    save_file({k.replace("h.0.", "h.\u00b2."): v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(LlmpyError, match=r"unexpected tensor 'h\.\u00b2\."):
+        ck.load_model_file(tmp_path)
+
+
 def test_hf_config_weights_or_shard_that_is_not_a_file_says_so(tmp_path):
     # was "no config.json beside it and the width ...", "is a directory without model.safetensors" and "no such file"
     flat = rand_params(SMALL, seed=14)

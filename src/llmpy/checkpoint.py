@@ -517,7 +517,7 @@ def _is_hf_ignored(name: str) -> bool:
         return True
     head, _, rest = name.partition(".")
     idx, _, leaf = rest.partition(".")
-    return head == "h" and idx.isdigit() and leaf in _HF_BUFFERS
+    return head == "h" and idx.isascii() and idx.isdigit() and leaf in _HF_BUFFERS
 
 
 def _is_hf_param(name: str) -> bool:
@@ -527,7 +527,7 @@ def _is_hf_param(name: str) -> bool:
     if head != "h" or not dot:
         return False
     idx, dot, leaf = rest.partition(".")
-    return idx.isdigit() and leaf in {n for n, _ in _HF_LAYER.values()}
+    return idx.isascii() and idx.isdigit() and leaf in {n for n, _ in _HF_LAYER.values()}  # "²" is a digit to isdigit
 
 
 def _expected_hf_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
