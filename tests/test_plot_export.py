@@ -32,8 +32,8 @@ except ImportError:
 needs_mpl = pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed (pip install matplotlib)")
 
 
-def run_cli(*args, cwd=None, timeout=300):
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def run_cli(*args, cwd=None, timeout=300, env=None):
+    env = {**os.environ, **(env or {}), "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "llmpy", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=timeout)
 
@@ -568,3 +568,23 @@ def test_export_refuses_paths_of_the_wrong_type(tmp_path, monkeypatch, model, ou
         export_hf(model, out)
     assert str(e.value) == message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]
+
+
+def test_export_sample_and_plot_expand_a_quoted_tilde(tmp_path):
+    # `llmpy export m.bin "~/hf"` made a folder named "~" in the current one; train and prepare expanded it
+    cfg = GPT2Config(num_layers=1, channels=16, num_heads=2, vocab_size=257, max_seq_len=32)
+    save_llmc(tmp_path / "m.bin", cfg, torch.randn(cfg.num_parameters) * 0.02)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {"HOME": str(tmp_path)}
+    res = run_cli("export", "~/m.bin", "~/hf", cwd=work, env=env)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and not (work / "~").exists()
+    res = run_cli("sample", "~/hf", "-g", 2, cwd=work, env=env)
+    assert res.returncode == 0, res.stderr
+    if HAS_MPL:
+        write_log(tmp_path / "run")
+        res = run_cli("plot", "~/run", "-o", "~/charts", cwd=work, env=env)
+        assert res.returncode == 0, res.stderr
+        assert_pngs(tmp_path / "charts", ALL_CHARTS)
+        assert not (work / "~").exists()

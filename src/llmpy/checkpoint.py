@@ -30,7 +30,7 @@ import torch
 
 from .config import GPT2Config, parameter_views
 from .errors import LlmpyError
-from .files import atomic_path, atomic_write, refuse_non_file
+from .files import atomic_path, atomic_write, expand_user, refuse_non_file
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -685,7 +685,7 @@ def load_model_file(path) -> tuple[GPT2Config, torch.Tensor, str]:
     """
     if not str(path).strip():  # Path("") is the current folder: not what was meant
         raise LlmpyError("an empty model file name")
-    p = Path(path)
+    p = expand_user(path)  # a quoted "~/model.bin" (the shell expands an unquoted one)
     if p.is_dir():
         config, flat = load_hf(p)
         return config, flat, "float32"

@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser):
 def run(args: argparse.Namespace) -> int:
     from .checkpoint import HF_CONFIG_NAME, HF_WEIGHTS_NAME
     names = (HF_WEIGHTS_NAME, HF_CONFIG_NAME, GENERATION_CONFIG_NAME)
-    replaced = [name for name in names if (Path(args.out_dir) / name).exists()]
+    from .files import expand_user
+    replaced = [name for name in names if (expand_user(args.out_dir) / name).exists()]
     out = export_hf(args.model, args.out_dir)
     print(f"wrote {out}/ ({', '.join(names)})" + (f"; replaced the earlier {', '.join(replaced)}" if replaced else ""))
     return 0
@@ -36,7 +37,7 @@ def generation_config_dict(eos: int) -> dict:
 def export_hf(model_path, out_dir) -> Path:
     """Write the HF folder for `model_path` into out_dir; returns out_dir."""
     from .checkpoint import hf_config_dict, load_model_file, save_hf
-    from .files import atomic_write, refuse_non_file, writable_dir
+    from .files import atomic_write, expand_user, refuse_non_file, writable_dir
 
     for value, name, what in ((model_path, "model", "a model file's path"),
                               (out_dir, "export folder", "a folder's path")):
@@ -44,13 +45,13 @@ def export_hf(model_path, out_dir) -> Path:
             raise LlmpyError(f"{name} {value!r:.60}: must be {what} (a str)")
     if not str(out_dir).strip():  # Path("") is the current folder: not what was meant
         raise LlmpyError("an empty export folder name")
-    out = Path(out_dir)
+    out = expand_user(out_dir)  # a quoted "~/hf" too, as train and prepare take it
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
     if out.suffix == ".safetensors":  # save_hf would read it as the weights file's own path, inside a new folder
         raise LlmpyError(f"{out}: the export is a folder (it gets model.safetensors, config.json, "
                          f"{GENERATION_CONFIG_NAME}); name one without the .safetensors suffix")
-    src = Path(model_path)
+    src = expand_user(model_path)
     if src.exists() and out.exists() and src.resolve() == out.resolve():
         raise LlmpyError(f"{out}: exporting a folder onto itself")
     config, flat, _ = load_model_file(model_path)

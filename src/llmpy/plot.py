@@ -254,7 +254,8 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
         raise LlmpyError("an empty run directory name (give the run's output directory, train -o)")
     if out_dir is not None and not str(out_dir).strip():
         raise LlmpyError("-o '': an empty output folder name (leave -o out for DIR/plots)")
-    run_dir = Path(run_dir)
+    from .files import expand_user
+    run_dir = expand_user(run_dir)  # a quoted "~/runs/x" too, as train and prepare take it
     if not run_dir.exists():
         raise LlmpyError(f"{run_dir}: no such directory")
     if not run_dir.is_dir():
@@ -274,7 +275,7 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     note = leave_out_undrawable(columns, log)  # before any chart is written: matplotlib would crash mid-way
     if note is not None and warn is not None:
         warn(note)
-    out = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    out = expand_user(out_dir) if out_dir is not None else run_dir / "plots"
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
     Figure = _figure_class()
