@@ -221,6 +221,21 @@ def test_token_beyond_vocab_names_shard_id_and_position(tmp_path, rng):
     assert len(take(DataLoader(str(tmp_path / "*.bin"), 2, 9), n_ok + 1)) == n_ok + 1
 
 
+def test_a_shard_refused_for_its_ids_is_refused_again_on_the_next_call(tmp_path, rng):
+    # the failed check left the shard open as if checked: a caller that went on got the out-of-vocabulary batch
+    vocab = 257
+    toks = rng.integers(0, vocab, 600)
+    toks[int(rng.integers(0, 600))] = vocab
+    write_shard(tmp_path / "d_train_000000.bin", toks)
+    loader = DataLoader(str(tmp_path / "d_train_000000.bin"), 2, 9, vocab_size=vocab)
+    for _ in range(2):
+        with pytest.raises(LlmpyError, match=rf"token id {vocab} at position"):
+            loader.next_batch()
+    ev = EvalLoader(str(tmp_path / "d_train_000000.bin"), 2, 9, vocab_size=vocab)
+    for _ in range(2):  # each validation starts again from the first batch
+        with pytest.raises(LlmpyError, match=rf"token id {vocab} at position"):
+            list(ev.batches(1))
+
 def test_no_files_match(tmp_path):
     with pytest.raises(LlmpyError, match=r"nothing_\*\.bin: no files match"):
         DataLoader(str(tmp_path / "nothing_*.bin"), 2, 2)

@@ -337,9 +337,13 @@ class DataLoader:
                 raise LlmpyError(f"{path}: cannot read ({e.strerror or e})") from None
             self._open_index, self._open_file = shard, f
             if self.vocab_size is not None and shard not in self._checked:
-                for start in range(0, n, VOCAB_CHECK_TOKENS):  # in pieces: a shard may be GBs
-                    count = min(VOCAB_CHECK_TOKENS, n - start)
-                    check_tokens(path, read_tokens(f, path, start, count), self.vocab_size, offset=start)
+                try:
+                    for start in range(0, n, VOCAB_CHECK_TOKENS):  # in pieces: a shard may be GBs
+                        count = min(VOCAB_CHECK_TOKENS, n - start)
+                        check_tokens(path, read_tokens(f, path, start, count), self.vocab_size, offset=start)
+                except LlmpyError:
+                    self.close()  # left open, the next batch would take the shard as checked
+                    raise
                 self._checked.add(shard)
         return self._open_file
 
