@@ -819,3 +819,19 @@ def test_overfit_single_batch_without_validation_data_takes_the_train_datas(shar
     fresh = train(options(shards, tmp_path / "b", max_steps=1, val_data=None), log=quiet)
     assert res.train_losses[0] == fresh.train_losses[0]
     assert res.train_losses[1] < res.train_losses[0]
+
+
+@pytest.mark.parametrize("with_val", [True, False], ids=["val", "no_val"])
+def test_overfit_single_batch_is_the_first_batch_under_shuffle(shards, tmp_path, with_val):
+    # --shuffle reorders the epochs that -a 1 never reads: its batch is still the first one its log line names
+    val = {} if with_val else {"val_data": None}
+    lines = []
+    res = train(options(shards, tmp_path / "a", max_steps=3, val_every=1, val_max_steps=1, overfit_single_batch=1,
+                        shuffle=1, warmup_steps=0, **val), log=lines.append)
+    named = shards[1] if with_val else shards[0]
+    assert f"-a 1: every step trains on the first batch of {named}" in lines
+    if with_val:  # the validation's first batch, which the never shuffled validation loader scores
+        assert [loss for _, loss in res.val_losses[:3]] == res.train_losses
+    else:
+        fresh = train(options(shards, tmp_path / "b", max_steps=1, val_data=None), log=quiet)
+        assert res.train_losses[0] == fresh.train_losses[0]

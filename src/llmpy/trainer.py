@@ -817,10 +817,11 @@ def _single_batch(opts: TrainOptions, train_loader, vocab_size: int, rank: int, 
     """-a 1's one batch, as llm.c's: the first of the validation data when there is some (smaller, and the
     validation loss then follows the training loss), else the first of the train data."""
     from .data import DataLoader
-    if not opts.val_data:
+    if not opts.val_data and not opts.shuffle:
         return train_loader.next_batch()
-    loader = DataLoader(opts.val_data, opts.batch_size, opts.seq_len, rank=rank, world_size=world,
-                        shuffle=bool(opts.shuffle), seed=opts.seed, vocab_size=vocab_size)
+    # in file order: --shuffle's first batch is another one than the log line names (and validation scores)
+    loader = DataLoader(opts.val_data or opts.train_data, opts.batch_size, opts.seq_len, rank=rank, world_size=world,
+                        vocab_size=vocab_size)
     try:
         return loader.next_batch()
     finally:
