@@ -293,6 +293,29 @@ def test_processes_given_different_options_are_refused(shards, tmp_path):
 
 
 @interpreter_only
+def test_processes_that_find_different_shards_are_refused(tmp_path):
+    # the same options, but "-i data/t_train_*.bin" resolves on each node to its own copy, and one node's is another
+    # dataset: each rank would train on its slice of another stream without a word. Here each rank runs in its own
+    # folder, rank 1's train shard other tokens (the same name and size would pass: shards are told by both)
+    rng = np.random.default_rng()
+    for rank, n in ((0, 4000), (1, 4100)):
+        (tmp_path / f"node{rank}" / "data").mkdir(parents=True)
+        write_shard(tmp_path / f"node{rank}" / "data" / "t_train_000000.bin", rng.integers(0, 257, n))
+    script = tmp_path / "rank_cwd.py"
+    script.write_text("import os, sys\nfrom llmpy.cli import main\n"
+                      f"os.chdir(os.path.join({str(tmp_path)!r}, 'node' + os.environ['RANK']))\n"
+                      f"sys.exit(main(['train', '-i', 'data/t_train_*.bin', '-e', {TINY!r}, '-b', '2', '-t', "
+                      f"'{T}', '-x', '1', '-v', '0', '-g', '0', '--progress', '0']))\n")
+    res = launch_torchrun(2, script, timeout=300)
+    assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
+    lines = re.findall(r"^llmpy train: rank (\d) of 2: error: (.*)$", res.stderr, re.M)
+    wants = [(str(rank), "the processes of this run found different shards for -i data/t_train_*.bin (this one, "
+              f"rank {rank}: 1 shard(s), t_train_000000.bin, {n:,} tokens): give every process the same data")
+             for rank, n in ((0, 4000), (1, 4100))]
+    assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
+
+
+@interpreter_only
 def test_a_rank_that_fails_before_the_group_forms_stops_the_other_at_once(shards, tmp_path):
     # rank 0 waits for rank 1 inside init_process_group (C++, where Python's handlers do not run) and rank 1 fails:
     # torchrun's SIGTERM must end rank 0 then, not its SIGKILL after a 30 s grace

@@ -381,7 +381,8 @@ class DataLoader:
         return self.next_batch()
 
     # -- checkpointing
-    def _fingerprint(self) -> str:
+    def fingerprint(self) -> str:
+        """The shards read, by name and size (16 hex digits): a resume or another rank must read the same."""
         h = hashlib.sha1()
         for f, n in zip(self.files, self.shard_tokens):
             h.update(f"{f.name}:{n};".encode())
@@ -393,7 +394,7 @@ class DataLoader:
             "version": STATE_VERSION, "epoch": self.epoch, "shard_pos": self.shard_pos,
             "window_pos": self.window_pos, "shuffle": self.shuffle, "seed": self.seed,
             "B": self.B, "T": self.T, "world_size": self.world_size,
-            "num_shards": len(self.files), "shards": self._fingerprint(),
+            "num_shards": len(self.files), "shards": self.fingerprint(),
         }
 
     def load_state_dict(self, state: dict) -> None:

@@ -668,6 +668,22 @@ def _check_same_options(dp, opts: TrainOptions, device) -> None:
                          f"{getattr(opts, name)!r}): give every process the same options")
 
 
+def _check_same_data(dp, sources: list, device) -> None:
+    """Every process must read the same shards: the same pattern resolving to other files on another node (its own
+    local copy, another version of the dataset) would train on without a word, each rank on its slice of another
+    stream. sources: [(flag, pattern, loader)], the same flags on every rank."""
+    import zlib
+    mine = torch.tensor([zlib.crc32(loader.fingerprint().encode()) for _, _, loader in sources], dtype=torch.int64,
+                        device=device)
+    differs = (dp.all_gather_scalars(mine) != mine).any(dim=0)  # by source, over the ranks
+    if differs.any():
+        flag, pattern, loader = sources[int(differs.nonzero()[0])]
+        files = loader.files[0].name + (f" .. {loader.files[-1].name}" if len(loader.files) > 1 else "")
+        raise LlmpyError(f"the processes of this run found different shards for {flag} {pattern} (this one, rank "
+                         f"{dp.rank}: {len(loader.files)} shard(s), {files}, {loader.num_tokens:,} tokens): give "
+                         "every process the same data")
+
+
 def _agree_on_signal(dp, received_signals: list[int], device) -> list[int]:
     """[the first signal of the lowest rank that got one] on every rank, [] if none did, so that all stop after the
     same step."""
@@ -936,6 +952,9 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     if opts.val_data and opts.val_every > 0:
         val_loader = EvalLoader(opts.val_data, B, T, rank=rank, world_size=world, vocab_size=config.vocab_size)
         val_batches = len(val_loader) if opts.val_max_steps == -1 else min(opts.val_max_steps, len(val_loader))
+    if dp is not None:
+        _check_same_data(dp, [("-i", opts.train_data, train_loader)]
+                         + ([("-j", opts.val_data, val_loader)] if val_loader is not None else []), device)
     hs_examples = None
     if opts.hellaswag and opts.val_every > 0:
         from .hellaswag import read_eval_file
