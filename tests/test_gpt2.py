@@ -412,7 +412,8 @@ def test_training_follows_reference(small, device, kw):
 
 
 def test_gradient_accumulation(small, device):
-    """Two micro-steps of B=1 give the step of one micro-batch of B=2 (fp32: to rounding)."""
+    """Two micro-steps of B=1 give the step of one micro-batch of B=2 (fp32: to rounding), and so does an update()
+    after it."""
     params = small[0]
     x, y = make_batch(SMALL, 2, T, seed=20)
     one = GPT2Model(SMALL, params, 2, T, device=device, dtype=FP32, attention="flash")
@@ -425,32 +426,21 @@ def test_gradient_accumulation(small, device):
     # AdamW's first step is about lr * sign(g): where a gradient is ~0 its sign follows rounding noise, so
     # the parameters agree to the gradients' accuracy only in norm (1.8e-5 seen on an H200)
     assert rel_err(two.parameters_fp32(), one.parameters_fp32()) < 1e-4
+    # update() right after: its gradient (and clip) is the step's sum, the one grad_norm() reports - not the last
+    # micro-step's left in the buffer under the sum's norm - so both take the same second step
+    assert two.grad_norm() == pytest.approx(norm2, rel=1e-6)
+    for model in (one, two):
+        model.update(LR, 2, weight_decay=WD, grad_clip=CLIP)
+    assert rel_err(two.parameters_fp32(), one.parameters_fp32()) < 1e-4
+    # a backward makes the buffer the gradient again (here without zero_grad: added to the last micro-step's)
+    two.forward(x[:1], y[:1], dloss=1.0 / T)
+    two.backward()
+    assert two.grad_norm() == pytest.approx(float(two.gradients_fp32().double().norm()), rel=1e-5)
     # chunked: dwte accumulates over the chunks of a micro-step, the micro-steps add in the fp32 accumulator
     chk = GPT2Model(SMALL, params, 1, T, device=device, dtype=FP32, attention="flash", classifier_chunks=3)
     loss3, norm3 = chk.train_step([(x[:1], y[:1]), (x[1:], y[1:])], LR, 1, WD, CLIP)
     assert loss3 == pytest.approx(loss1, abs=1e-5) and norm3 == pytest.approx(norm1, rel=1e-5)
     assert rel_err(chk.gradients_fp32(), one.gradients_fp32()) < 1e-5
-
-
-def test_update_after_an_accumulated_step_applies_that_steps_gradient(small, device):
-    """update() right after a train_step of two micro-steps: the gradient it applies and clips is the step's sum,
-    the one grad_norm() and gradients_fp32() report - not the last micro-step's left in the buffer under the sum's
-    norm. So two micro-steps then update() take the same second step as one micro-batch of both rows."""
-    params = small[0]
-    x, y = make_batch(SMALL, 2, T, seed=21)
-    one = GPT2Model(SMALL, params, 2, T, device=device, dtype=FP32, attention="flash")
-    two = GPT2Model(SMALL, params, 1, T, device=device, dtype=FP32, attention="flash")
-    _, norm1 = one.train_step([(x, y)], LR, 1, WD, CLIP)
-    _, norm2 = two.train_step([(x[:1], y[:1]), (x[1:], y[1:])], LR, 1, WD, CLIP)
-    assert two.grad_norm() == pytest.approx(norm2, rel=1e-6) == pytest.approx(norm1, rel=1e-5)
-    assert rel_err(two.gradients_fp32(), one.gradients_fp32()) < 1e-5
-    for model in (one, two):
-        model.update(LR, 2, weight_decay=WD, grad_clip=CLIP)
-    assert rel_err(two.parameters_fp32(), one.parameters_fp32()) < 1e-4
-    # a backward after it makes the buffer the gradient again (here without zero_grad: added to the last micro-step's)
-    two.forward(x[:1], y[:1], dloss=1.0 / T)
-    two.backward()
-    assert two.grad_norm() == pytest.approx(float(two.gradients_fp32().double().norm()), rel=1e-5)
 
 
 def test_same_seed_same_bits(small, device):

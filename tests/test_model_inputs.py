@@ -451,10 +451,13 @@ def test_optimizer_state_and_master_weights_must_be_tensors(device, make, got):
     assert torch.equal(got_m, m) and torch.equal(got_v, v)
 
 
-def _cuda_graph_stand_ins(monkeypatch) -> list:
-    """torch.cuda's graph calls stood in for on the CPU, so that a CPU model takes the graph path: a capture runs
-    the work eagerly, a replay does nothing. Returns the list of graphs captured so far."""
+def _graphed_cpu_model(device, monkeypatch):
+    """(model, config, captures): a CPU model with cuda_graph on and torch.cuda's graph calls stood in for, so that
+    it takes the graph path: a capture runs the work eagerly, a replay does nothing; captures lists the graphs
+    captured so far. A GPU runs the real graphs' tests instead."""
     import contextlib
+    if device != "cpu":
+        pytest.skip("CUDA's calls are stood in for on the CPU only")
     captures = []
 
     class Stream:
@@ -479,18 +482,16 @@ def _cuda_graph_stand_ins(monkeypatch) -> list:
     for name, value in [("CUDAGraph", Graph), ("graph", graph), ("Stream", Stream), ("current_stream", Stream),
                         ("stream", lambda s: contextlib.nullcontext())]:
         monkeypatch.setattr(torch.cuda, name, value)
-    return captures
+    model, config, _ = _gpt2(device)
+    model.cuda_graph = True
+    return model, config, captures
 
 
 def test_a_refused_batch_is_refused_before_the_step_graph_is_captured(device, monkeypatch):
     # the step's graph was captured before its batches were checked: a refused batch left the host flags as if
     # the step had run (here: the logit gradient of a pending forward gone). The CUDA calls are stand-ins that
     # run the "captured" work eagerly, so the CPU takes the graph path (a GPU runs the real graphs' tests).
-    if device != "cpu":
-        pytest.skip("CUDA's calls are stood in for on the CPU only")
-    captures = _cuda_graph_stand_ins(monkeypatch)
-    model, config, _ = _gpt2(device)
-    model.cuda_graph = True
+    model, config, captures = _graphed_cpu_model(device, monkeypatch)
     rng = np.random.default_rng()
     x, y = _ids(config, rng), _ids(config, rng)
     bad = y.clone()
@@ -510,11 +511,7 @@ def test_a_replayed_step_graph_names_its_own_gradient(device, monkeypatch):
     # graphs of one and of two micro-steps captured in turn, then the two-step one replayed: gradients_fp32() (and
     # grad_norm(), update()) must mean its gradient, the micro-steps' sum in the accumulator, not the buffer the
     # last capture pointed them at. Stand-ins as above: a replay runs nothing, so the buffers keep the captures'.
-    if device != "cpu":
-        pytest.skip("CUDA's calls are stood in for on the CPU only")
-    captures = _cuda_graph_stand_ins(monkeypatch)
-    model, config, _ = _gpt2(device)
-    model.cuda_graph = True
+    model, config, captures = _graphed_cpu_model(device, monkeypatch)
     rng = np.random.default_rng()
     two = [(_ids(config, rng), _ids(config, rng)) for _ in range(2)]
     one = [(_ids(config, rng), _ids(config, rng))]
