@@ -254,3 +254,25 @@ def test_a_missing_model_file_with_an_equals_sign_is_no_such_file(desc):
         with pytest.raises(LlmpyError) as e:
             call()
         assert str(e.value) == f"{desc}: no such model file"
+
+
+def test_sample_refuses_a_seed_of_none_by_name():
+    # check_sampling_options skips a None seed (the trainer's own), so it reached int(None): a TypeError traceback
+    model = llmpy.create_model(TINY)
+    with pytest.raises(LlmpyError, match=r"^--seed None: must be an integer from 0 to 4294967295$"):
+        llmpy.sample(model, "hi", seed=None)
+
+
+def test_create_model_reads_a_quoted_home_folder(tmp_path, monkeypatch):
+    # train(model="~/m.bin") and load_model("~/m.bin") read the home folder; create_model said "no such model file"
+    from llmpy.checkpoint import save_llmc
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = llmpy.create_model(TINY, seed=5)
+    save_llmc(tmp_path / "m.bin", model.config, model.params_flat)
+    assert torch.equal(llmpy.load_model("~/m.bin").params_flat, model.params_flat)
+    assert torch.equal(llmpy.create_model("~/m.bin").params_flat, model.params_flat)
+
+
+def test_the_lazily_loaded_api_is_in_dir():
+    # a notebook's completion lists dir(llmpy): create_model, train, ... are loaded on first use, not module globals
+    assert set(llmpy.__all__) <= set(dir(llmpy))

@@ -13,5 +13,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'llmpy' has no attribute {name!r}")
 
 
+def __dir__():
+    # the lazily loaded API too: a notebook's completion lists dir(llmpy)
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = ["GPT2Config", "parse_descriptor", "LlmpyError", "create_model", "load_model", "train", "sample",
            "__version__"]

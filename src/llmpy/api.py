@@ -12,6 +12,7 @@ import os
 from dataclasses import fields
 
 from .errors import LlmpyError
+from .files import expand_user
 from .rand import check_seed
 from .reference import GPT2Reference
 from .trainer import TrainOptions, TrainResult, load_or_create_model
@@ -29,6 +30,8 @@ def _check_path_or_descriptor(value, name: str, what: str = "a descriptor or a m
 def create_model(descriptor: str = "d12", seed: int = 42) -> GPT2Reference:
     """A model from an `-e` descriptor with llm.c's random init (or from a model file's path)."""
     descriptor = _check_path_or_descriptor(descriptor, "descriptor")
+    if descriptor.startswith("~"):  # a quoted home folder, as train(model=...) and load_model read it
+        descriptor = str(expand_user(descriptor))
     check_seed(seed, "seed")
     config, params = load_or_create_model(descriptor, int(seed))
     return GPT2Reference(config, params)
@@ -66,6 +69,7 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
         raise LlmpyError(f"sample(): model {model!r:.60}: must be a model (create_model, load_model, or "
                          "train(...).model), not a path")
     check_sampling_options(gen_tokens, temperature, top_k, seed)
+    check_seed(seed)  # check_sampling_options lets None by (the trainer's samples): it would reach int()
     gen_tokens, temperature, top_k, seed = int(gen_tokens), float(temperature), int(top_k), int(seed)
     if not isinstance(tokenizer, str):
         raise LlmpyError(f"tokenizer {tokenizer!r}: must be 'auto', 'bytes' or 'gpt2'")
