@@ -276,3 +276,12 @@ def test_create_model_reads_a_quoted_home_folder(tmp_path, monkeypatch):
 def test_the_lazily_loaded_api_is_in_dir():
     # a notebook's completion lists dir(llmpy): create_model, train, ... are loaded on first use, not module globals
     assert set(llmpy.__all__) <= set(dir(llmpy))
+
+
+def test_sample_names_auto_among_the_tokenizers_it_takes():
+    # load_tokenizer's own line listed gpt2 and bytes only, though sample's default is auto
+    import llmpy
+    model = llmpy.create_model(TINY, seed=3)
+    with pytest.raises(LlmpyError, match=r"^unknown tokenizer 'bpe': expected one of auto, gpt2, bytes$"):
+        llmpy.sample(model, "hi", tokenizer="bpe", gen_tokens=2)
+    assert isinstance(llmpy.sample(model, "hi", tokenizer=" Auto ", gen_tokens=2), str)  # as "auto"
