@@ -847,8 +847,12 @@ def _single_batch(opts: TrainOptions, train_loader, vocab_size: int, rank: int, 
 def train(opts: TrainOptions, log=print) -> TrainResult:
     """Run one training as the options say; returns the losses and the trained model."""
     from .distributed import signals_watched
-    with signals_watched():  # a SIGINT/SIGTERM until it returns is this run's to act on (StuckRankWatch)
-        return _run_training(opts, log)
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # -f sets it for the run: the caller's own products keep theirs
+    try:
+        with signals_watched():  # a SIGINT/SIGTERM until it returns is this run's to act on (StuckRankWatch)
+            return _run_training(opts, log)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _run_training(opts: TrainOptions, log) -> TrainResult:
