@@ -46,6 +46,7 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     "RTX A4000": 76.7e12,
     # GeForce (bf16 with fp32 accumulation runs at half the fp16-accumulate rate)
     "RTX 5090": 209.5e12,
+    "RTX 4090 D": 147.1e12,  # China's 4090: 114 SMs of the 4090's 128 at its clock (2520 MHz x 512 FLOP an SM)
     "RTX 4090": 165.2e12,
     "RTX 4080 SUPER": 104.5e12,  # SUPER cards have more tensor cores: not the plain card's peak
     "RTX 4080": 97.5e12,
