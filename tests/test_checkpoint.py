@@ -522,6 +522,17 @@ def test_hf_layer_number_in_other_digits_is_an_unexpected_tensor(tmp_path):
         ck.load_model_file(tmp_path)
 
 
+def test_hf_tied_weights_saved_under_lm_heads_name_load(tmp_path):
+    # safetensors.torch.save_model keeps one name of tied tensors, lm_head.weight: "missing tensor 'wte.weight'"
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL, seed=16))
+    _, want, _ = ck.load_model_file(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors.pop("transformer.wte.weight")
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config, loaded, _ = ck.load_model_file(tmp_path)
+    assert config == SMALL and torch.equal(loaded, want)
+
+
 def test_hf_config_weights_or_shard_that_is_not_a_file_says_so(tmp_path):
     # was "no config.json beside it and the width ...", "is a directory without model.safetensors" and "no such file"
     flat = rand_params(SMALL, seed=14)

@@ -418,8 +418,9 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
     `path` is a `*.safetensors` file or a directory holding model.safetensors (or a sharded
     model.safetensors.index.json). Names may carry the `transformer.` prefix. The causal-mask
     buffers `attn.bias`/`attn.masked_bias` are ignored. `lm_head.weight` is ignored when it equals
-    wte (tied, as GPT-2 is); an untied head is an error, since llm.c's model has no separate head
-    and dropping it would silently change the model.
+    wte (tied, as GPT-2 is), and is wte where that is absent (the tied pair saved once, under the head's
+    name); an untied head is an error, since llm.c's model has no separate head and dropping it would
+    silently change the model.
 
     The config comes from config.json beside the weights (n_layer, n_head, n_embd, n_positions,
     vocab_size). Without one it is inferred from the shapes, and since the number of heads is not
@@ -447,6 +448,9 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise LlmpyError(f"{file}: not a readable safetensors file ({e})") from None
 
+    if "wte.weight" not in index and "lm_head.weight" in index:
+        # tied tensors saved once under one of their names (safetensors' save_model keeps lm_head's): one tensor
+        index["wte.weight"], dtypes["wte.weight"] = index["lm_head.weight"], dtypes["lm_head.weight"]
     unexpected = [k for k in index if not (_is_hf_param(k) or _is_hf_ignored(k))]
     if unexpected:
         raise LlmpyError(f"{label}: unexpected tensor {unexpected[0]!r}"
