@@ -178,6 +178,31 @@ def test_resume_on_another_process_count_is_refused(shards, tmp_path):
                            output_dir=str(out), resume=1), log=lambda *_: None)
 
 
+@interpreter_only
+def test_processes_that_find_different_checkpoints_are_refused(shards, tmp_path):
+    # -o on each node's own disk: rank 0's node holds the run's checkpoints, the other's none. Rank 1 started afresh
+    # while rank 0 resumed, and their steps' collectives (a validation against a step's reduction) waited for each
+    # other until the group's timeout; each rank runs here in its own folder, with the same "-o out"
+    res = torchrun(2, shards, tmp_path / "node0" / "out", "float32", "-x", 2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (tmp_path / "node1" / "out").mkdir(parents=True)
+    a = common_args(shards, "float32")
+    args = [*map(str, ["-i", a["train_data"], "-j", a["val_data"], "-e", TINY, "-b", B, "-t", T, "-d",
+                       a["total_batch_size"], "-x", 4, "-v", 3, "-m", 1, "-g", 0, "--dtype", "float32",
+                       "--device", "cpu", "--progress", 0]), "-o", "out", "-y", "1"]
+    script = tmp_path / "rank_cwd.py"
+    script.write_text("import os, sys\nfrom llmpy.cli import main\n"
+                      f"os.chdir(os.path.join({str(tmp_path)!r}, 'node' + os.environ['RANK']))\n"
+                      f"sys.exit(main(['train', *{args!r}]))\n")
+    res = launch_torchrun(2, script, timeout=300)
+    assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
+    lines = re.findall(r"^llmpy train: rank (\d) of 2: error: (.*)$", res.stderr, re.M)
+    wants = [(str(rank), "-y 1: the processes of this run found different checkpoints in -o out (this one, rank "
+              f"{rank}: {have}): give every process the same -o, a folder that every node sees")
+             for rank, have in ((0, "step 2"), (1, "none"))]
+    assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
+
+
 def test_parallel_options_without_torchrun_are_one_line_errors(shards, tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
@@ -669,6 +694,23 @@ with signals_watched():  # a new run: 1 s, its steps not yet timed
     assert res.stdout == "a wait of two steps\nthe signal ended with its run\na signal between runs\n", res.stdout
     assert re.fullmatch(stuck_line(0, "SIGTERM", r"wait \(script\.py:\d+\)", seconds=1), res.stderr), res.stderr
     assert took < 25, took
+
+
+def test_the_watch_ends_the_process_when_its_stderr_is_gone(tmp_path):
+    # `torchrun ... 2>&1 | tee log` and a Ctrl-C: tee is gone, and the line's write fails (EPIPE, as Python ignores
+    # SIGPIPE). The watch's thread died of it and the rank waited on, for torchrun's SIGKILL or the group's timeout
+    res, took = _run_script(tmp_path, """import os, signal, time
+from llmpy.distributed import StuckRankWatch, signals_watched
+StuckRankWatch(0, 2, grace_s=1.0).start()
+signal.signal(signal.SIGTERM, lambda signum, frame: None)
+r, w = os.pipe()
+os.close(r)
+os.dup2(w, 2)
+with signals_watched():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30.0)
+""")
+    assert res.returncode == 128 + signal.SIGTERM and took < 25, (res.returncode, took)
 
 
 def test_the_watch_stopped_from_another_thread_leaves_its_pipe_registered_and_open():

@@ -280,7 +280,10 @@ class StuckRankWatch:
             sys.stdout.flush()
         except Exception:  # noqa: BLE001 - the line and the exit below matter more than stdout's last lines
             pass
-        os.write(2, line.encode())
+        try:  # stderr may be gone (a `| tee` ended by the same Ctrl-C): the exit must come all the same
+            os.write(2, line.encode())
+        except OSError:
+            pass
         os._exit(128 + signum)
 
 

@@ -684,6 +684,17 @@ def _check_same_data(dp, sources: list, device) -> None:
                          "every process the same data")
 
 
+def _check_same_checkpoint(dp, output_dir: str, found: int | None, device) -> None:
+    """-y 1: every process must resume from the same checkpoint. An -o on each node's own disk holds rank 0's
+    checkpoints on its node only: the others would start afresh, and the ranks' steps (validations, the end) then
+    call other collectives, which wait for each other until the group's timeout."""
+    mine = torch.tensor([-1 if found is None else found], dtype=torch.int64, device=device)
+    if (dp.all_gather_scalars(mine) != mine).any():
+        have = "none" if found is None else f"step {found}"
+        raise LlmpyError(f"-y 1: the processes of this run found different checkpoints in -o {output_dir} (this one, "
+                         f"rank {dp.rank}: {have}): give every process the same -o, a folder that every node sees")
+
+
 def _agree_on_signal(dp, received_signals: list[int], device) -> list[int]:
     """[the first signal of the lowest rank that got one] on every rank, [] if none did, so that all stop after the
     same step."""
@@ -902,6 +913,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     # checkpoints in -o are resumed (-y 1) and never overwritten: a run from step 0 needs an -o without any
     names = checkpoint_files(opts.output_dir) if opts.output_dir else []
     found = latest_complete_step(opts.output_dir) if opts.resume and names else None
+    if dp is not None and opts.resume and opts.output_dir:
+        _check_same_checkpoint(dp, opts.output_dir, found, device)
     if names and found is None:
         listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         if opts.resume:
