@@ -190,17 +190,10 @@ def test_processes_that_find_different_checkpoints_are_refused(shards, tmp_path)
     args = [*map(str, ["-i", a["train_data"], "-j", a["val_data"], "-e", TINY, "-b", B, "-t", T, "-d",
                        a["total_batch_size"], "-x", 4, "-v", 3, "-m", 1, "-g", 0, "--dtype", "float32",
                        "--device", "cpu", "--progress", 0]), "-o", "out", "-y", "1"]
-    script = tmp_path / "rank_cwd.py"
-    script.write_text("import os, sys\nfrom llmpy.cli import main\n"
-                      f"os.chdir(os.path.join({str(tmp_path)!r}, 'node' + os.environ['RANK']))\n"
-                      f"sys.exit(main(['train', *{args!r}]))\n")
-    res = launch_torchrun(2, script, timeout=300)
-    assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
-    lines = re.findall(r"^llmpy train: rank (\d) of 2: error: (.*)$", res.stderr, re.M)
-    wants = [(str(rank), "-y 1: the processes of this run found different checkpoints in -o out (this one, rank "
-              f"{rank}: {have}): give every process the same -o, a folder that every node sees")
-             for rank, have in ((0, "step 2"), (1, "none"))]
-    assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
+    res = launch_torchrun(2, _rank_cwd_script(tmp_path, args), timeout=300)
+    assert_ranks_refused(res, [(str(rank), "-y 1: the processes of this run found different checkpoints in -o out "
+                                f"(this one, rank {rank}: {have}): give every process the same -o, a folder that "
+                                "every node sees") for rank, have in ((0, "step 2"), (1, "none"))])
 
 
 def test_parallel_options_without_torchrun_are_one_line_errors(shards, tmp_path):
@@ -298,6 +291,24 @@ def _rank_argv_script(tmp_path, per_rank: list[list]) -> Path:
     return script
 
 
+def _rank_cwd_script(tmp_path, argv: list) -> Path:
+    """A script for torchrun that runs `llmpy train ARGV` with rank r in tmp_path/node{r}: one command line that
+    each rank reads against its own folder, as nodes with their own disks do."""
+    script = tmp_path / "rank_cwd.py"
+    script.write_text("import os, sys\nfrom llmpy.cli import main\n"
+                      f"os.chdir(os.path.join({str(tmp_path)!r}, 'node' + os.environ['RANK']))\n"
+                      f"sys.exit(main(['train', *{[str(a) for a in argv]!r}]))\n")
+    return script
+
+
+def assert_ranks_refused(res, wants: list[tuple[str, str]]):
+    """A torchrun job that failed with llmpy's one-line errors only (torchrun prints its own traceback of the failed
+    child and stops the other rank, which may not have said its line yet), each (rank, line) one of wants."""
+    assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
+    lines = re.findall(r"^llmpy train: rank (\d) of 2: error: (.*)$", res.stderr, re.M)
+    assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
+
+
 @interpreter_only
 def test_processes_given_different_options_are_refused(shards, tmp_path):
     # a torchrun job whose ranks were given different options (a command line a node) would train on without a word
@@ -308,13 +319,9 @@ def test_processes_given_different_options_are_refused(shards, tmp_path):
         script = _rank_argv_script(tmp_path, [[*base, *differing, v, *(["-b", "2"] if flag != "-b" else [])]
                                               for v in values])
         res = launch_torchrun(2, script, timeout=300)
-        # torchrun prints its own traceback of the failed child, and stops the other rank (which may not have said
-        # its line yet): llmpy's lines only, none from a traceback of llmpy's code
-        assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
-        lines = re.findall(r"^llmpy train: rank (\d) of 2: error: (.*)$", res.stderr, re.M)
-        wants = [(str(rank), f"the processes of this run were given different {flag} (this one, rank {rank}: "
-                  f"{int(value)}): give every process the same options") for rank, value in enumerate(values)]
-        assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
+        assert_ranks_refused(res, [(str(rank), f"the processes of this run were given different {flag} (this one, "
+                                    f"rank {rank}: {int(value)}): give every process the same options")
+                                   for rank, value in enumerate(values)])
 
 
 @interpreter_only
@@ -326,18 +333,11 @@ def test_processes_that_find_different_shards_are_refused(tmp_path):
     for rank, n in ((0, 4000), (1, 4100)):
         (tmp_path / f"node{rank}" / "data").mkdir(parents=True)
         write_shard(tmp_path / f"node{rank}" / "data" / "t_train_000000.bin", rng.integers(0, 257, n))
-    script = tmp_path / "rank_cwd.py"
-    script.write_text("import os, sys\nfrom llmpy.cli import main\n"
-                      f"os.chdir(os.path.join({str(tmp_path)!r}, 'node' + os.environ['RANK']))\n"
-                      f"sys.exit(main(['train', '-i', 'data/t_train_*.bin', '-e', {TINY!r}, '-b', '2', '-t', "
-                      f"'{T}', '-x', '1', '-v', '0', '-g', '0', '--progress', '0']))\n")
-    res = launch_torchrun(2, script, timeout=300)
-    assert res.returncode != 0 and "llmpy/" not in res.stderr, res.stderr[-3000:]
-    lines = re.findall(r"^llmpy train: rank (\d) of 2: error: (.*)$", res.stderr, re.M)
-    wants = [(str(rank), "the processes of this run found different shards for -i data/t_train_*.bin (this one, "
-              f"rank {rank}: 1 shard(s), t_train_000000.bin, {n:,} tokens): give every process the same data")
-             for rank, n in ((0, 4000), (1, 4100))]
-    assert lines and all(line in wants for line in lines), (wants, res.stderr[-3000:])
+    argv = ["-i", "data/t_train_*.bin", "-e", TINY, "-b", 2, "-t", T, "-x", 1, "-v", 0, "-g", 0, "--progress", 0]
+    res = launch_torchrun(2, _rank_cwd_script(tmp_path, argv), timeout=300)
+    assert_ranks_refused(res, [(str(rank), "the processes of this run found different shards for -i "
+                                f"data/t_train_*.bin (this one, rank {rank}: 1 shard(s), t_train_000000.bin, {n:,} "
+                                "tokens): give every process the same data") for rank, n in ((0, 4000), (1, 4100))])
 
 
 @interpreter_only
