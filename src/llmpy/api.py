@@ -12,7 +12,6 @@ import os
 from dataclasses import fields
 
 from .errors import LlmpyError
-from .files import expand_user
 from .rand import check_seed
 from .reference import GPT2Reference
 from .trainer import TrainOptions, TrainResult, load_or_create_model
@@ -30,8 +29,6 @@ def _check_path_or_descriptor(value, name: str, what: str = "a descriptor or a m
 def create_model(descriptor: str = "d12", seed: int = 42) -> GPT2Reference:
     """A model from an `-e` descriptor with llm.c's random init (or from a model file's path)."""
     descriptor = _check_path_or_descriptor(descriptor, "descriptor")
-    if descriptor.startswith("~"):  # a quoted home folder, as train(model=...) and load_model read it
-        descriptor = str(expand_user(descriptor))
     check_seed(seed, "seed")
     config, params = load_or_create_model(descriptor, int(seed))
     return GPT2Reference(config, params)

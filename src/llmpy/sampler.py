@@ -120,9 +120,10 @@ def tokenizer_for_model(name: str, vocab_size: int, tokenizer_dir, model_vocab: 
     """The tokenizer `llmpy sample` and the API sample with: "auto" is bytes for a 257-token vocab, GPT-2's BPE
     otherwise; its vocabulary must be the model's (`model_vocab` begins the error line, naming the model)."""
     from .tokenizer import TOKENIZER_NAMES, load_tokenizer
-    if name.strip().lower() not in ("auto", "byte", *TOKENIZER_NAMES):  # load_tokenizer's line would leave auto out
+    key = name.strip().lower()
+    if key not in ("auto", "byte", *TOKENIZER_NAMES):  # load_tokenizer's own line would leave auto out
         raise LlmpyError(f"unknown tokenizer {name!r}: expected one of auto, {', '.join(TOKENIZER_NAMES)}")
-    if name.strip().lower() == "auto":
+    if key == "auto":
         name = "bytes" if vocab_size == 257 else "gpt2"
         if name == "bytes" and tokenizer_dir is not None:  # read by no one: even a missing folder passed silently
             raise LlmpyError(f"{dir_label} {str(tokenizer_dir)!r}: the model's 257-token vocab samples with the bytes "

@@ -477,6 +477,8 @@ def _names_a_model_file(desc: str) -> bool:
 
 def load_or_create_model(desc: str, seed: int = 42) -> tuple[GPT2Config, torch.Tensor]:
     """(config, flat fp32 parameters) from a descriptor (llm.c's random init) or a model file."""
+    if desc.startswith("~"):  # a home folder's file (train's options come expanded; the API's create_model does not)
+        desc = str(expand_user(desc))
     if _names_a_model_file(desc):
         from .checkpoint import load_model_file
         config, flat, _dtype = load_model_file(desc)
@@ -653,16 +655,21 @@ def _quiet(*_args, **_kw):
 _PER_PROCESS_OPTIONS = ("progress",)
 
 
+def _first_differing(dp, values: list[int], device) -> int | None:
+    """The index of the first of this rank's values that some other rank holds otherwise; None if all agree."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    differs = (dp.all_gather_scalars(mine) != mine).any(dim=0)  # by value, over the ranks
+    return int(differs.nonzero()[0]) if differs.any() else None
+
+
 def _check_same_options(dp, opts: TrainOptions, device) -> None:
     """Every process of a run must be given the same options: a -b or --seed of its own would train on without a
     word (the reduction only adds gradients up), and a model of its own would fail inside a collective."""
     import zlib
     names = [f.name for f in fields(TrainOptions) if f.name not in _PER_PROCESS_OPTIONS]
-    mine = torch.tensor([zlib.crc32(repr(getattr(opts, n)).encode()) for n in names], dtype=torch.int64,
-                        device=device)
-    differs = (dp.all_gather_scalars(mine) != mine).any(dim=0)  # by option, over the ranks
-    if differs.any():
-        name = names[int(differs.nonzero()[0])]
+    k = _first_differing(dp, [zlib.crc32(repr(getattr(opts, n)).encode()) for n in names], device)
+    if k is not None:
+        name = names[k]
         flag = next(flag for flag, field_name, _ in OPTION_FLAGS if field_name == name)
         raise LlmpyError(f"the processes of this run were given different {flag} (this one, rank {dp.rank}: "
                          f"{getattr(opts, name)!r}): give every process the same options")
@@ -673,11 +680,9 @@ def _check_same_data(dp, sources: list, device) -> None:
     local copy, another version of the dataset) would train on without a word, each rank on its slice of another
     stream. sources: [(flag, pattern, loader)], the same flags on every rank."""
     import zlib
-    mine = torch.tensor([zlib.crc32(loader.fingerprint().encode()) for _, _, loader in sources], dtype=torch.int64,
-                        device=device)
-    differs = (dp.all_gather_scalars(mine) != mine).any(dim=0)  # by source, over the ranks
-    if differs.any():
-        flag, pattern, loader = sources[int(differs.nonzero()[0])]
+    k = _first_differing(dp, [zlib.crc32(loader.fingerprint().encode()) for _, _, loader in sources], device)
+    if k is not None:
+        flag, pattern, loader = sources[k]
         files = loader.files[0].name + (f" .. {loader.files[-1].name}" if len(loader.files) > 1 else "")
         raise LlmpyError(f"the processes of this run found different shards for {flag} {pattern} (this one, rank "
                          f"{dp.rank}: {len(loader.files)} shard(s), {files}, {loader.num_tokens:,} tokens): give "
@@ -688,8 +693,7 @@ def _check_same_checkpoint(dp, output_dir: str, found: int | None, device) -> No
     """-y 1: every process must resume from the same checkpoint. An -o on each node's own disk holds rank 0's
     checkpoints on its node only: the others would start afresh, and the ranks' steps (validations, the end) then
     call other collectives, which wait for each other until the group's timeout."""
-    mine = torch.tensor([-1 if found is None else found], dtype=torch.int64, device=device)
-    if (dp.all_gather_scalars(mine) != mine).any():
+    if _first_differing(dp, [-1 if found is None else found], device) is not None:
         have = "none" if found is None else f"step {found}"
         raise LlmpyError(f"-y 1: the processes of this run found different checkpoints in -o {output_dir} (this one, "
                          f"rank {dp.rank}: {have}): give every process the same -o, a folder that every node sees")

@@ -119,8 +119,9 @@ class TrainingState:
 
 def save_checkpoint(out_dir, step: int, config: GPT2Config, model_params: torch.Tensor, tensors: dict,
                     meta: dict, model_dtype: str = "float32") -> tuple[Path, Path]:
-    """Write the model file (model_params, written in model_dtype) then the state file of `step`. On failure (a full disk, say) neither file of
-    this step is left behind, no temp file either, and every earlier checkpoint is untouched."""
+    """Write the model file (model_params, written in model_dtype) then the state file of `step`. On failure (a full
+    disk, say) neither file of this step is left behind, no temp file either, and every earlier checkpoint is
+    untouched."""
     mpath, spath = model_path(out_dir, step), state_path(out_dir, step)
     wrote_model = False
     try:
