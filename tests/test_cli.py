@@ -17,6 +17,16 @@ from cli_helpers import SRC, assert_one_line_error, llmpy
 TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
 
 
+def tiny_model_file(tmp_path):
+    """An llm.c model file of TINY with random weights, for the commands that read one."""
+    from llmpy.checkpoint import save_llmc
+    from llmpy.config import parse_descriptor
+    cfg = parse_descriptor(TINY)
+    model = tmp_path / "tiny.bin"
+    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    return model
+
+
 @pytest.mark.parametrize("command", ["train", "sample", "prepare", "plot", "export"])
 def test_help_states_every_default_in_words(command):
     # a default decided at run time (None, "") is explained in the flag's text, never printed raw
@@ -244,11 +254,7 @@ def test_arguments_that_are_not_utf8_are_one_line(tmp_path, shards):
     res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-o", out)
     assert_one_line_error(res, "-o", "UTF-8")
     assert not os.path.exists(out)
-    from llmpy.checkpoint import save_llmc
-    from llmpy.config import parse_descriptor
-    cfg = parse_descriptor(TINY)
-    model = tmp_path / "tiny.bin"
-    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    model = tiny_model_file(tmp_path)
     assert_one_line_error(llmpy("sample", model, "--prompt", os.fsdecode(b"ab\xff\xfe")), "--prompt",
                           "UTF-8", "\\xff")
 
@@ -345,11 +351,7 @@ def test_no_checkpoint_of_non_finite_weights(tmp_path):
 
 
 def test_sample_command_refuses_impossible_options(tmp_path):
-    from llmpy.checkpoint import save_llmc
-    from llmpy.config import parse_descriptor
-    cfg = parse_descriptor(TINY)
-    model = tmp_path / "tiny.bin"
-    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    model = tiny_model_file(tmp_path)
     for flag, value in (("-g", "-3"), ("--temperature", "nan"), ("--temperature", "-1"), ("--top-k", "-1"),
                         ("--seed", "-1"), ("--seed", str(2**64))):
         assert_one_line_error(llmpy("sample", model, flag, value), f"{flag} {value}")
@@ -364,11 +366,7 @@ def test_sample_command_refuses_impossible_options(tmp_path):
 
 def test_sample_into_a_pipe_closed_early_stops_quietly(tmp_path):
     # `llmpy sample | head`: the reader goes away mid-sample; no error line, SIGPIPE's status as a C program's
-    from llmpy.checkpoint import save_llmc
-    from llmpy.config import parse_descriptor
-    cfg = parse_descriptor(TINY)
-    model = tmp_path / "tiny.bin"
-    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    model = tiny_model_file(tmp_path)
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "llmpy", "sample", str(model), "-g", "1000000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -701,11 +699,7 @@ def test_sample_refuses_a_tokenizer_dir_for_the_bytes_tokenizer(tmp_path):
 
 def test_sample_refuses_a_tokenizer_dir_for_a_byte_model_under_auto(tmp_path):
     # --tokenizer auto picks bytes for a 257-token vocab: the folder, even a missing one, was ignored without a word
-    from llmpy.checkpoint import save_llmc
-    from llmpy.config import parse_descriptor
-    cfg = parse_descriptor(TINY)
-    model = tmp_path / "tiny.bin"
-    save_llmc(model, cfg, torch.randn(cfg.num_parameters) * 0.02)
+    model = tiny_model_file(tmp_path)
     res = llmpy("sample", model, "-g", 2, "--tokenizer-dir", tmp_path / "missing")
     assert_one_line_error(res, f"--tokenizer-dir '{tmp_path / 'missing'}': the model's 257-token vocab samples with "
                                "the bytes tokenizer, which has no files; leave it out")
