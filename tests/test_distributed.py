@@ -556,6 +556,27 @@ def test_sigterm_ends_a_training_rank_whose_peer_hangs(shards, tmp_path, device)
 
 
 @on_gloo_or_nccl
+def test_a_checkpoint_that_rank_0_cannot_write_stops_every_rank_at_once(shards, tmp_path, device):
+    # rank 0 alone writes (a full disk; here its -o holds a folder where the DONE marker goes): the others waited for
+    # it at a barrier, over NCCL until the group's timeout or torchrun's SIGTERM; each rank says so in one line now
+    (tmp_path / "node0" / "out" / "DONE_00000002").mkdir(parents=True)
+    (tmp_path / "node1").mkdir()
+    train_f, _ = shards
+    argv = ["-i", train_f, "-e", TINY, "-b", B, "-t", T, "-x", 4, "-n", 2, "-v", 0, "-g", 0, "-o", "out",
+            "--device", device, "--progress", 0]
+    procs = _launch_ranks(2, _rank_cwd_script(tmp_path, argv), device=device)
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        _end(procs)
+    assert [p.returncode for p in procs] == [1, 1], errs
+    assert errs == ["llmpy train: rank 0 of 2: error: out/DONE_00000002: cannot write (Is a directory); the checkpoint "
+                    "of step 2 is whole\n",
+                    "llmpy train: rank 1 of 2: error: rank 0 could not save the checkpoint of step 2 (see its line); "
+                    "stopping\n"], errs
+
+
+@on_gloo_or_nccl
 def test_sigterm_to_every_rank_of_a_healthy_run_saves_and_stops(shards, tmp_path, device):
     # torchrun stops a job so (its own SIGTERM or Ctrl-C, passed to every worker): the watch must not cut it short
     out = tmp_path / "o"

@@ -317,6 +317,25 @@ def test_resume_after_a_record_cut_off_keeps_the_logs_readable(tmp_path, shards)
     assert lines[-1].startswith("s:6 ")
 
 
+def test_tensorboard_draws_a_re_run_step_once(tmp_path, shards):
+    # a run killed after step 5, whose last checkpoint is step 4: the resumed run trains steps 5 and 6 again, and
+    # TensorBoard drew the first run's step 5 next to the new one (the JSONL log's readers keep the last record)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "out"
+    train(options(shards, out, max_steps=5, checkpoint_every=2, lr_schedule="constant", warmup_steps=0),
+          log=quiet)
+    for path in (model_path(out, 5), state_path(out, 5), out / "DONE_00000005"):
+        path.unlink()  # killed before step 5's checkpoint
+    res = train(options(shards, out, max_steps=6, checkpoint_every=2, lr_schedule="constant", warmup_steps=0,
+                        resume=1), log=quiet)
+    assert res.start_step == 4
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    points = acc.Scalars("train/loss")
+    assert [p.step for p in points] == [1, 2, 3, 4, 5, 6]
+    assert [p.value for p in points[4:]] == pytest.approx(res.train_losses)  # the resumed run's, not the first's
+
+
 def test_resume_refuses_the_remains_of_a_run(tmp_path, shards):
     # a model file without its state (a run stopped while writing): resuming from scratch would overwrite it
     out = tmp_path / "out"

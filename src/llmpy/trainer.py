@@ -566,7 +566,7 @@ class RunLog:
 
     FILES = ("main.log", "main.jsonl")  # the text log and its JSONL twin, in the run's folder
 
-    def __init__(self, out_dir: Path | None, log=print):
+    def __init__(self, out_dir: Path | None, log=print, start_step: int = 0):
         self.text = self.jsonl = self.tb = self.lock = self._thread_hook = None
         self.folder = out_dir
         if not out_dir:
@@ -584,7 +584,9 @@ class RunLog:
             self.jsonl = _open_to_append(out_dir / self.FILES[1])
             if SummaryWriter is not None:
                 self._thread_hook = _quiet_tensorboard_thread_errors()
-                self.tb = SummaryWriter(log_dir=str(events))  # writes its first event now
+                # a run resumed from step k re-runs steps k+1...: TensorBoard hides the points that an earlier run
+                # wrote there (purge_step), which would otherwise be drawn twice
+                self.tb = SummaryWriter(log_dir=str(events), purge_step=start_step + 1)  # writes its first event now
         except OSError as e:
             self.close()
             raise LlmpyError(self._cannot_write(e)) from None
@@ -1081,7 +1083,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         log(f"the checkpoint is at step {start_step} and the run has {steps} steps: nothing to do "
             "(raise -x to train further)")
         return result
-    run_log = RunLog(out_dir if writer else None, log)
+    run_log = RunLog(out_dir if writer else None, log, start_step)
     progress = None
     if writer and (opts.progress == 1 or (opts.progress == -1 and sys.stderr.isatty())):
         from tqdm import tqdm
@@ -1163,9 +1165,23 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
                 "rng": {"sr_seeds": backend.seed_state()}}
         # every rank takes part (ZeRO-1 gathers the optimizer shards), rank 0 writes, the others wait
         with patient():
-            _save_checkpoint(out_dir, step_done, config, backend, opts, meta, write=writer)
-            if dp is not None:
-                dp.barrier()
+            if dp is None:
+                _save_checkpoint(out_dir, step_done, config, backend, opts, meta, write=writer)
+                return
+            failed = None
+            try:
+                _save_checkpoint(out_dir, step_done, config, backend, opts, meta, write=writer)
+            except Exception as e:  # raised below, as it came
+                failed = e
+            # instead of a barrier: a rank that failed (rank 0 alone, on a full disk) tells the others, who would
+            # otherwise wait for it until the group's timeout (NCCL) or say only that it left (gloo)
+            failures = dp.all_gather_scalars(torch.tensor([failed is not None], dtype=torch.int64,
+                                                          device=backend.model.device)).reshape(-1).tolist()
+            if failed is not None:
+                raise failed
+            if any(failures):
+                raise LlmpyError(f"rank {failures.index(1)} could not save the checkpoint of step {step_done} (see "
+                                 "its line); stopping")
 
     # SIGINT/SIGTERM only raise a flag, read between steps: the step in flight finishes, its checkpoint
     # is saved, and the run ends; a second signal to this process interrupts at once. The handler appends to
