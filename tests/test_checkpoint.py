@@ -808,3 +808,24 @@ def test_a_long_file_name_gets_a_temporary_the_file_system_takes(tmp_path, name)
     assert os.listdir(tmp_path) == [name] and (tmp_path / name).read_bytes() == b"ok"
     tmp = files.temporary_sibling(tmp_path / name, "part")
     assert len(os.fsencode(tmp.name)) <= 255 and files._TEMPORARY_NAME.match(tmp.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# training states (training_state.py; the resume itself is test_resume.py's)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e8m0fnu], ids=["e4m3", "e8m0"])
+def test_a_state_tensor_in_a_dtype_numpy_lacks_fails_its_checksum_in_one_line(tmp_path, dtype):
+    # the checksum went through numpy, which has no fp8: an fp8 tensor in a state file was a TypeError's traceback
+    from safetensors import safe_open
+
+    from llmpy import training_state as ts
+    n = SMALL.num_parameters
+    tensors = {"params": rand_params(SMALL), "m": torch.randn(n), "v": torch.rand(n)}
+    ts.save_checkpoint(tmp_path, 5, SMALL, tensors["params"], tensors, {"options": {}})
+    spath = ts.state_path(tmp_path, 5)
+    with safe_open(str(spath), framework="pt") as f:
+        metadata = f.metadata()
+    save_file({**load_file(str(spath)), "m": torch.randn(n).to(dtype)}, str(spath), metadata=metadata)
+    with pytest.raises(LlmpyError, match=r"state_00000005\.safetensors: tensor 'm' fails its checksum"):
+        ts.load_checkpoint(tmp_path, 5)

@@ -82,10 +82,8 @@ def config_dict(config: GPT2Config) -> dict:
 
 
 def _tensor_crc(t: torch.Tensor) -> int:
-    # bytes as stored: bf16 has no numpy dtype, so hash its bits as int16
-    t = t.detach().to("cpu").contiguous().reshape(-1)
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
+    # bytes as stored, of any dtype: numpy has none for bf16 or fp8 (an fp8 tensor in a state was a TypeError)
+    t = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     crc = 0
     for s in range(0, t.numel(), _CRC_CHUNK):
         crc = zlib.crc32(memoryview(t[s:s + _CRC_CHUNK].numpy()).cast("B"), crc)
