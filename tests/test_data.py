@@ -1276,3 +1276,35 @@ def test_a_long_prepare_keeps_its_waiting_temporaries_fresh(tmp_path, monkeypatc
     total = sum(n for files_ in result.values() for _, n in files_)
     assert total == 6 * (len(text) + 1) and len(result["train"]) > 2  # every document with its end-of-text
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for files_ in result.values() for p, _ in files_)
+
+
+def test_a_shard_set_aside_by_the_commit_stays_until_it_is_put_back(tmp_path, monkeypatch):
+    """The commit renames each old shard to a temporary name before the new one takes its place, and puts the old ones
+    back if a later move fails. A rename keeps a file's time: an old shard set aside looked to a prepare on another
+    host of the folder (which tells a live writer's temporaries only by their age) like a killed run's, and its
+    cleanup in the middle of the commit deleted it, so the put-back lost it."""
+    import time
+    from llmpy import files
+    old = {}
+    staging = prep.Staging()
+    for k in range(2):
+        final = tmp_path / f"t_train_{k:06d}.bin"
+        old[final] = np.random.default_rng().bytes(64)
+        final.write_bytes(old[final])
+        os.utime(final, (time.time() - 2 * files.ORPHAN_MIN_AGE_S,) * 2)  # written long ago
+        staging.temporary(final).write_bytes(b"new")
+    last_tmp = staging.pending[-1][0]
+    replace = os.replace
+
+    def failing_last_move(src, dst):
+        if Path(src) == last_tmp:  # both old shards set aside by now: the other host cleans up, then the disk fails
+            with monkeypatch.context() as m:
+                m.setattr(files, "_process_exists", lambda pid: False)
+                files.remove_orphaned_temporaries(tmp_path)
+            raise OSError(errno.EIO, "Input/output error")
+        return replace(src, dst)
+    monkeypatch.setattr(prep.os, "replace", failing_last_move)
+    with pytest.raises(LlmpyError, match="the shards already there are as they were"):
+        staging.commit()
+    monkeypatch.setattr(prep.os, "replace", replace)
+    assert {final: final.read_bytes() for final in old} == old

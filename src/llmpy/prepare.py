@@ -393,6 +393,9 @@ class Staging:
                     backup = temporary_sibling(final, "old")
                     os.replace(final, backup)
                     set_aside.append((backup, final))
+                    # a rename keeps the old shard's time: fresh, a prepare on another host (which knows a temporary
+                    # only by its age) leaves it for the put-back below
+                    os.utime(backup)
                 os.replace(tmp, final)
                 moved.append(final)
         except BaseException as e:  # Ctrl-C too
