@@ -718,6 +718,15 @@ def test_a_state_without_its_metadata_checksum_is_named(saved, shards):
     assert str(e.value) == _damaged_meta_message(spath)
 
 
+def test_a_version_digit_damaged_to_the_format_before_the_checksum_is_named(saved, shards):
+    # version 1 files have no checksum to check, but one that has a checksum is not a version 1
+    spath = state_path(saved, 4)
+    _rewrite_meta(spath, lambda meta: json.dumps({**meta, "format_version": 1}))  # the checksum of version 2's
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert str(e.value) == _damaged_meta_message(spath)
+
+
 def test_a_state_of_the_format_before_the_metadata_checksum_still_resumes(tmp_path, shards):
     # version 1 had no metadata checksum: a run in progress must survive the upgrade, bitwise
     full, part = tmp_path / "full", tmp_path / "part"
@@ -731,7 +740,7 @@ def test_a_state_of_the_format_before_the_metadata_checksum_still_resumes(tmp_pa
     assert_same_run(full, part, steps=8)
 
 
-@pytest.mark.parametrize("version", [0, 3, "2"])
+@pytest.mark.parametrize("version", [0, 3, "2", True, 2.0])
 def test_a_state_of_an_unknown_format_version_is_refused(saved, shards, version):
     spath = state_path(saved, 4)
     _rewrite_meta(spath, lambda meta: {**meta, "format_version": version})

@@ -170,7 +170,8 @@ def _read_meta(spath: Path) -> dict:
         raise LlmpyError(f"{spath}: corrupt training-state metadata ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
         raise LlmpyError(f"{spath}: not an llmpy training state")
-    if meta.get("format_version") not in READABLE_STATE_VERSIONS:
+    version = meta.get("format_version")
+    if type(version) is not int or version not in READABLE_STATE_VERSIONS:  # not true or 1.0, which equal 1
         raise LlmpyError(f"{spath}: training-state format version {meta.get('format_version')}; this llmpy "
                          f"reads versions {', '.join(map(str, READABLE_STATE_VERSIONS))} (resume it with the llmpy "
                          "that wrote it, or train on from its model file with -e and another -o)")
@@ -192,7 +193,8 @@ def _read_meta(spath: Path) -> dict:
                          f"integers, not {json.dumps(seeds)[:40]})")
     # a flipped digit keeps the JSON valid and well shaped (window_pos 4 -> 5) and would resume another run silently
     try:
-        intact = meta["format_version"] == 1 or meta.get(META_CRC_KEY) == _meta_crc(meta)
+        # version 1 had no checksum; one that holds a checksum is a version 2 whose digit was damaged
+        intact = (version == 1 and META_CRC_KEY not in meta) or meta.get(META_CRC_KEY) == _meta_crc(meta)
     except RecursionError:  # nesting the parser just took can pass the serialiser's limit: not llmpy's metadata
         intact = False
     if not intact:
