@@ -338,6 +338,24 @@ def test_hf_export_interrupted_at_its_config_keeps_the_old_weights(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_hf_export_whose_config_cannot_reach_the_disk_keeps_the_old_weights(tmp_path, monkeypatch):
+    # a file system that reports a full disk only at the sync (NFS): the config's came after the new weights
+    # were in place, which then stood beside the old config
+    import errno
+    old = ck.save_hf(tmp_path, SMALL, rand_params(SMALL)).read_bytes()
+    sync = os.fsync
+
+    def config_sync_fails(fd):
+        if "config.json" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        sync(fd)
+    monkeypatch.setattr(os, "fsync", config_sync_fails)
+    with pytest.raises(OSError):
+        ck.save_hf(tmp_path, ODD, rand_params(ODD))
+    assert (tmp_path / "model.safetensors").read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_safetensors_files_take_the_umask_mode(tmp_path):
     mask = os.umask(0o022)
     try:

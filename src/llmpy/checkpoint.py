@@ -362,7 +362,10 @@ def save_hf(dir_or_file, config: GPT2Config, flat_params: torch.Tensor) -> Path:
     # both files are written under temp names first, then renamed one after the other, so an interrupted
     # save leaves the old pair (or, in the moment between the renames, new weights with the old config)
     with atomic_path(cfg_path) as cfg_tmp:
-        cfg_tmp.write_bytes(text.encode())
+        with open(cfg_tmp, "wb") as f:  # on the disk before the weights replace theirs: a full disk fails it here
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
         save_safetensors(weights, tensors, metadata={"format": "pt"})  # transformers requires format=pt
     return weights
 
