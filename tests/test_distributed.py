@@ -609,6 +609,43 @@ def test_two_processes_sample_and_score_hellaswag_on_rank_0(shards, tmp_path):
     assert latest_complete_step(tmp_path / "o") == 3
 
 
+@interpreter_only
+@pytest.mark.parametrize("work", ["sample", "hellaswag"])
+def test_a_sample_or_score_that_fails_on_rank_0_stops_every_rank_at_once(shards, tmp_path, work):
+    # rank 0 samples and scores HellaSwag alone while the others wait; its failure there (a sample's non-finite
+    # logits, a full disk) left them at the barrier, here failing at gloo's "Connection closed by peer"
+    from llmpy.hellaswag import Example, write_eval_file
+    rng = np.random.default_rng()
+    examples = [Example(i, int(rng.integers(0, 4)), rng.integers(0, 257, 5).tolist(),
+                        [rng.integers(0, 257, 3).tolist() for _ in range(4)]) for i in range(3)]
+    hs = write_eval_file(tmp_path / "hs.bin", examples)
+    train_f, val_f = shards
+    flags = ["-s", 2, "-g", 3] if work == "sample" else ["-h", 1, "--hellaswag-file", hs]
+    argv = [str(a) for a in ["train", "-i", train_f, "-j", val_f, "-e", TINY, "-b", 4, "-t", T, "-x", 3, "-v", 2,
+                             "-m", 1, *flags, "--device", "cpu", "--progress", 0, "-o", tmp_path / "o"]]
+    module, name = ("llmpy.sampler", "generate") if work == "sample" else ("llmpy.hellaswag", "score")
+    script = tmp_path / "fail_on_rank_0.py"
+    script.write_text(f"""import importlib, os, sys
+from llmpy.cli import main
+from llmpy.errors import LlmpyError
+def failing(*args, **kwargs):
+    raise LlmpyError("it failed here")
+if os.environ["RANK"] == "0":
+    setattr(importlib.import_module({module!r}), {name!r}, failing)
+sys.exit(main({argv!r}))
+""")
+    procs = _launch_ranks(2, script)
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        _end(procs)
+    assert [p.returncode for p in procs] == [1, 1], errs
+    what = "sample at step 2" if work == "sample" else "score HellaSwag at step 2"
+    assert errs == [f"llmpy train: rank 0 of 2: error: {'step 2: ' if work == 'sample' else ''}it failed here"
+                    f"{'; stopping (lower -l)' if work == 'sample' else ''}\n",
+                    f"llmpy train: rank 1 of 2: error: rank 0 could not {what} (see its line); stopping\n"], errs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("wait", ["stream", "item", "graph"])
 def test_gpu_the_watch_runs_while_the_main_thread_waits_on_the_gpu(tmp_path, wait):

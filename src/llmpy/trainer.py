@@ -1095,6 +1095,25 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             with tqdm.external_write_mode():
                 caller_log(msg)
 
+    def alone_on_rank_0(work, what: str):
+        """work() on every rank, where rank 0 alone writes, samples or scores while the others wait: a failure
+        there (a full disk) reaches the others at once, where a barrier would have them wait for it until the
+        group's timeout (NCCL) or say only that it left (gloo). `what` completes "rank R could not ..."."""
+        if dp is None:
+            return work()
+        failed = done = None
+        try:
+            done = work()
+        except Exception as e:  # raised below, as it came
+            failed = e
+        failures = dp.all_gather_scalars(torch.tensor([failed is not None], dtype=torch.int64,
+                                                      device=backend.model.device)).reshape(-1).tolist()
+        if failed is not None:
+            raise failed
+        if any(failures):
+            raise LlmpyError(f"rank {failures.index(1)} could not {what} (see its line); stopping")
+        return done
+
     def validate(step):
         with patient():  # the ranks' slices may differ in time; rank 0 scores HellaSwag alone
             validate_now(step)
@@ -1113,24 +1132,22 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             run_log.write(step, "val", loss=val)
             log(f"val loss {val:.6f}")
         # as llm.c, not at step 0 (a random model, and a whole pass over the file), but at the last step
-        score_hellaswag = hs_examples and (step > 0 or step == steps)
-        if score_hellaswag and writer:  # rank 0 scores the whole eval file (the forward is local)
-            from .hellaswag import score
-            hs = score(hs_examples, backend.position_losses, B, T)
-            result.eval_accuracies.append((step, hs.accuracy))
-            run_log.write(step, "eval", accuracy=hs.accuracy, correct=hs.correct, total=hs.total)
-            log(f"HellaSwag: {hs.correct}/{hs.total} = {hs.accuracy:.4f}")
-        if score_hellaswag and dp is not None:  # the others wait here, where the wait is expected, not in the next step
-            dp.barrier()
+        if hs_examples and (step > 0 or step == steps):
+            # the others wait for rank 0 here, where the wait is expected, not in the next step
+            alone_on_rank_0(lambda: score_hellaswag(step) if writer else None, f"score HellaSwag at step {step}")
+
+    def score_hellaswag(step):  # rank 0 scores the whole eval file (the forward is local)
+        from .hellaswag import score
+        hs = score(hs_examples, backend.position_losses, B, T)
+        result.eval_accuracies.append((step, hs.accuracy))
+        run_log.write(step, "eval", accuracy=hs.accuracy, correct=hs.correct, total=hs.total)
+        log(f"HellaSwag: {hs.correct}/{hs.total} = {hs.accuracy:.4f}")
 
     def sample(step):
         if opts.gen_tokens == 0:
             return None
-        with patient():  # rank 0 samples alone, the others wait at the barrier
-            text = sample_now(step) if writer else None
-            if dp is not None:
-                dp.barrier()
-        return text
+        with patient():  # rank 0 samples alone, the others wait for it
+            return alone_on_rank_0(lambda: sample_now(step) if writer else None, f"sample at step {step}")
 
     def sample_now(step):
         start = [tokenizer.eot] if tokenizer is not None else [config.vocab_size - 1]
@@ -1165,23 +1182,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
                 "rng": {"sr_seeds": backend.seed_state()}}
         # every rank takes part (ZeRO-1 gathers the optimizer shards), rank 0 writes, the others wait
         with patient():
-            if dp is None:
-                _save_checkpoint(out_dir, step_done, config, backend, opts, meta, write=writer)
-                return
-            failed = None
-            try:
-                _save_checkpoint(out_dir, step_done, config, backend, opts, meta, write=writer)
-            except Exception as e:  # raised below, as it came
-                failed = e
-            # instead of a barrier: a rank that failed (rank 0 alone, on a full disk) tells the others, who would
-            # otherwise wait for it until the group's timeout (NCCL) or say only that it left (gloo)
-            failures = dp.all_gather_scalars(torch.tensor([failed is not None], dtype=torch.int64,
-                                                          device=backend.model.device)).reshape(-1).tolist()
-            if failed is not None:
-                raise failed
-            if any(failures):
-                raise LlmpyError(f"rank {failures.index(1)} could not save the checkpoint of step {step_done} (see "
-                                 "its line); stopping")
+            alone_on_rank_0(lambda: _save_checkpoint(out_dir, step_done, config, backend, opts, meta, write=writer),
+                            f"save the checkpoint of step {step_done}")
 
     # SIGINT/SIGTERM only raise a flag, read between steps: the step in flight finishes, its checkpoint
     # is saved, and the run ends; a second signal to this process interrupts at once. The handler appends to
