@@ -134,6 +134,17 @@ def test_normal_large_matches_torch(seed):
         assert_normals_match(ours, _torch_normal(seed, n, mean, std), mean, std, f"seed={seed} n={n}")
 
 
+def test_normal_keeps_the_sign_of_zero_as_torch():
+    # mean -0.0: torch's v * std + mean keeps a -0 product's sign; both of our paths turned every zero into +0
+    seed = secrets.randbelow(1 << 31)
+    for n in (secrets.randbelow(15) + 1, 16 * (secrets.randbelow(8) + 2) + secrets.randbelow(16)):
+        for std in (0.0, -0.0):
+            ref = _torch_normal(seed, n, -0.0, std)
+            assert n < 16 or 0 < np.signbit(ref).sum() < n  # both signs occur (32 or more zeros)
+            ours = MT19937(seed).normal_(n, -0.0, std)
+            assert np.array_equal(ours.view(np.int32), ref.view(np.int32)), (seed, n, std)
+
+
 def test_normal_out_and_errors():
     buf = np.full(40, 7.0, dtype=np.float32)
     res = MT19937(3).normal_(40, 0.0, 1.0, out=buf)

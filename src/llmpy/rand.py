@@ -209,8 +209,8 @@ def _box_muller_raw(raw: np.ndarray, mean: np.float32, std: np.float32, out: np.
     s *= radius
     c = c.reshape(-1, 8)
     s = s.reshape(-1, 8)
-    if mean == 0:
-        # fma(n, std, +0) is the rounded product, except that a -0 product becomes +0
+    if mean == 0 and not np.signbit(mean):
+        # fma(n, std, +0) is the rounded product, except that a -0 product becomes +0 (a -0 mean keeps it: _fma)
         np.multiply(c, std, out=out[:, :8])
         np.multiply(s, std, out=out[:, 8:])
         out += _F32(0)
@@ -393,8 +393,10 @@ class MT19937:
             theta = 2.0 * math.pi * u1
             self._next_normal = r * math.sin(theta)
             v = r * math.cos(theta)
-        # v * std + mean in double, one rounding (torch's build fuses it), then to float32
-        return float(_F32(float(Fraction(v) * Fraction(std) + Fraction(mean))))
+        # v * std + mean in double, one rounding (torch's build fuses it), then to float32; an exact zero takes
+        # IEEE's sign (-0 from a -0 product plus a -0 mean), which a Fraction has lost: the plain sum has it
+        exact = Fraction(v) * Fraction(std) + Fraction(mean)
+        return float(_F32(float(exact) if exact else v * std + mean))
 
     def randint(self, low: int, high: int, n: int) -> np.ndarray:
         """torch.randint(low, high, (n,)) (int64): a draw modulo the range, plus low. The draw is a 64-bit
