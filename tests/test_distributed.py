@@ -609,29 +609,51 @@ def test_two_processes_sample_and_score_hellaswag_on_rank_0(shards, tmp_path):
     assert latest_complete_step(tmp_path / "o") == 3
 
 
+# what rank 0 does alone, made to fail there: (flags, module, its function replaced on rank 0, the failure's step),
+# with rank 0's line and the end of rank 1's "rank 0 could not ..."
+_FAILING_ON_RANK_0 = {
+    "sample": (["-s", 2, "-g", 3], "llmpy.sampler", "generate", None,
+               "step 2: it failed here; stopping (lower -l)", "sample at step 2"),
+    "hellaswag": (["-h", 1], "llmpy.hellaswag", "score", None, "it failed here",
+                  "log or score the validation of step 2"),
+    "val log": ([], "llmpy.trainer", "RunLog.write", ("val", 2), "it failed here",
+                "log or score the validation of step 2"),
+    "train log": ([], "llmpy.trainer", "RunLog.write", ("train", 2), "it failed here", "log step 2"),
+}
+
+
 @interpreter_only
-@pytest.mark.parametrize("work", ["sample", "hellaswag"])
-def test_a_sample_or_score_that_fails_on_rank_0_stops_every_rank_at_once(shards, tmp_path, work):
-    # rank 0 samples and scores HellaSwag alone while the others wait; its failure there (a sample's non-finite
-    # logits, a full disk) left them at the barrier, here failing at gloo's "Connection closed by peer"
+@pytest.mark.parametrize("work", list(_FAILING_ON_RANK_0))
+def test_work_that_fails_on_rank_0_alone_stops_every_rank_at_once(shards, tmp_path, work):
+    # rank 0 logs, samples and scores HellaSwag alone; its failure there (a full disk, a sample's non-finite logits)
+    # left the others waiting for it at a barrier or in the next step's collectives, which over gloo fail with
+    # "Connection closed by peer" and over NCCL wait for torchrun's SIGTERM and the stuck-rank watch
     from llmpy.hellaswag import Example, write_eval_file
+    flags, module, name, at, rank0_line, what = _FAILING_ON_RANK_0[work]
     rng = np.random.default_rng()
     examples = [Example(i, int(rng.integers(0, 4)), rng.integers(0, 257, 5).tolist(),
                         [rng.integers(0, 257, 3).tolist() for _ in range(4)]) for i in range(3)]
     hs = write_eval_file(tmp_path / "hs.bin", examples)
     train_f, val_f = shards
-    flags = ["-s", 2, "-g", 3] if work == "sample" else ["-h", 1, "--hellaswag-file", hs]
+    flags = [*flags, "--hellaswag-file", hs] if "-h" in flags else flags
     argv = [str(a) for a in ["train", "-i", train_f, "-j", val_f, "-e", TINY, "-b", 4, "-t", T, "-x", 3, "-v", 2,
                              "-m", 1, *flags, "--device", "cpu", "--progress", 0, "-o", tmp_path / "o"]]
-    module, name = ("llmpy.sampler", "generate") if work == "sample" else ("llmpy.hellaswag", "score")
+    owner, _, attr = name.rpartition(".")
     script = tmp_path / "fail_on_rank_0.py"
-    script.write_text(f"""import importlib, os, sys
+    script.write_text(f"""import functools, importlib, os, sys
 from llmpy.cli import main
 from llmpy.errors import LlmpyError
+where = importlib.import_module({module!r})
+if {owner!r}:
+    where = getattr(where, {owner!r})
+real, at = getattr(where, {attr!r}), {at!r}
+@functools.wraps(real)
 def failing(*args, **kwargs):
-    raise LlmpyError("it failed here")
+    if at is None or (args[2], args[1]) == at:  # RunLog.write(self, step, kind, ...)
+        raise LlmpyError("it failed here")
+    return real(*args, **kwargs)
 if os.environ["RANK"] == "0":
-    setattr(importlib.import_module({module!r}), {name!r}, failing)
+    setattr(where, {attr!r}, failing)
 sys.exit(main({argv!r}))
 """)
     procs = _launch_ranks(2, script)
@@ -640,9 +662,7 @@ sys.exit(main({argv!r}))
     finally:
         _end(procs)
     assert [p.returncode for p in procs] == [1, 1], errs
-    what = "sample at step 2" if work == "sample" else "score HellaSwag at step 2"
-    assert errs == [f"llmpy train: rank 0 of 2: error: {'step 2: ' if work == 'sample' else ''}it failed here"
-                    f"{'; stopping (lower -l)' if work == 'sample' else ''}\n",
+    assert errs == [f"llmpy train: rank 0 of 2: error: {rank0_line}\n",
                     f"llmpy train: rank 1 of 2: error: rank 0 could not {what} (see its line); stopping\n"], errs
 
 

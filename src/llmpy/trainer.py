@@ -701,12 +701,13 @@ def _check_same_checkpoint(dp, output_dir: str, found: int | None, device) -> No
                          f"rank {dp.rank}: {have}): give every process the same -o, a folder that every node sees")
 
 
-def _agree_on_signal(dp, received_signals: list[int], device) -> list[int]:
-    """[the first signal of the lowest rank that got one] on every rank, [] if none did, so that all stop after the
-    same step."""
-    seen = dp.all_gather_scalars(torch.tensor([received_signals[0] if received_signals else 0], dtype=torch.int64,
-                                              device=device)).reshape(-1).tolist()
-    return [next(s for s in seen if s)] if any(seen) else []
+def _agree_between_steps(dp, received_signals: list[int], failed: bool, device) -> tuple[list[int], int | None]:
+    """Every rank's view after a step: [the first signal of the lowest rank that got one] ([] if none did), so that
+    all stop after the same step; and the lowest rank whose own work after the step failed (None if none did)."""
+    seen = dp.all_gather_scalars(torch.tensor([received_signals[0] if received_signals else 0, int(failed)],
+                                              dtype=torch.int64, device=device)).tolist()
+    signals = [sig for sig, _ in seen if sig]
+    return signals[:1], next((rank for rank, (_, f) in enumerate(seen) if f), None)
 
 
 def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts: TrainOptions, meta: dict,
@@ -1119,6 +1120,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             validate_now(step)
 
     def validate_now(step):
+        val = None
         if val_loader is not None:
             losses = [backend.validate(x, y) for x, y in val_loader.batches(val_batches)]
             if dp is not None:  # every rank's slices, averaged in rank order
@@ -1129,12 +1131,19 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
                 raise LlmpyError(f"step {step}: the validation loss is {val}; stopping (lower -l, or check "
                                  "the validation data)")
             result.val_losses.append((step, val))
+        # as llm.c, not at step 0 (a random model, and a whole pass over the file), but at the last step
+        hellaswag = hs_examples and (step > 0 or step == steps)
+        if val_loader is not None or hellaswag:
+            # rank 0 logs and scores HellaSwag alone; the others wait for it here, not in the next step's collectives
+            alone_on_rank_0(lambda: record_validation(step, val, hellaswag) if writer else None,
+                            f"log or score the validation of step {step}")
+
+    def record_validation(step, val, hellaswag):
+        if val_loader is not None:
             run_log.write(step, "val", loss=val)
             log(f"val loss {val:.6f}")
-        # as llm.c, not at step 0 (a random model, and a whole pass over the file), but at the last step
-        if hs_examples and (step > 0 or step == steps):
-            # the others wait for rank 0 here, where the wait is expected, not in the next step
-            alone_on_rank_0(lambda: score_hellaswag(step) if writer else None, f"score HellaSwag at step {step}")
+        if hellaswag:
+            score_hellaswag(step)
 
     def score_hellaswag(step):  # rank 0 scores the whole eval file (the forward is local)
         from .hellaswag import score
@@ -1162,6 +1171,17 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             text = " ".join(map(str, ids))
         log(f"--- sample at step {step} ---\n{printable(text)}\n---")
         return text
+
+    def log_step(step, loss, norm, lr, ms, tok_s, mfu_frac, skip):
+        if skip:
+            log(f"step {step + 1}: skipped the update (loss z {last_z[0]:.2f}, grad-norm z {last_z[1]:.2f})")
+        extra = {"mfu": mfu_frac} if mfu_frac > 0 else {}
+        run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, tok_s=tok_s, skipped=skip, **extra)
+        mfu = f" | {100 * mfu_frac:.1f}% MFU" if mfu_frac > 0 else ""
+        log(f"step {step + 1:5d}/{steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | {ms:.1f} ms | "
+            f"{tok_s:.0f} tok/s{mfu}")
+        if progress is not None:
+            progress.update(1)
 
     last_z = [float("nan"), float("nan")]
 
@@ -1226,28 +1246,32 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             if not math.isfinite(loss):
                 raise LlmpyError(f"step {step + 1}: the loss is {loss}; stopping (lower -l, or check the data)")
             skip = backend.last_step_skipped
-            if skip:
-                log(f"step {step + 1}: skipped the update (loss z {last_z[0]:.2f}, grad-norm z {last_z[1]:.2f})")
             ms = (time.perf_counter() - t0) * 1000
             result.train_losses.append(loss)
             result.step_ms.append(ms)
             tok_s = tokens_per_micro * accum / (ms / 1000)
             mfu_frac = mfu_of(tok_s) if mfu_of is not None else -1.0
-            extra = {"mfu": mfu_frac} if mfu_frac > 0 else {}
-            run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, tok_s=tok_s, skipped=skip, **extra)
-            mfu = f" | {100 * mfu_frac:.1f}% MFU" if mfu_frac > 0 else ""
-            log(f"step {step + 1:5d}/{steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | {ms:.1f} ms | "
-                f"{tok_s:.0f} tok/s{mfu}")
-            if progress is not None:
-                progress.update(1)
+            log_failed = None
+            try:  # rank 0 alone logs: its failure (a full disk) is told to the others below, not left to a hang
+                log_step(step, loss, norm, lr, ms, tok_s, mfu_frac, skip)
+            except Exception as e:
+                if dp is None:
+                    raise
+                log_failed = e
             result.last_step = step + 1
             saved = False
             if out_dir and opts.checkpoint_every > 0 and (step + 1) % opts.checkpoint_every == 0 and step + 1 < steps:
                 checkpoint(step + 1)
                 saved = True
             # a signal reaches the ranks at different moments (torchrun passes one to each): they stop together
-            stop_signal = (_agree_on_signal(dp, received_signals, backend.model.device) if dp is not None
-                           else received_signals[:1])
+            stop_signal = received_signals[:1]
+            if dp is not None:
+                stop_signal, failed_rank = _agree_between_steps(dp, received_signals, log_failed is not None,
+                                                                backend.model.device)
+                if log_failed is not None:
+                    raise log_failed
+                if failed_rank is not None:
+                    raise LlmpyError(f"rank {failed_rank} could not log step {step + 1} (see its line); stopping")
             if stop_signal and step + 1 < steps:
                 result.stopped_by = signal.Signals(stop_signal[0]).name
                 if out_dir and not saved:
