@@ -104,6 +104,31 @@ def test_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, 
         assert any(r["skipped"] for r in logged(full).values())
 
 
+def test_a_resumed_run_lets_go_of_the_state_it_loaded(tmp_path, shards, monkeypatch):
+    # the loaded state's tensors (about 16 bytes a parameter, on every rank) stayed referenced for the whole run,
+    # after the model had copied them
+    import gc
+    import weakref
+    out = tmp_path / "out"
+    train(options(shards, out, max_steps=4, checkpoint_every=2), log=quiet)
+    loaded = []
+    load = training_state.load_checkpoint
+
+    def load_and_watch(out_dir, step):
+        state = load(out_dir, step)
+        loaded.extend(weakref.ref(t) for t in state.tensors.values())
+        return state
+    monkeypatch.setattr(training_state, "load_checkpoint", load_and_watch)
+    alive = []
+
+    def log(line):
+        if line.startswith("step     6/"):
+            gc.collect()
+            alive.extend(ref() is not None for ref in loaded)
+    train(options(shards, out, max_steps=6, checkpoint_every=2, resume=1), log=log)
+    assert len(loaded) >= 3 and alive == [False] * len(loaded)
+
+
 def test_short_run_continued_with_a_larger_x(tmp_path, shards):
     # the brief's form: -x 6 -n 3, then -y 1 -x 12 (a constant rate, so the schedule does not depend on -x)
     full, part = tmp_path / "full", tmp_path / "part"

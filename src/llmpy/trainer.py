@@ -1031,6 +1031,11 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             backend.load_state(state.tensors, state.meta.get("rng", {}).get("sr_seeds"))
         except LlmpyError as e:  # the seeds' count: say which file
             raise LlmpyError(f"{state.state_file}: {e}") from None
+        # the model holds its own copies now: the host's, about 20 bytes a parameter on every rank, would stay
+        # for the whole run (a 1.5B model's 30 GB, on each of a node's processes)
+        state.tensors.clear()
+        state.params_fp32 = None
+    params = None  # no host copy held here: the GPU model's weights are on the device, the CPU reference has its own
     model = backend.model
     log(f"llmpy train | device {device} | {backend.describe()}")
     log(f"model {opts.model}: {config.describe()} | padded vocab {config.padded_vocab_size} | "
