@@ -32,6 +32,15 @@ def test_parse_descriptor_takes_str_only(desc, kind):
     assert message.startswith(f"model descriptor {desc!r}: must be a str") and message.endswith(f"not {kind}")
 
 
+@pytest.mark.parametrize("value, what", [("99999999999999999999", "is far too large"),
+                                         ("-1" + "0" * 19, "is far too large"),
+                                         ("1_2", "must be an integer"), ("١٢", "must be an integer")])
+def test_a_descriptors_number_says_what_is_wrong_with_it(value, what):
+    # a number past the 18 digits read was "layers must be an integer", which it is
+    desc = f"layers={value},channels=16,heads=2"
+    assert _one_line_error(lambda: parse_descriptor(desc)) == f"model descriptor {desc!r}: layers {what}, got {value!r}"
+
+
 @pytest.mark.parametrize("field, value, kind", [
     ("num_layers", 2.5, "float"), ("channels", 32.0, "float"), ("num_layers", True, "bool"),
     ("num_heads", np.bool_(True), "bool"), ("num_layers", "2", "str"), ("vocab_size", None, "NoneType"),

@@ -189,7 +189,9 @@ def _explicit(desc: str) -> GPT2Config:
         try:
             values[_EXPLICIT_KEYS[key]] = _decimal(val, signed=True)  # signed: "-16" is refused as not positive
         except ValueError:
-            raise ConfigError(f"model descriptor {shown}: {key} must be an integer, got {_shown(val, 40)}") from None
+            digits = val.strip().lstrip("-")
+            what = "is far too large" if digits.isascii() and digits.isdigit() else "must be an integer"
+            raise ConfigError(f"model descriptor {shown}: {key} {what}, got {_shown(val, 40)}") from None
     missing = [k for k in ("layers", "channels", "heads") if _EXPLICIT_KEYS[k] not in values]
     if missing:
         raise ConfigError(f"model descriptor {shown} lacks {', '.join(missing)}")
