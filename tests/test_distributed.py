@@ -555,6 +555,16 @@ def test_sigterm_ends_a_training_rank_whose_peer_hangs(shards, tmp_path, device)
     load_checkpoint(out, k)
 
 
+def _each_ranks_end(script, device="cpu") -> tuple[list[int], list[str]]:
+    """Two ranks of `script` run to their end: their exit statuses and stderrs."""
+    procs = _launch_ranks(2, script, device=device)
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        _end(procs)
+    return [p.returncode for p in procs], errs
+
+
 @on_gloo_or_nccl
 def test_a_checkpoint_that_rank_0_cannot_write_stops_every_rank_at_once(shards, tmp_path, device):
     # rank 0 alone writes (a full disk; here its -o holds a folder where the DONE marker goes): the others waited for
@@ -564,12 +574,8 @@ def test_a_checkpoint_that_rank_0_cannot_write_stops_every_rank_at_once(shards, 
     train_f, _ = shards
     argv = ["-i", train_f, "-e", TINY, "-b", B, "-t", T, "-x", 4, "-n", 2, "-v", 0, "-g", 0, "-o", "out",
             "--device", device, "--progress", 0]
-    procs = _launch_ranks(2, _rank_cwd_script(tmp_path, argv), device=device)
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        _end(procs)
-    assert [p.returncode for p in procs] == [1, 1], errs
+    codes, errs = _each_ranks_end(_rank_cwd_script(tmp_path, argv), device)
+    assert codes == [1, 1], errs
     assert errs == ["llmpy train: rank 0 of 2: error: out/DONE_00000002: cannot write (Is a directory); the checkpoint "
                     "of step 2 is whole\n",
                     "llmpy train: rank 1 of 2: error: rank 0 could not save the checkpoint of step 2 (see its line); "
@@ -590,15 +596,20 @@ def test_sigterm_to_every_rank_of_a_healthy_run_saves_and_stops(shards, tmp_path
     load_checkpoint(out, k)
 
 
+def _tiny_hellaswag_file(path, seed=None) -> Path:
+    """Three random examples of TINY's vocabulary in llm.c's eval file format."""
+    from llmpy.hellaswag import Example, write_eval_file
+    rng = np.random.default_rng(seed)
+    examples = [Example(i, int(rng.integers(0, 4)), rng.integers(0, 257, 5).tolist(),
+                        [rng.integers(0, 257, 3).tolist() for _ in range(4)]) for i in range(3)]
+    return write_eval_file(path, examples)
+
+
 @interpreter_only
 def test_two_processes_sample_and_score_hellaswag_on_rank_0(shards, tmp_path):
     # rank 0 samples and scores HellaSwag alone while the others wait at a barrier: every rank meets it the same
     # number of times, and the run ends as a plain one does
-    from llmpy.hellaswag import Example, write_eval_file
-    rng = np.random.default_rng(3)
-    examples = [Example(i, int(rng.integers(0, 4)), rng.integers(0, 257, 5).tolist(),
-                        [rng.integers(0, 257, 3).tolist() for _ in range(4)]) for i in range(3)]
-    hs = write_eval_file(tmp_path / "hs.bin", examples)
+    hs = _tiny_hellaswag_file(tmp_path / "hs.bin", seed=3)
     train_f, val_f = shards
     res = launch_torchrun(2, "-m", "llmpy", "train", "-i", train_f, "-j", val_f, "-e", TINY, "-b", 4, "-t", T,
                           "-x", 3, "-v", 2, "-m", 1, "-s", 2, "-g", 3, "-h", 1, "--hellaswag-file", hs,
@@ -628,12 +639,8 @@ def test_work_that_fails_on_rank_0_alone_stops_every_rank_at_once(shards, tmp_pa
     # rank 0 logs, samples and scores HellaSwag alone; its failure there (a full disk, a sample's non-finite logits)
     # left the others waiting for it at a barrier or in the next step's collectives, which over gloo fail with
     # "Connection closed by peer" and over NCCL wait for torchrun's SIGTERM and the stuck-rank watch
-    from llmpy.hellaswag import Example, write_eval_file
     flags, module, name, at, rank0_line, what = _FAILING_ON_RANK_0[work]
-    rng = np.random.default_rng()
-    examples = [Example(i, int(rng.integers(0, 4)), rng.integers(0, 257, 5).tolist(),
-                        [rng.integers(0, 257, 3).tolist() for _ in range(4)]) for i in range(3)]
-    hs = write_eval_file(tmp_path / "hs.bin", examples)
+    hs = _tiny_hellaswag_file(tmp_path / "hs.bin")
     train_f, val_f = shards
     flags = [*flags, "--hellaswag-file", hs] if "-h" in flags else flags
     argv = [str(a) for a in ["train", "-i", train_f, "-j", val_f, "-e", TINY, "-b", 4, "-t", T, "-x", 3, "-v", 2,
@@ -656,12 +663,8 @@ if os.environ["RANK"] == "0":
     setattr(where, {attr!r}, failing)
 sys.exit(main({argv!r}))
 """)
-    procs = _launch_ranks(2, script)
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        _end(procs)
-    assert [p.returncode for p in procs] == [1, 1], errs
+    codes, errs = _each_ranks_end(script)
+    assert codes == [1, 1], errs
     assert errs == [f"llmpy train: rank 0 of 2: error: {rank0_line}\n",
                     f"llmpy train: rank 1 of 2: error: rank 0 could not {what} (see its line); stopping\n"], errs
 

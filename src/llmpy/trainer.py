@@ -710,6 +710,15 @@ def _agree_between_steps(dp, received_signals: list[int], failed: bool, device) 
     return signals[:1], next((rank for rank, (_, f) in enumerate(seen) if f), None)
 
 
+def _stop_if_a_rank_failed(own_error: Exception | None, failed_rank: int | None, what: str) -> None:
+    """After the ranks have shared whether each failed: this rank's own error as it came, else, if another rank
+    failed, one line naming it (its own line says why). `what` completes "rank R could not ..."."""
+    if own_error is not None:
+        raise own_error
+    if failed_rank is not None:
+        raise LlmpyError(f"rank {failed_rank} could not {what} (see its line); stopping")
+
+
 def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts: TrainOptions, meta: dict,
                      write: bool = True):
     """llm.c's model file model_%08d.bin in the run's precision (version 3 fp32 or 5 bf16, as llm.c) and
@@ -1107,17 +1116,14 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         group's timeout (NCCL) or say only that it left (gloo). `what` completes "rank R could not ..."."""
         if dp is None:
             return work()
-        failed = done = None
+        error = done = None
         try:
             done = work()
         except Exception as e:  # raised below, as it came
-            failed = e
-        failures = dp.all_gather_scalars(torch.tensor([failed is not None], dtype=torch.int64,
+            error = e
+        failures = dp.all_gather_scalars(torch.tensor([error is not None], dtype=torch.int64,
                                                       device=backend.model.device)).reshape(-1).tolist()
-        if failed is not None:
-            raise failed
-        if any(failures):
-            raise LlmpyError(f"rank {failures.index(1)} could not {what} (see its line); stopping")
+        _stop_if_a_rank_failed(error, failures.index(1) if any(failures) else None, what)
         return done
 
     def validate(step):
@@ -1256,13 +1262,13 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             result.step_ms.append(ms)
             tok_s = tokens_per_micro * accum / (ms / 1000)
             mfu_frac = mfu_of(tok_s) if mfu_of is not None else -1.0
-            log_failed = None
+            step_log_error = None
             try:  # rank 0 alone logs: its failure (a full disk) is told to the others below, not left to a hang
                 log_step(step, loss, norm, lr, ms, tok_s, mfu_frac, skip)
             except Exception as e:
                 if dp is None:
                     raise
-                log_failed = e
+                step_log_error = e
             result.last_step = step + 1
             saved = False
             if out_dir and opts.checkpoint_every > 0 and (step + 1) % opts.checkpoint_every == 0 and step + 1 < steps:
@@ -1271,12 +1277,9 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             # a signal reaches the ranks at different moments (torchrun passes one to each): they stop together
             stop_signal = received_signals[:1]
             if dp is not None:
-                stop_signal, failed_rank = _agree_between_steps(dp, received_signals, log_failed is not None,
+                stop_signal, failed_rank = _agree_between_steps(dp, received_signals, step_log_error is not None,
                                                                 backend.model.device)
-                if log_failed is not None:
-                    raise log_failed
-                if failed_rank is not None:
-                    raise LlmpyError(f"rank {failed_rank} could not log step {step + 1} (see its line); stopping")
+                _stop_if_a_rank_failed(step_log_error, failed_rank, f"log step {step + 1}")
             if stop_signal and step + 1 < steps:
                 result.stopped_by = signal.Signals(stop_signal[0]).name
                 if out_dir and not saved:
