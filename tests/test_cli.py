@@ -199,6 +199,11 @@ def test_unknown_descriptor_and_flag(shards):
     ("learning_rate", float("nan"), "-l nan: must be a finite number"),
     ("learning_rate", float("inf"), "-l inf: must be a finite number"),
     ("final_lr_frac", float("nan"), "-q nan: must be a finite number"),
+    # the schedule's own checks, made before any data, model or checkpoint loads
+    ("learning_rate", -1e-3, "-l -0.001: must be >= 0"),
+    ("warmup_steps", -5, "-u -5: must be >= 0 (0: no warmup)"),
+    ("final_lr_frac", 1.5, "-q 1.5: the final learning-rate fraction must be between 0 and 1"),
+    ("final_lr_frac", -0.1, "-q -0.1: the final learning-rate fraction must be between 0 and 1"),
     ("weight_decay", -0.1, "-c -0.1: must be >= 0"),
     ("grad_clip", float("nan"), "--grad-clip nan: must be a finite number"),
     ("skip_loss_z", -1.0, "-sl -1.0: must be >= 0 (0: off)"),

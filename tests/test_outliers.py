@@ -105,3 +105,25 @@ def test_load_state_dict_refuses_a_malformed_state(state):
     d = OutlierDetector(window=4)
     with pytest.raises((ValueError, TypeError)):
         d.load_state_dict(state)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_value_in_the_window_gives_nan_not_zero(bad):
+    # llm.c's detector scores a window holding a NaN or an infinity as NaN (unknown, never a skip); 0.0 would
+    # claim the value perfectly typical, in the skip line's "grad-norm z" too
+    d = OutlierDetector(window=4)
+    for v in (1.0, 2.0, 3.0, 4.0):
+        d.update(v)
+    assert math.isnan(d.update(bad))
+    assert math.isnan(d.update(2.5))  # still in the window
+    for v in (1.0, 2.0, 3.0):
+        d.update(v)
+    assert math.isfinite(d.update(4.0))  # slid out: scored again
+
+
+def test_numpy_float32_input_is_scored_in_float64():
+    a, b = OutlierDetector(window=4), OutlierDetector(window=4)
+    xs = np.asarray([1.1, 2.3, 0.7, 1.9, 3.3, 0.2], dtype=np.float32)
+    for x in xs:
+        za, zb = a.update(x), b.update(float(x))
+        assert type(za) is float and (math.isnan(za) and math.isnan(zb) or za == zb)

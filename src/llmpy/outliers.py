@@ -16,17 +16,20 @@ class OutlierDetector:
         self.values: deque[float] = deque(maxlen=window)
 
     def update(self, x: float) -> float:
-        """Add x; return its z-score (nan while the window is still filling). As llm.c's detector, once
-        the window is full the new value replaces the oldest and is scored against the window holding
-        it."""
+        """Add x; return its z-score (nan while the window is still filling, and while it holds a NaN or an
+        infinity, as llm.c's). As llm.c's detector, once the window is full the new value replaces the oldest
+        and is scored against the window holding it."""
+        x = float(x)  # a numpy float32 or a 0-d tensor: scored in float64, returned as a float
         full = len(self.values) == self.window
-        self.values.append(float(x))
+        self.values.append(x)
         if not full:
             return float("nan")
         n = len(self.values)
         mean = sum(self.values) / n
         std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / n)
-        return (x - mean) / std if std > 0 else 0.0
+        if std == 0.0:  # every value alike: llm.c's 0 (a NaN std, from a non-finite value, gives NaN below)
+            return 0.0
+        return (x - mean) / std
 
     def state_dict(self) -> dict:
         return {"window": self.window, "values": list(self.values)}

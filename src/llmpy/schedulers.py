@@ -1,7 +1,8 @@
 """Learning-rate schedules (llm.c's schedulers.h and `-k -l -u -q` flags).
 
 Every schedule warms up linearly over the first `warmup` steps from lr/warmup to lr, then follows its
-shape: constant stays at lr, the others go down to lr * final_frac at the last step. Steps count from 0.
+shape: constant stays at lr, the others go down towards lr * final_frac, which they reach at step
+`total_steps` (one past the last update, as in llm.c). Steps count from 0.
 """
 from __future__ import annotations
 
@@ -25,9 +26,13 @@ class LRSchedule:
     def __post_init__(self):
         if self.kind not in SCHEDULES:
             raise LlmpyError(f"-k {self.kind}: unknown learning-rate schedule; choose one of {', '.join(SCHEDULES)}")
-        if self.lr < 0 or self.warmup < 0 or not 0.0 <= self.final_frac <= 1.0:
-            raise LlmpyError(f"learning-rate schedule: need lr >= 0, warmup >= 0 and 0 <= final fraction <= 1 "
-                             f"(got -l {self.lr} -u {self.warmup} -q {self.final_frac})")
+        # one line naming the flag at fault (a NaN fails every comparison, so the checks are written to catch it)
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise LlmpyError(f"-l {self.lr}: the learning rate must be a finite number >= 0")
+        if not self.warmup >= 0:
+            raise LlmpyError(f"-u {self.warmup}: the warmup steps must be >= 0 (0: no warmup)")
+        if not 0.0 <= self.final_frac <= 1.0:
+            raise LlmpyError(f"-q {self.final_frac}: the final learning-rate fraction must be between 0 and 1")
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:

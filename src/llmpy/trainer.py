@@ -180,13 +180,16 @@ class TrainOptions:
                            ("skip_loss_z", "-sl"), ("skip_grad_z", "-sg"), ("grad_clip", "--grad-clip")):
             if not math.isfinite(getattr(self, name)):
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be a finite number")
-        for name, flag, zero in (("grad_clip", "--grad-clip", " (0 turns clipping off)"), ("weight_decay", "-c", ""),
+        for name, flag, zero in (("learning_rate", "-l", ""), ("warmup_steps", "-u", " (0: no warmup)"),
+                                 ("grad_clip", "--grad-clip", " (0 turns clipping off)"), ("weight_decay", "-c", ""),
                                  ("skip_loss_z", "-sl", " (0: off)"), ("skip_grad_z", "-sg", " (0: off)"),
                                  ("val_every", "-v", " (0: never)"), ("sample_every", "-s", " (0: only at the end)"),
                                  ("checkpoint_every", "-n", ""), ("checkpoints_keep", "-nk", ""),
                                  ("major_checkpoint_every", "-nm", "")):
             if getattr(self, name) < 0:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be >= 0{zero}")
+        if not 0.0 <= self.final_lr_frac <= 1.0:  # before any data or model loads, as the schedule checks it
+            raise LlmpyError(f"-q {self.final_lr_frac}: the final learning-rate fraction must be between 0 and 1")
         check_sampling_options(self.gen_tokens, self.temperature, self.top_k)
         if self.val_max_steps <= 0 and self.val_max_steps != -1:
             raise LlmpyError(f"-m {self.val_max_steps}: must be positive, or -1 for the whole validation split (-v 0 "
