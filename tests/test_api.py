@@ -47,6 +47,9 @@ TINY = "layers=1,channels=16,heads=2,seq=16,vocab=257"
 @pytest.mark.parametrize("call, message", [
     (lambda m: llmpy.train(batchsize=4), "train(): no option 'batchsize'; did you mean 'batch_size'?"),
     (lambda m: llmpy.train(colour=1), "train(): no option 'colour'"),
+    (lambda m: llmpy.train("data/*.bin"), "train('data/*.bin'): options are given by name, as "
+                                          "train(train_data=..., model=...)"),
+    (lambda m: llmpy.train(val_data=""), "-j (val_data=''): an empty name"),  # the demo's own split is not taken
     (lambda m: llmpy.create_model(None), "descriptor None: must be a descriptor or a model file's path"),
     (lambda m: llmpy.create_model(TINY, seed=1.5), "seed 1.5: must be an integer"),
     (lambda m: llmpy.create_model(TINY, seed=2**32), "seed 4294967296: must be an integer from 0 to 4294967295"),
@@ -104,8 +107,8 @@ def test_sample_reads_gpt2_files_from_tokenizer_dir(shared_data, monkeypatch, tm
     monkeypatch.delenv("LLMPY_GPT2_DIR", raising=False)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: tiktoken's copies are not there
     model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16", seed=5)
-    with pytest.raises(LlmpyError, match=r"not on this machine: set LLMPY_GPT2_DIR \(or give --tokenizer-dir, the "
-                                         r"API's tokenizer_dir\)"):
+    with pytest.raises(LlmpyError, match=r"not on this machine: set LLMPY_GPT2_DIR \(`llmpy sample` and `llmpy "
+                                         r"prepare` also take --tokenizer-dir, the API's sample\(\) tokenizer_dir\)"):
         llmpy.sample(model, "Hello", gen_tokens=3)
     text = llmpy.sample(model, "Hello", gen_tokens=6, temperature=0, tokenizer_dir=gpt2_dir)
     assert isinstance(text, str) and text
@@ -301,3 +304,41 @@ def test_train_gives_the_callers_tf32_setting_back(tmp_path, caller_tf32, monkey
                 seq_len=16, max_steps=1, val_every=0, gen_tokens=0, progress=0)
     assert seen[-1] is (not caller_tf32)  # the run's
     assert torch.backends.cuda.matmul.allow_tf32 is caller_tf32
+
+
+def test_sample_refuses_another_librarys_model_in_one_line():
+    # a transformers GPT2LMHeadModel (what `llmpy export` makes, loaded back by transformers) has a config and a
+    # forward too: it passed the check and sampling died in an AttributeError traceback (no config.max_seq_len)
+    class OtherLibrarysModel:
+        class config:
+            vocab_size = 257
+            n_positions = 16
+
+        def forward(self, input_ids):
+            return None
+
+        def __repr__(self):  # as a torch module's: a line for each layer
+            return "GPT2LMHeadModel(\n  (transformer): GPT2Model(\n    (wte): Embedding(257, 16)\n  )\n)"
+    with pytest.raises(LlmpyError) as e:
+        llmpy.sample(OtherLibrarysModel(), "hi", gen_tokens=2)
+    assert str(e.value) == ("sample(): model GPT2LMHeadModel( (transformer): GPT2Model( (wte): Embedding(: must be "
+                            "a model of llmpy's (create_model, load_model, or train(...).model); load_model reads a "
+                            "model file or a transformers folder")
+
+
+def test_a_wrong_value_shows_on_its_error_line():
+    # the value shown in the error line stays on that line: a torch module's repr put a line break in it for each layer
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    tiny = llmpy.create_model(TINY)
+    for call in (lambda: llmpy.create_model(module), lambda: llmpy.load_model(module),
+                 lambda: llmpy.sample(tiny, "hi", tokenizer=module), lambda: llmpy.sample(module, "hi")):
+        with pytest.raises(LlmpyError) as e:
+            call()
+        assert "\n" not in str(e.value) and "Sequential( (0): Linear" in str(e.value), str(e.value)
+
+
+def test_sample_names_its_own_argument_for_an_empty_tokenizer_dir():
+    # the tokenizer's check said "--tokenizer-dir ''", a flag the API does not have
+    model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16", seed=5)
+    with pytest.raises(LlmpyError, match=r"^tokenizer_dir '': an empty folder name; leave it out \(None\)"):
+        llmpy.sample(model, "Hello", gen_tokens=2, tokenizer_dir="")

@@ -204,6 +204,8 @@ def test_unknown_descriptor_and_flag(shards):
     ("warmup_steps", -5, "-u -5: must be >= 0 (0: no warmup)"),
     ("final_lr_frac", 1.5, "-q 1.5: the final learning-rate fraction must be between 0 and 1"),
     ("final_lr_frac", -0.1, "-q -0.1: the final learning-rate fraction must be between 0 and 1"),
+    ("learning_rate", 1e38, "-l 1e+38: too large; AdamW's first step (10 x lr) must fit in float32"),
+    ("weight_decay", 1e43, "-c 1e+43: too large with -l 0.0003; lr x weight decay must fit in float32"),
     ("weight_decay", -0.1, "-c -0.1: must be >= 0"),
     ("grad_clip", float("nan"), "--grad-clip nan: must be a finite number"),
     ("skip_loss_z", -1.0, "-sl -1.0: must be >= 0 (0: off)"),

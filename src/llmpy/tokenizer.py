@@ -428,10 +428,10 @@ def load_tokenizer(name: str = "gpt2", directory: str | os.PathLike | None = Non
             return GPT2Tokenizer.from_files(*cached)
         if download:
             return GPT2Tokenizer.from_tiktoken()
-        raise LlmpyError(f"GPT-2's tokenizer files are not on this machine: set {GPT2_DIR_ENV} (or give "
-                         "--tokenizer-dir, the API's tokenizer_dir) to a folder holding encoder.json and vocab.bpe, "
-                         "or fetch them once into tiktoken's cache with network access (`llmpy prepare` with the "
-                         "gpt2 tokenizer does)")
+        raise LlmpyError(f"GPT-2's tokenizer files are not on this machine: set {GPT2_DIR_ENV} (`llmpy sample` and "
+                         "`llmpy prepare` also take --tokenizer-dir, the API's sample() tokenizer_dir) to a folder "
+                         "holding encoder.json and vocab.bpe, or fetch them once into tiktoken's cache with network "
+                         "access (`llmpy prepare` with the gpt2 tokenizer does)")
     raise LlmpyError(f"unknown tokenizer {name!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
 
 

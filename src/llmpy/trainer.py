@@ -188,6 +188,15 @@ class TrainOptions:
                                  ("major_checkpoint_every", "-nm", "")):
             if getattr(self, name) < 0:
                 raise LlmpyError(f"{flag} {getattr(self, name)}: must be >= 0{zero}")
+        # AdamW's first step moves by lr / (1 - beta1) = 10 lr and decays by lr * wd, in float32 on every path: past
+        # its range the CPU reference stopped with a torch traceback and the GPU's weights turned to inf
+        f32_max = float(torch.finfo(torch.float32).max)
+        if self.learning_rate * 10.0 > f32_max:
+            raise LlmpyError(f"-l {self.learning_rate}: too large; AdamW's first step (10 x lr) must fit in float32 "
+                             f"(lr at most {f32_max / 10:.3g})")
+        if self.learning_rate * self.weight_decay > f32_max:
+            raise LlmpyError(f"-c {self.weight_decay}: too large with -l {self.learning_rate}; lr x weight decay must "
+                             "fit in float32")
         if not 0.0 <= self.final_lr_frac <= 1.0:  # before any data or model loads, as the schedule checks it
             raise LlmpyError(f"-q {self.final_lr_frac}: the final learning-rate fraction must be between 0 and 1")
         check_sampling_options(self.gen_tokens, self.temperature, self.top_k)
@@ -894,7 +903,9 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         # the offline default: the byte-level stdlib corpus; on the CPU a small model that trains in about
         # 90 seconds on two cores, on a GPU GPT-2 124M (d12)
         files = default_dataset()
-        opts.train_data, opts.val_data = files.train, opts.val_data or files.val
+        opts.train_data = files.train
+        if opts.val_data is None:  # "" is left for validate() to refuse by name
+            opts.val_data = files.val
         if opts.model is None:
             demo = _resolve_device(opts)
             opts.model = "d12" if demo == "cuda" else DEFAULT_CPU_MODEL
