@@ -70,17 +70,21 @@ def assert_pngs(folder: Path, names):
 
 def test_read_log_sorted_and_last_record_wins(tmp_path):
     path = tmp_path / "main.jsonl"
-    recs = [{"step": 2, "kind": "train", "loss": 2.0}, {"step": 1, "kind": "train", "loss": 1.0},
-            {"step": 2, "kind": "val", "loss": 9.0},
-            {"step": 2, "kind": "train", "loss": 3.0, "future_key": "text is fine"}]  # a resumed run re-logs step 2
+    # a run killed at step 3 after its checkpoint of step 2, resumed from it: step 2's validation and step 3 again
+    recs = [{"step": 1, "kind": "train", "loss": 1.0}, {"step": 2, "kind": "train", "loss": 2.0},
+            {"step": 2, "kind": "val", "loss": 9.0}, {"step": 3, "kind": "train", "loss": 5.0},
+            {"step": 2, "kind": "val", "loss": 8.0},
+            {"step": 3, "kind": "train", "loss": 3.0, "future_key": "text is fine"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = pl.read_log(path)
-    assert [(r["step"], r["kind"], r["loss"]) for r in out] == [(1, "train", 1.0), (2, "train", 3.0), (2, "val", 9.0)]
+    assert [(r["step"], r["kind"], r["loss"]) for r in out] == [(1, "train", 1.0), (2, "train", 2.0), (2, "val", 8.0),
+                                                                (3, "train", 3.0)]
+    assert out[-1]["future_key"] == "text is fine"
     columns = pl.read_columns(path)
-    assert columns.records == 3
+    assert columns.records == 4 and columns.abandoned == 0  # each superseded record was logged again
     xs, ys = columns.series("train", "loss")
-    assert xs.tolist() == [1, 2] and ys.tolist() == [1.0, 3.0]
-    assert columns.series("val", "loss")[1].tolist() == [9.0]
+    assert xs.tolist() == [1, 2, 3] and ys.tolist() == [1.0, 2.0, 3.0]
+    assert columns.series("val", "loss")[1].tolist() == [8.0]
     assert [len(a) for a in columns.series("train", "mfu")] == [0, 0]
     assert [len(a) for a in columns.series("eval", "accuracy")] == [0, 0]
 
@@ -88,7 +92,7 @@ def test_read_log_sorted_and_last_record_wins(tmp_path):
 def test_read_columns_hold_read_logs_numbers(tmp_path):
     # the columns plot_run draws from against read_log's whole records: the same values, NaN and null told apart
     path = write_log(tmp_path, steps=57, val_every=7)
-    with open(path, "a") as f:  # a resumed run logs steps 50-52 again, the first without its norm
+    with open(path, "a") as f:  # a run resumed from step 49 logs steps 50-51 again, the first without its norm
         f.write(json.dumps({"step": 50, "kind": "train", "loss": 7.5, "norm": None, "lr": 1e-4}) + "\n")
         f.write(json.dumps({"step": 51, "kind": "train", "loss": 7.0, "norm": 0.5, "lr": 1e-4, "mfu": 0.3}) + "\n")
     records = pl.read_log(path)
@@ -104,7 +108,39 @@ def test_read_columns_hold_read_logs_numbers(tmp_path):
     xs, ys = columns.series("train", "norm")
     assert 50 not in xs.tolist() and 49 in xs.tolist()  # the later record of step 50 has none: it wins
     assert math.isnan(columns.series("train", "loss")[1][39])  # step 40's logged NaN is a value, not a gap
-    assert columns.series("train", "tok_s")[0].tolist() == [s for s in range(1, 58) if s not in (50, 51)]
+    # the earlier run's steps 52-57 and its validation of step 56: of a run the resumed one abandoned at step 49
+    assert columns.series("train", "tok_s")[0].tolist() == list(range(1, 50))
+    assert columns.series("val", "loss")[0].tolist() == [7, 14, 21, 28, 35, 42, 49]
+    assert columns.abandoned == 7
+
+
+def test_read_a_resumed_runs_log_without_the_abandoned_steps(tmp_path):
+    # killed at step 8, its last checkpoint at step 4, resumed from it with another -l (the trainer allows that, with
+    # a note) and still at step 6 (or stopped there): the earlier run's steps 7-8 are of a run no longer followed, as
+    # TensorBoard's purge_step has it; they were drawn as part of the resumed run
+    path = tmp_path / "main.jsonl"
+    recs = [{"step": 0, "kind": "val", "loss": 6.0}]
+    for step in range(1, 9):
+        recs.append({"step": step, "kind": "train", "loss": 6.0 - 0.1 * step, "lr": 1e-3})
+        if step % 4 == 0:
+            recs.append({"step": step, "kind": "val", "loss": 6.0 - 0.1 * step})
+    recs.append({"step": 4, "kind": "val", "loss": 5.6})
+    recs += [{"step": step, "kind": "train", "loss": 5.0 - 0.2 * step, "lr": 5e-4} for step in (5, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    want_train = [(step, 1e-3) for step in range(1, 5)] + [(5, 5e-4), (6, 5e-4)]
+    out = pl.read_log(path)
+    assert [(r["step"], r["lr"]) for r in out if r["kind"] == "train"] == want_train
+    assert [r["step"] for r in out if r["kind"] == "val"] == [0, 4]
+    columns = pl.read_columns(path)
+    assert list(zip(*(a.tolist() for a in columns.series("train", "lr")))) == want_train
+    assert columns.series("val", "loss")[0].tolist() == [0, 4] and columns.abandoned == 3  # steps 7, 8; val 8
+    assert pl.superseded([1, 2, 3, 2, 3], [True] * 5).tolist() == [False, True, True, False, False]
+    # a run resumed at step 2 logs its validation of step 2 again (which then wins, as the last of its kind and step)
+    assert pl.superseded([2, 2, 3, 2, 3], [True, False, True, False, True]).tolist() == [False, False, True, False,
+                                                                                         False]
+    # HellaSwag's record after the validation of its step: one run; a train record of a step it holds: a resume
+    assert pl.superseded([2, 2, 2], [False, False, True]).tolist() == [True, True, False]
+    assert pl.superseded([2**63 - 1], [True]).tolist() == [False]  # the last step there is, not "none after"
 
 
 def test_thin_keeps_each_runs_extremes_in_order():
@@ -266,18 +302,21 @@ def test_plot_refuses_an_empty_path(tmp_path, monkeypatch):
 
 
 def test_leave_out_undrawable_names_the_first_line(tmp_path):
-    # a resumed run re-logs step 1 after step 2: the note names the earliest line, not the earliest step
+    # the note names the earliest line of any kind (not the first kind checked), and not a superseded record's
     path = tmp_path / "main.jsonl"
-    recs = [{"step": 1, "kind": "train", "loss": 9.0}, {"step": 2, "kind": "train", "norm": -1e200},
-            {"step": 1, "kind": "train", "loss": 3.0, "norm": 1e101, "ms": 1e300}]  # ms: not charted, not changed
+    recs = [{"step": 1, "kind": "train", "loss": 9.0},
+            {"step": 2, "kind": "train", "norm": -1e200},  # a run resumed from step 1 (next line) abandoned it
+            {"step": 1, "kind": "val", "loss": 1e150},
+            {"step": 2, "kind": "train", "loss": 3.0, "norm": 1e101, "ms": 1e300}]  # ms: not charted, not changed
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     columns = pl.read_columns(path)
-    assert columns.series("train", "norm")[1].tolist() == [1e101, -1e200]  # the log's numbers as they are
-    assert pl.leave_out_undrawable(columns, path) == (f"{path}:2: 'norm' -1e+200 is too large to draw (magnitude "
+    assert columns.series("train", "norm")[1].tolist() == [1e101]  # the log's numbers as they are
+    assert pl.leave_out_undrawable(columns, path) == (f"{path}:3: 'loss' 1e+150 is too large to draw (magnitude "
                                                       "over 1e+100); left out of the charts (2 such values in all)")
     assert all(math.isnan(v) for v in columns.series("train", "norm")[1].tolist())
+    assert math.isnan(columns.series("val", "loss")[1][0])
     assert columns.series("train", "ms")[1].tolist() == [1e300]
-    assert columns.series("train", "loss")[1].tolist() == [3.0]
+    assert columns.series("train", "loss")[1].tolist() == [9.0, 3.0]
     assert pl.leave_out_undrawable(columns, path) is None  # nothing left to leave out
 
 
@@ -356,11 +395,70 @@ def test_plot_log_without_loss_says_so(tmp_path):
 
 
 @needs_mpl
+def test_plot_of_a_resumed_run_says_what_it_left_out(tmp_path):
+    recs = [{"step": step, "kind": "train", "loss": 5.0 - 0.1 * step, "lr": 1e-3} for step in range(1, 9)]
+    recs += [{"step": step, "kind": "train", "loss": 4.0, "lr": 5e-4} for step in (5, 6)]  # resumed from step 4
+    (tmp_path / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    note = (f"{tmp_path / 'main.jsonl'}: a later run resumed from an earlier step; left out 2 record(s) that the "
+            "earlier run logged past it and the resumed run has not logged again")
+    notes = []
+    assert [p.name for p in pl.plot_run(tmp_path, warn=notes.append)] == ["loss.png", "lr.png"]
+    assert notes == [note]
+    r = run_cli("plot", tmp_path, "-o", tmp_path / "out")
+    assert r.returncode == 0 and r.stderr.strip().splitlines() == [f"llmpy plot: note: {note}"]
+
+
+def shown_steps(line):
+    """The steps of a drawn line's points that show: those with a marker, and those a segment reaches (a finite
+    point beside them)."""
+    import numpy as np
+    xs, ys = (np.asarray(a, dtype=np.float64) for a in line.get_data())
+    finite = np.isfinite(ys)
+    joined = np.zeros(len(ys), bool)
+    joined[1:] |= finite[:-1]
+    joined[:-1] |= finite[1:]
+    marked = np.zeros(len(ys), bool)
+    if line.get_marker() not in (None, "", "None", " "):
+        every = line.get_markevery()
+        marked[:] = True if every is None else np.asarray(every, dtype=bool)
+    return set(xs[finite & (joined | marked)].tolist())
+
+
+@needs_mpl
+@pytest.mark.parametrize("recs, charted", [
+    # one step: a line of one point drew nothing in any chart
+    ([{"step": 1, "kind": "train", "loss": 4.0, "lr": 1e-3, "norm": 2.0}], {1.0}),
+    # the last value after an inf one: the line ended at step 2 and the last norm was not drawn
+    ([{"step": s, "kind": "train", "loss": 4.0, "lr": 1e-3, "norm": math.inf if s == 3 else 2.0} for s in range(1, 5)],
+     {1.0, 2.0, 4.0}),
+])
+def test_plot_shows_points_no_segment_reaches(tmp_path, monkeypatch, recs, charted):
+    from matplotlib.figure import Figure
+    (tmp_path / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    saved, savefig = {}, Figure.savefig
+
+    def keep(self, fname, **kwargs):
+        saved[Path(fname).name.split(".")[1]] = self  # the chart's name, from its temporary's ".lr.png.PID.TAG.tmp"
+        return savefig(self, fname, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", keep)
+    assert sorted(p.name for p in pl.plot_run(tmp_path)) == ["grad_norm.png", "loss.png", "lr.png"]
+    assert sorted(saved) == ["grad_norm", "loss", "lr"]
+    assert shown_steps(saved["grad_norm"].axes[0].lines[0]) == charted
+    assert shown_steps(saved["lr"].axes[0].lines[0]) == {float(r["step"]) for r in recs}
+    assert set().union(*map(shown_steps, saved["loss"].axes[0].lines)) == {float(r["step"]) for r in recs}
+
+
+@needs_mpl
 def test_plot_run_draws_hellaswag_accuracy(tmp_path):
-    write_log(tmp_path, extra=False)
-    with open(tmp_path / "main.jsonl", "a") as f:
-        for step, acc in ((0, 0.25), (10, 0.27), (20, 0.3)):
-            f.write(json.dumps({"step": step, "kind": "eval", "accuracy": acc, "correct": 3, "total": 10}) + "\n")
+    # each step's HellaSwag record after its validation record, as the trainer writes them (not at step 0)
+    lines = write_log(tmp_path, extra=False).read_text().splitlines(keepends=True)
+    with open(tmp_path / "main.jsonl", "w") as f:
+        for line in lines:
+            f.write(line)
+            rec = json.loads(line)
+            if rec["kind"] == "val" and rec["step"] <= 30:
+                f.write(json.dumps({"step": rec["step"], "kind": "eval", "accuracy": 0.25 + rec["step"] / 1000,
+                                    "correct": 3, "total": 10}) + "\n")
     names = [p.name for p in pl.plot_run(tmp_path)]
     assert "hellaswag.png" in names
     assert_pngs(tmp_path / "plots", ["loss.png", "lr.png", "grad_norm.png", "hellaswag.png"])

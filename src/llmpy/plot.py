@@ -80,14 +80,40 @@ def read_log(path) -> list[dict]:
     """The records of a main.jsonl, whole; a bad line is an LlmpyError naming its line number.
 
     A run appends to its log, so a resumed or repeated run logs some steps again: the last record of
-    each (kind, step) wins, and the result is sorted by step. (plot_run reads through read_columns, which
-    keeps only the numbers it draws: a long run's log holds millions of records.)
+    each (kind, step) wins, the records an earlier run logged past the step a later one went back to are
+    left out (see superseded), and the result is sorted by step. (plot_run reads through read_columns,
+    which keeps only the numbers it draws: a long run's log holds millions of records.)
     """
     path = Path(path)
-    latest = {(rec["kind"], rec["step"]): rec for _, rec in _validated_records(path)}
-    if not latest:
+    records = [rec for _, rec in _validated_records(path)]
+    if not records:
         raise LlmpyError(f"{path}: empty log (no steps yet)")
+    stale = superseded([r["step"] for r in records], [r["kind"] == "train" for r in records])
+    latest = {(rec["kind"], rec["step"]): rec for rec, old in zip(records, stale.tolist()) if not old}
     return sorted(latest.values(), key=lambda r: (r["step"], r["kind"] != "train"))
+
+
+def superseded(steps, is_train):
+    """Which records of a log, in file order, a later run's records replace, as a numpy bool array.
+
+    Within one run the steps never go down (step s's train record, then its validation and HellaSwag
+    records); a run resumed from the checkpoint of step s logs from step s (validation) or s + 1 (train)
+    on, after the records the earlier run wrote past that checkpoint before it stopped. Those belong to
+    a line of training that the resumed run abandoned, so they are left out even where the resumed run
+    has not (yet) logged their steps again, as TensorBoard's purge_step does for the same run's events:
+    a record is superseded by a later one of a lower step, or by a later train record of its step."""
+    import numpy as np
+    steps = np.asarray(steps, dtype=np.int64)
+    is_train = np.asarray(is_train, dtype=bool)
+    top = np.iinfo(np.int64).max  # no step is above it: "no record after this one" (a step may equal it)
+    later = np.full(len(steps), top, np.int64)  # the lowest step of the records after each
+    later_train = np.full(len(steps), top, np.int64)  # the lowest step of the train records after each
+    train_after = np.zeros(len(steps), bool)  # whether any train record comes after each
+    if len(steps) > 1:
+        later[:-1] = np.minimum.accumulate(steps[:0:-1])[::-1]
+        later_train[:-1] = np.minimum.accumulate(np.where(is_train, steps, top)[:0:-1])[::-1]
+        train_after[:-1] = np.logical_or.accumulate(is_train[:0:-1])[::-1]
+    return (later < steps) | (train_after & (later_train <= steps))
 
 
 def _is_number(v) -> bool:
@@ -106,15 +132,16 @@ def _short(value) -> str:
 
 class LogColumns:
     """A main.jsonl's numbers by kind, as numpy columns: for each kind the steps (sorted, the last record of a
-    step winning as in read_log), the line of each step's record and, for each of NUMERIC_KEYS, the values
-    (float64) and whether the record had one (a missing key or null is absent; a logged NaN is present). Eight
-    bytes and a flag a number where read_log's dicts take some hundreds, so a log of millions of records plots
-    in a few hundred MB."""
+    step winning and superseded records left out, as in read_log), the line of each step's record and, for each
+    of NUMERIC_KEYS, the values (float64) and whether the record had one (a missing key or null is absent; a
+    logged NaN is present). Eight bytes and a flag a number where read_log's dicts take some hundreds, so a log
+    of millions of records plots in a few hundred MB."""
 
-    def __init__(self, steps: dict, values: dict, present: dict, lines: dict):
+    def __init__(self, steps: dict, values: dict, present: dict, lines: dict, abandoned: int = 0):
         self.steps, self.values, self.present = steps, values, present  # by kind; values, present by (kind, key)
         self.lines = lines  # by kind, for messages that name a record's line
         self.records = sum(len(s) for s in steps.values())
+        self.abandoned = abandoned  # records superseded by none of the same kind and step (a note says so)
 
     def series(self, kind: str, key: str):
         """(steps, values) of `key` over the records of `kind` that have it, as numpy arrays."""
@@ -131,31 +158,41 @@ def read_columns(path) -> LogColumns:
     path = Path(path)
     steps = {kind: array("q") for kind in KINDS}
     lines = {kind: array("q") for kind in KINDS}
+    at = {kind: array("q") for kind in KINDS}  # each record's place among all the log's records
     values = {(kind, key): array("d") for kind in KINDS for key in NUMERIC_KEYS}
     present = {(kind, key): bytearray() for kind in KINDS for key in NUMERIC_KEYS}
+    all_steps, all_train = array("q"), bytearray()  # every record's, in file order, for superseded()
     for lineno, rec in _validated_records(path):
         kind = rec["kind"]
+        at[kind].append(len(all_steps))
+        all_steps.append(rec["step"])
+        all_train.append(kind == "train")
         steps[kind].append(rec["step"])
         lines[kind].append(lineno)
         for key in NUMERIC_KEYS:
             v = rec.get(key)
             values[kind, key].append(math.nan if v is None else float(v))
             present[kind, key].append(v is not None)
-    if not any(steps.values()):
+    if not all_steps:
         raise LlmpyError(f"{path}: empty log (no steps yet)")
+    stale = superseded(np.frombuffer(all_steps, np.int64), np.frombuffer(bytes(all_train), np.uint8))
     out_steps, out_values, out_present, out_lines = {}, {}, {}, {}
+    abandoned = 0
     for kind in KINDS:
         kind_steps = np.frombuffer(steps[kind], np.int64) if steps[kind] else np.zeros(0, np.int64)
+        kind_stale = stale[np.frombuffer(at[kind], np.int64)] if steps[kind] else np.zeros(0, bool)
+        kept = np.flatnonzero(~kind_stale)
         # the last record of each step: the first of the reversed column, kept in step order
-        unique, first_reversed = np.unique(kind_steps[::-1], return_index=True)
-        rows = len(kind_steps) - 1 - first_reversed
+        unique, first_reversed = np.unique(kind_steps[kept][::-1], return_index=True)
+        rows = kept[len(kept) - 1 - first_reversed]
         out_steps[kind] = unique
+        abandoned += int(np.count_nonzero(~np.isin(kind_steps[kind_stale], unique)))
         out_lines[kind] = np.frombuffer(lines[kind], np.int64)[rows] if steps[kind] else np.zeros(0, np.int64)
         for key in NUMERIC_KEYS:
             column = np.frombuffer(values[kind, key], np.float64) if steps[kind] else np.zeros(0)
             out_values[kind, key] = column[rows]
             out_present[kind, key] = np.frombuffer(bytes(present[kind, key]), np.uint8)[rows].astype(bool)
-    return LogColumns(out_steps, out_values, out_present, out_lines)
+    return LogColumns(out_steps, out_values, out_present, out_lines, abandoned)
 
 
 def ema(values: list[float], weight: float) -> list[float]:
@@ -208,6 +245,22 @@ def thin(xs, ys, max_points: int = MAX_POINTS):
     return out_x, out_y
 
 
+def draw(ax, xs, ys, **style):
+    """ax.plot of a line, thinned, with a marker on each point that no segment of the line reaches (one with no
+    finite value beside it: the only point of a one-step log, a value between NaN or inf ones), which a line
+    alone would leave unseen."""
+    import numpy as np
+    xs, ys = thin(xs, ys)
+    if "marker" not in style:
+        finite = np.isfinite(ys)
+        lone = finite.copy()
+        lone[1:] &= ~finite[:-1]
+        lone[:-1] &= ~finite[1:]
+        if lone.any():
+            style.update(marker="o", markersize=3, markevery=lone)
+    return ax.plot(xs, ys, **style)
+
+
 def leave_out_undrawable(columns: LogColumns, log) -> str | None:
     """Set to NaN each charted value too large to draw (finite, magnitude over DRAWABLE): a gap in its line, as a
     logged inf is. Returns a note naming the first such value's line and key, or None where there is none."""
@@ -246,8 +299,9 @@ def _figure_class():
 def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path]:
     """Write the charts of run_dir/main.jsonl as PNGs into out_dir (default run_dir/plots); returns their paths.
 
-    A log with nothing to chart is an LlmpyError; one without any loss, or with values too large to draw (left
-    out), gets a line through `warn`, if given.
+    A log with nothing to chart is an LlmpyError; one without any loss, with values too large to draw (left
+    out), or with records of a run that a later one went back before (left out, see superseded), gets a line
+    through `warn`, if given.
     """
     # Path("") is the current folder: not what was meant
     if not str(run_dir).strip():
@@ -272,6 +326,9 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
                          "tok_s, mfu or accuracy: nothing to plot")
     if warn is not None and not any(len(columns.series(kind, "loss")[0]) for kind in ("train", "val")):
         warn(f"{log}: no loss values in it, so no loss chart")
+    if warn is not None and columns.abandoned:
+        warn(f"{log}: a later run resumed from an earlier step; left out {columns.abandoned} record(s) that the "
+             "earlier run logged past it and the resumed run has not logged again")
     note = leave_out_undrawable(columns, log)  # before any chart is written: matplotlib would crash mid-way
     if note is not None and warn is not None:
         warn(note)
@@ -309,16 +366,16 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     if len(tx) or len(vx):
         fig, ax = new("loss", "loss")
         if len(tx):
-            ax.plot(*thin(tx, ty), color="C0", alpha=0.25, linewidth=0.8, label="train")
-            if len(tx) > 1 and smooth > 0:
-                ax.plot(*thin(tx, ema(ty, smooth)), color="C0", linewidth=1.6, label=f"train (EMA {smooth:g})")
+            draw(ax, tx, ty, color="C0", alpha=0.25, linewidth=0.8, label="train")
+            if smooth > 0:  # one point too: the faint raw line alone would hardly show it
+                draw(ax, tx, ema(ty, smooth), color="C0", linewidth=1.6, label=f"train (EMA {smooth:g})")
             skipped = (columns.values["train", "skipped"] != 0) & columns.present["train", "skipped"] \
                 & columns.present["train", "loss"]
             if skipped.any():
                 ax.scatter(columns.steps["train"][skipped], columns.values["train", "loss"][skipped], color="C3",
                            marker="x", zorder=3, label="skipped update")
         if len(vx):
-            ax.plot(*thin(vx, vy), color="C1", marker="o", markersize=3, linewidth=1.4, label="val")
+            draw(ax, vx, vy, color="C1", marker="o", markersize=3, linewidth=1.4, label="val")
         ax.legend()
         save(fig, "loss.png")
 
@@ -331,7 +388,7 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
         if not len(xs):
             continue  # the log does not carry this quantity (older trainer, CPU run): no chart
         fig, ax = new(ylabel, what)
-        ax.plot(*thin(xs, ys * scale), color="C2", linewidth=1.2)
+        draw(ax, xs, ys * scale, color="C2", linewidth=1.2)
         finite = ys[np.isfinite(ys)]
         if logy and len(finite) and (finite > 0).all():
             ax.set_yscale("log")  # norms span orders of magnitude early in training
@@ -341,6 +398,6 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     xs, ys = columns.series("eval", "accuracy")
     if len(xs):
         fig, ax = new("accuracy (%)", "HellaSwag accuracy")
-        ax.plot(*thin(xs, ys * 100), color="C4", marker="o", markersize=3, linewidth=1.2)
+        draw(ax, xs, ys * 100, color="C4", marker="o", markersize=3, linewidth=1.2)
         save(fig, "hellaswag.png")
     return written
