@@ -119,11 +119,14 @@ def tokenizer_for_model(name: str, vocab_size: int, tokenizer_dir, model_vocab: 
                         dir_label: str = "--tokenizer-dir"):
     """The tokenizer `llmpy sample` and the API sample with: "auto" is bytes for a 257-token vocab, GPT-2's BPE
     otherwise; its vocabulary must be the model's (`model_vocab` begins the error line, naming the model)."""
-    from .tokenizer import TOKENIZER_NAMES, load_tokenizer
+    from .tokenizer import GPT2_VOCAB_SIZE, TOKENIZER_NAMES, load_tokenizer
     key = name.strip().lower()
     if key not in ("auto", "byte", *TOKENIZER_NAMES):  # load_tokenizer's own line would leave auto out
         raise LlmpyError(f"unknown tokenizer {name!r}: expected one of auto, {', '.join(TOKENIZER_NAMES)}")
     if key == "auto":
+        if vocab_size not in (257, GPT2_VOCAB_SIZE):  # not GPT-2's files missing, as loading them would say
+            raise LlmpyError(f"{model_vocab} fits neither of llmpy's tokenizers (bytes: 257 tokens, gpt2: "
+                             f"{GPT2_VOCAB_SIZE}); sample a model of one of those vocabularies")
         name = "bytes" if vocab_size == 257 else "gpt2"
         if name == "bytes" and tokenizer_dir is not None:  # read by no one: even a missing folder passed silently
             raise LlmpyError(f"{dir_label} {str(tokenizer_dir)!r}: the model's 257-token vocab samples with the bytes "
