@@ -9,27 +9,21 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from dataclasses import fields
 
 from .config import GPT2Config
-from .errors import LlmpyError
+from .errors import LlmpyError, shown
 from .rand import check_seed
 from .reference import GPT2Reference
 from .trainer import TrainOptions, TrainResult, load_or_create_model
 from .trainer import train as _train
 
 
-def _shown(value) -> str:
-    """A value as an error line shows it: its repr on one line (a torch module's spans many), at most 60 characters."""
-    return re.sub(r"\s*\n\s*", " ", repr(value))[:60]
-
-
 def _check_path_or_descriptor(value, name: str, what: str = "a descriptor or a model file's path") -> str:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if not isinstance(value, str):
-        raise LlmpyError(f"{name} {_shown(value)}: must be {what} (a str)")
+        raise LlmpyError(f"{name} {shown(value)}: must be {what} (a str)")
     return value
 
 
@@ -51,10 +45,10 @@ def load_model(path: str) -> GPT2Reference:
 def train(log=print, **options) -> TrainResult:
     """Train as `llmpy train` does; keyword names are TrainOptions' fields (batch_size=..., max_steps=...)."""
     if isinstance(log, (str, os.PathLike)):  # llmpy.train("data/*.bin"): the one positional argument is log
-        raise LlmpyError(f"train({_shown(log)}): options are given by name, as train(train_data=..., model=...); "
+        raise LlmpyError(f"train({shown(log)}): options are given by name, as train(train_data=..., model=...); "
                          "the one positional argument is log, a function of one str")
     if not callable(log):  # checked before anything is read or written
-        raise LlmpyError(f"train(): log={_shown(log)} must be a function of one str (print, list.append, ...)")
+        raise LlmpyError(f"train(): log={shown(log)} must be a function of one str (print, list.append, ...)")
     known = [f.name for f in fields(TrainOptions)]
     for name in options:
         if name not in known:
@@ -76,16 +70,16 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
     # passed a duck-typed check and failed inside sampling with an AttributeError traceback
     if not isinstance(getattr(model, "config", None), GPT2Config) or not (hasattr(model, "forward")
                                                                          or hasattr(model, "logits_last")):
-        raise LlmpyError(f"sample(): model {_shown(model)}: must be a model of llmpy's (create_model, load_model, or "
+        raise LlmpyError(f"sample(): model {shown(model)}: must be a model of llmpy's (create_model, load_model, or "
                          "train(...).model)" + (", not a path" if isinstance(model, (str, os.PathLike)) else
                                                 "; load_model reads a model file or a transformers folder"))
     check_sampling_options(gen_tokens, temperature, top_k, seed)
     check_seed(seed)  # check_sampling_options lets None by (the trainer's samples): it would reach int()
     gen_tokens, temperature, top_k, seed = int(gen_tokens), float(temperature), int(top_k), int(seed)
     if not isinstance(tokenizer, str):
-        raise LlmpyError(f"tokenizer {_shown(tokenizer)}: must be 'auto', 'bytes' or 'gpt2'")
+        raise LlmpyError(f"tokenizer {shown(tokenizer)}: must be 'auto', 'bytes' or 'gpt2'")
     if tokenizer_dir is not None and not isinstance(tokenizer_dir, (str, os.PathLike)):
-        raise LlmpyError(f"tokenizer_dir {_shown(tokenizer_dir)}: must be a folder's path")
+        raise LlmpyError(f"tokenizer_dir {shown(tokenizer_dir)}: must be a folder's path")
     if tokenizer_dir is not None and not str(tokenizer_dir).strip():  # the tokenizer's own line named --tokenizer-dir
         raise LlmpyError(f"tokenizer_dir {str(tokenizer_dir)!r}: an empty folder name; leave it out (None) for "
                          "$LLMPY_GPT2_DIR or tiktoken's cache")

@@ -10,7 +10,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from .errors import LlmpyError
+from .errors import LlmpyError, shown
 
 GPT2_VOCAB = 50257
 GPT2_MAX_SEQ = 1024
@@ -84,7 +84,7 @@ class GPT2Config:
             value = getattr(self, name)
             # numpy's integers are sizes too (a sweep's values); bool, 2.5, 32.0 and "2" are not
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ConfigError(f"{name} must be an integer, got {value!r:.40} ({type(value).__name__})")
+                raise ConfigError(f"{name} must be an integer, got {shown(value, 40)} ({type(value).__name__})")
             if value >= 2**63:  # no array dimension is that large, and the sizes below stay printable
                 raise ConfigError(f"{name} must be less than 2**63, got a {int(value).bit_length()}-bit integer")
             object.__setattr__(self, name, int(value))  # a numpy integer as Python's: JSON and repr stay plain
@@ -215,7 +215,7 @@ def parse_descriptor(desc: str) -> GPT2Config:
     """Turn llm.c's `-e` model descriptor (other than a checkpoint path) into a configuration."""
     if not isinstance(desc, str):
         # a Path names a file, which the caller resolves (load_model, checkpoint.load_model_file), not this
-        raise ConfigError(f"model descriptor {desc!r:.60}: must be a str such as 'd12' or "
+        raise ConfigError(f"model descriptor {shown(desc)}: must be a str such as 'd12' or "
                           f"'layers=2,channels=64,heads=2', not {type(desc).__name__}")
     d = desc.strip()
     low = d.lower()

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import LlmpyError
+from .errors import LlmpyError, shown
 
 GENERATION_CONFIG_NAME = "generation_config.json"
 
@@ -42,7 +42,7 @@ def export_hf(model_path, out_dir) -> Path:
     for value, name, what in ((model_path, "model", "a model file's path"),
                               (out_dir, "export folder", "a folder's path")):
         if not isinstance(value, (str, os.PathLike)):  # Path() raised a TypeError
-            raise LlmpyError(f"{name} {value!r:.60}: must be {what} (a str)")
+            raise LlmpyError(f"{name} {shown(value)}: must be {what} (a str)")
     if not str(out_dir).strip():  # Path("") is the current folder: not what was meant
         raise LlmpyError("an empty export folder name")
     out = expand_user(out_dir)  # a quoted "~/hf" too, as train and prepare take it

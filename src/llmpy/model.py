@@ -94,7 +94,7 @@ import torch
 
 from .config import GPT2Config, parameter_views
 from .distributed import DataParallel, release_before_shutdown, shard_bounds
-from .errors import LlmpyError
+from .errors import LlmpyError, shown
 from .kernels import adamw as kadamw
 from .kernels import attention as kattn
 from .kernels import encoder as kenc
@@ -485,7 +485,7 @@ class GPT2Model:
                  residual_in_product: bool = False, overlap_weight_grads: str = "off",
                  fc_bias_in_product: bool | None = None):
         if not isinstance(config, GPT2Config):
-            raise LlmpyError(f"GPT2Model: config {config!r:.60}: must be a GPT2Config (llmpy.parse_descriptor "
+            raise LlmpyError(f"GPT2Model: config {shown(config)}: must be a GPT2Config (llmpy.parse_descriptor "
                              "makes one from a descriptor)")
         _check_flat_buffer(params, "GPT2Model: params")
         self.config = config

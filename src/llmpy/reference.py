@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .config import PARAMETER_NAMES, GPT2Config, check_fits_in_host_memory, parameter_views
-from .errors import LlmpyError
+from .errors import LlmpyError, shown
 from .token_ids import check_vocabulary, host_ids
 
 LAYERNORM_EPS = 1e-5
@@ -279,7 +279,7 @@ class GPT2Reference:
 
     def __init__(self, config: GPT2Config, params: torch.Tensor, dtype: torch.dtype = torch.float32):
         if not isinstance(config, GPT2Config):
-            raise LlmpyError(f"GPT2Reference: config {config!r:.60}: must be a GPT2Config (llmpy.parse_descriptor "
+            raise LlmpyError(f"GPT2Reference: config {shown(config)}: must be a GPT2Config (llmpy.parse_descriptor "
                              "makes one from a descriptor)")
         if not isinstance(params, torch.Tensor) or params.dim() != 1 or not params.is_floating_point():
             got = (f"a {params.dim()}-D {params.dtype} tensor" if isinstance(params, torch.Tensor)
@@ -287,7 +287,7 @@ class GPT2Reference:
             raise LlmpyError(f"GPT2Reference: params is {got}; it must be the flat parameter buffer, a 1-D "
                              "floating-point torch tensor")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise LlmpyError(f"GPT2Reference: dtype {dtype!r:.40}: must be a floating-point torch dtype")
+            raise LlmpyError(f"GPT2Reference: dtype {shown(dtype, 40)}: must be a floating-point torch dtype")
         if params.numel() != config.num_parameters:
             raise LlmpyError(f"GPT2Reference: parameter buffer has {params.numel()} elements, the model needs "
                              f"{config.num_parameters} ({config.describe()})")

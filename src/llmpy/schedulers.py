@@ -14,6 +14,12 @@ from .errors import LlmpyError
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 
 
+def check_final_frac(final_frac: float) -> None:
+    """-q's one check, made by the trainer's options before anything loads and by every schedule (NaN fails it)."""
+    if not 0.0 <= final_frac <= 1.0:
+        raise LlmpyError(f"-q {final_frac}: the final learning-rate fraction must be between 0 and 1")
+
+
 @dataclass(frozen=True)
 class LRSchedule:
     kind: str = "cosine"
@@ -31,8 +37,7 @@ class LRSchedule:
             raise LlmpyError(f"-l {self.lr}: the learning rate must be a finite number >= 0")
         if not self.warmup >= 0:
             raise LlmpyError(f"-u {self.warmup}: the warmup steps must be >= 0 (0: no warmup)")
-        if not 0.0 <= self.final_frac <= 1.0:
-            raise LlmpyError(f"-q {self.final_frac}: the final learning-rate fraction must be between 0 and 1")
+        check_final_frac(self.final_frac)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:

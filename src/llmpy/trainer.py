@@ -29,7 +29,7 @@ from .files import expand_user
 from .outliers import OutlierDetector
 from .rand import check_seed
 from .sampler import check_sampling_options
-from .schedulers import SCHEDULES, LRSchedule
+from .schedulers import SCHEDULES, LRSchedule, check_final_frac
 
 # The embedded default: the model and run that `llmpy train` with no arguments trains on 2 CPU cores
 # in about 90 seconds (byte-level tokens, so vocab 257).
@@ -197,8 +197,7 @@ class TrainOptions:
         if self.learning_rate * self.weight_decay > f32_max:
             raise LlmpyError(f"-c {self.weight_decay}: too large with -l {self.learning_rate}; lr x weight decay must "
                              "fit in float32")
-        if not 0.0 <= self.final_lr_frac <= 1.0:  # before any data or model loads, as the schedule checks it
-            raise LlmpyError(f"-q {self.final_lr_frac}: the final learning-rate fraction must be between 0 and 1")
+        check_final_frac(self.final_lr_frac)
         check_sampling_options(self.gen_tokens, self.temperature, self.top_k)
         if self.val_max_steps <= 0 and self.val_max_steps != -1:
             raise LlmpyError(f"-m {self.val_max_steps}: must be positive, or -1 for the whole validation split (-v 0 "
