@@ -76,6 +76,7 @@ def assert_same_run(a, b, steps=12):
     for s in ta:  # bitwise: the JSON floats are Python's repr, exact round trips
         assert ta[s]["loss"] == tb[s]["loss"], (s, ta[s]["loss"], tb[s]["loss"])
         assert ta[s]["norm"] == tb[s]["norm"] and ta[s]["lr"] == tb[s]["lr"] and ta[s]["skipped"] == tb[s]["skipped"]
+        assert ta[s]["loss_z"] == tb[s]["loss_z"] and ta[s]["norm_z"] == tb[s]["norm_z"], s
     va, vb = logged(a, "val"), logged(b, "val")
     # b may hold more (a shorter first leg validates at its own end); every one of a's must match
     assert va.keys() <= vb.keys() and all(va[s]["loss"] == vb[s]["loss"] for s in va)
@@ -86,8 +87,8 @@ def assert_same_run(a, b, steps=12):
 @pytest.mark.parametrize("extra", [{}, {"total_batch_size": 64}, {"skip_loss_z": 0.3, "skip_grad_z": 0.3}],
                          ids=["plain", "accum2", "outliers"])
 def test_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, shards, monkeypatch, extra):
-    if "skip_loss_z" in extra:  # a short window so the detectors decide (and their state matters) in 12 steps
-        monkeypatch.setattr(trainer, "OutlierDetector", lambda: OutlierDetector(window=3))
+    # a short window so the detectors score (and decide, with -sl/-sg) in 12 steps, and their state matters
+    monkeypatch.setattr(trainer, "OutlierDetector", lambda: OutlierDetector(window=3))
     full, part = tmp_path / "full", tmp_path / "part"
     ref = train(options(shards, full, checkpoint_every=3, **extra), log=quiet)
     assert ref.stopped_by is None and len(ref.train_losses) == 12
@@ -102,6 +103,38 @@ def test_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, 
     assert (part / "DONE_00000012").exists()
     if "skip_loss_z" in extra:
         assert any(r["skipped"] for r in logged(full).values())
+
+
+def z_scores(values, window):
+    """The oracle: each value's z-score against the last `window` values, itself included (population std), from
+    the first value that finds the window full (llm.c's detector)."""
+    out = [None] * min(window, len(values))
+    for i in range(window, len(values)):
+        w = np.array(values[i + 1 - window:i + 1], dtype=np.float64)
+        out.append(float((w[-1] - w.mean()) / w.std()))
+    return out
+
+
+def test_every_step_is_scored_and_a_run_resumed_with_sl_starts_with_full_windows(tmp_path, shards, monkeypatch):
+    # the detectors were fed only with -sl/-sg: the step line had no z-scores, and a run resumed with -sl from a
+    # checkpoint of a run without it started with empty windows, unprotected for the next 128 steps
+    monkeypatch.setattr(trainer, "OutlierDetector", lambda: OutlierDetector(window=3))
+    out, lines = tmp_path / "out", []
+    first = train(options(shards, out, checkpoint_every=5, max_steps=5), log=lines.append)
+    recs = logged(out)
+    for key, value in (("loss_z", "loss"), ("norm_z", "norm")):
+        want = z_scores([recs[s][value] for s in range(1, 6)], 3)
+        got = [recs[s][key] for s in range(1, 6)]
+        assert got[:3] == [None] * 3 and got[3:] == pytest.approx(want[3:], rel=1e-9, abs=1e-12), key
+    step_lines = [line for line in lines if re.match(r"step\s+\d+/", line)]
+    assert len(step_lines) == 5 and "z)" not in step_lines[2]
+    assert f"loss {first.train_losses[4]:.6f} ({recs[5]['loss_z']:+.2f}z) | norm " in step_lines[4]
+    assert f" ({recs[5]['norm_z']:+.2f}z) | lr " in step_lines[4]
+    # resumed with -sl: step 6 is scored against steps 4 and 5 of the first leg
+    train(options(shards, out, max_steps=7, resume=1, skip_loss_z=50.0), log=quiet)
+    recs = logged(out)
+    want = z_scores([recs[s]["loss"] for s in range(1, 8)], 3)
+    assert [recs[s]["loss_z"] for s in (6, 7)] == pytest.approx(want[5:], rel=1e-9, abs=1e-12)
 
 
 def test_a_resumed_run_lets_go_of_the_state_it_loaded(tmp_path, shards, monkeypatch):

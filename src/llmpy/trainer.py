@@ -1200,20 +1200,30 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         if skip:
             log(f"step {step + 1}: skipped the update (loss z {last_z[0]:.2f}, grad-norm z {last_z[1]:.2f})")
         extra = {"mfu": mfu_frac} if mfu_frac > 0 else {}
-        run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, tok_s=tok_s, skipped=skip, **extra)
+        # the z-scores, null (and left off the step line) while the window fills or holds a non-finite value
+        loss_z, norm_z = (z if math.isfinite(z) else None for z in last_z)
+        run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, tok_s=tok_s, skipped=skip,
+                      loss_z=loss_z, norm_z=norm_z, **extra)
         mfu = f" | {100 * mfu_frac:.1f}% MFU" if mfu_frac > 0 else ""
-        log(f"step {step + 1:5d}/{steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | {ms:.1f} ms | "
-            f"{tok_s:.0f} tok/s{mfu}")
+        loss_zs, norm_zs = ("" if z is None else f" ({z:+.2f}z)" for z in (loss_z, norm_z))  # as llm.c's line
+        log(f"step {step + 1:5d}/{steps} | loss {loss:.6f}{loss_zs} | norm {norm:.4f}{norm_zs} | lr {lr:.2e} | "
+            f"{ms:.1f} ms | {tok_s:.0f} tok/s{mfu}")
         if progress is not None:
             progress.update(1)
 
     last_z = [float("nan"), float("nan")]
 
+    def score(loss, norm):
+        """Every step's loss and gradient norm join their windows, -sl/-sg or not (as llm.c's): the step line shows
+        their z-scores, and a run resumed with -sl/-sg has its windows full from the first step."""
+        last_z[:] = loss_outliers.update(loss), grad_outliers.update(norm)
+
     def outlier(loss, norm) -> bool:
         """-sl/-sg: skip the update when the loss or gradient norm is an outlier of its recent window."""
-        last_z[:] = loss_outliers.update(loss), grad_outliers.update(norm)
+        score(loss, norm)
         return (opts.skip_loss_z > 0 and last_z[0] > opts.skip_loss_z) or \
             (opts.skip_grad_z > 0 and last_z[1] > opts.skip_grad_z)
+    # without -sl/-sg the step needs no decision before its update: it is scored after it
     skip_fn = outlier if (opts.skip_loss_z > 0 or opts.skip_grad_z > 0) else None
 
     from . import __version__
@@ -1269,6 +1279,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
                 note_step_seconds(time.perf_counter() - stepped)
             if not math.isfinite(loss):
                 raise LlmpyError(f"step {step + 1}: the loss is {loss}; stopping (lower -l, or check the data)")
+            if skip_fn is None:
+                score(loss, norm)
             skip = backend.last_step_skipped
             ms = (time.perf_counter() - t0) * 1000
             result.train_losses.append(loss)
