@@ -100,6 +100,10 @@ def test_warmup_longer_than_the_run_still_warms_up():
     ({"final_frac": -0.1}, r"^-q -0\.1: the final learning-rate fraction must be between 0 and 1"),
     ({"final_frac": 1.5}, r"^-q 1\.5: the final learning-rate fraction"),
     ({"final_frac": float("nan")}, r"^-q nan: the final learning-rate fraction"),
+    # a wsd decay share past 1 began decaying before step 0 (with no warmup, step 0 at 0.42 lr); a NaN was a ValueError
+    ({"decay_frac": 1.5}, r"^decay_frac 1\.5: wsd's share of steps spent decaying must be between 0 and 1"),
+    ({"decay_frac": -0.2}, r"^decay_frac -0\.2: wsd's share"),
+    ({"decay_frac": float("nan")}, r"^decay_frac nan: wsd's share"),
 ])
 def test_bad_parameters(kw, message):
     # one line that names the flag at fault and its value alone (not every schedule value), as the trainer's
