@@ -39,7 +39,8 @@ class LRSchedule:
             raise LlmpyError(f"-u {self.warmup}: the warmup steps must be >= 0 (0: no warmup)")
         check_final_frac(self.final_frac)
         if not 0.0 <= self.decay_frac <= 1.0:  # no flag sets it: the Python API's LRSchedule(decay_frac=...)
-            raise LlmpyError(f"decay_frac {self.decay_frac}: wsd's share of steps spent decaying must be between 0 and 1")
+            raise LlmpyError(f"decay_frac {self.decay_frac}: wsd's share of steps spent decaying must be "
+                             "between 0 and 1")
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
