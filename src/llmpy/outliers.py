@@ -40,5 +40,10 @@ class OutlierDetector:
         window = state["window"]
         if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:  # numpy's too
             raise ValueError(f"outlier window {window!r}: must be a positive integer")
-        self.values = deque((float(v) for v in state["values"]), maxlen=int(window))
+        values = state["values"]
+        if not isinstance(values, list) or len(values) > window or \
+                not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+            # float() would take "1.5" and a deque of the window's length would drop the surplus unseen
+            raise ValueError(f"outlier values: must be a list of at most {int(window)} numbers")
+        self.values = deque((float(v) for v in values), maxlen=int(window))
         self.window = int(window)
