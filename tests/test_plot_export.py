@@ -383,6 +383,32 @@ def test_plot_run_skips_what_the_log_lacks(tmp_path):
 
 
 @needs_mpl
+def test_plot_names_charts_left_from_an_earlier_plot(tmp_path):
+    # a GPU run's tokens/s, MFU and HellaSwag charts stayed beside a later CPU run's, as if they were its own
+    write_log(tmp_path)
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "hellaswag.png").write_bytes(PNG_MAGIC)
+    (tmp_path / "plots" / "notes.png").write_bytes(PNG_MAGIC)  # not a chart of llmpy's: not named
+    notes = []
+    pl.plot_run(tmp_path, warn=notes.append)
+    assert notes[-1:] == [f"{tmp_path / 'plots'}: hellaswag.png left from an earlier plot; this log has nothing "
+                          "to chart in them"]
+    write_log(tmp_path, extra=False)
+    notes.clear()
+    written = pl.plot_run(tmp_path, warn=notes.append)
+    assert [p.name for p in written] == ["loss.png", "lr.png", "grad_norm.png"]
+    assert notes[-1:] == [f"{tmp_path / 'plots'}: tokens_per_s.png, mfu.png, hellaswag.png left from an earlier "
+                          "plot; this log has nothing to chart in them"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(pl.CHART_FILES + ("notes.png",))
+    # CHART_FILES names every chart plot_run writes: a log with everything gives all of them, and no note
+    full = write_log(tmp_path / "full")
+    with full.open("a") as f:
+        f.write(json.dumps({"step": 60, "kind": "eval", "accuracy": 0.3}) + "\n")
+    notes.clear()
+    assert [p.name for p in pl.plot_run(full.parent, warn=notes.append)] == list(pl.CHART_FILES) and notes == []
+
+
+@needs_mpl
 def test_plot_log_without_loss_says_so(tmp_path):
     (tmp_path / "main.jsonl").write_text(json.dumps({"step": 1, "kind": "train", "lr": 1e-4}) + "\n")
     notes = []

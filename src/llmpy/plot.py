@@ -23,6 +23,7 @@ KINDS = ("train", "val", "eval")  # eval: HellaSwag accuracy (-h 1)
 DRAWABLE = 1e100
 # what the charts draw, by kind: a log without any of it has nothing to plot
 CHARTED = {"train": ("loss", "lr", "norm", "tok_s", "mfu"), "val": ("loss",), "eval": ("accuracy",)}
+CHART_FILES = ("loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png", "hellaswag.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -400,4 +401,9 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
         fig, ax = new("accuracy (%)", "HellaSwag accuracy")
         draw(ax, xs, ys * 100, color="C4", marker="o", markersize=3, linewidth=1.2)
         save(fig, "hellaswag.png")
+    # a chart of an earlier log this one has nothing for (a GPU run's mfu.png under a CPU run's charts) would pass
+    # for this run's: said, not deleted (the folder may be the user's)
+    stale = [name for name in CHART_FILES if out / name not in written and (out / name).exists()]
+    if stale and warn is not None:
+        warn(f"{out}: {', '.join(stale)} left from an earlier plot; this log has nothing to chart in them")
     return written
