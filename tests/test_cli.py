@@ -604,6 +604,30 @@ def test_tensorboard_events_match_the_jsonl_log(tmp_path, shards):
     assert {e.step for e in acc.Scalars("train/lr")} == {1, 2, 3, 4}
 
 
+def test_z_scores_reach_the_step_line_tensorboard_and_the_log_once_the_window_is_full(tmp_path, shards):
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    train, val = shards
+    out = tmp_path / "out"
+    res = llmpy("train", "-i", train, "-j", val, "-e", TINY, "-b", 2, "-t", 16, "-x", 130, "-v", 0, "-g", 0,
+                "-o", out, "--progress", 0)
+    assert res.returncode == 0, res.stderr
+    records = {r["step"]: r for r in map(json.loads, (out / "main.jsonl").read_text().splitlines())
+               if r["kind"] == "train"}
+    # the window of 128 is full from the 129th value on
+    assert all(records[s]["loss_z"] is None and records[s]["norm_z"] is None for s in range(1, 129))
+    assert all(isinstance(records[s][key], float) for s in (129, 130) for key in ("loss_z", "norm_z"))
+    line = next(x for x in res.stdout.splitlines() if x.startswith("step   130/130"))
+    assert f"({records[130]['loss_z']:+.2f}z) | norm " in line and f"({records[130]['norm_z']:+.2f}z) | lr" in line
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    for key, tag in (("loss_z", "train/loss_z"), ("norm_z", "train/grad_norm_z")):
+        events = {e.step: e.value for e in acc.Scalars(tag)}
+        assert sorted(events) == [129, 130]
+        assert all(abs(events[s] - records[s][key]) < 1e-5 * max(1.0, abs(records[s][key])) for s in events)
+
+
 def test_llmpys_warnings_print_as_one_note_line(tmp_path):
     """A model file's unusual setting is worth a word, in llmpy's one-line form, not Python's file:line and
     source line."""

@@ -572,7 +572,8 @@ class RunLog:
 
     # JSONL fields drawn as TensorBoard scalars, per kind: field -> tag
     TB_SCALARS = {"train": {"loss": "train/loss", "norm": "train/grad_norm", "lr": "train/lr",
-                            "tok_s": "train/tokens_per_s", "mfu": "train/mfu"},
+                            "tok_s": "train/tokens_per_s", "mfu": "train/mfu", "loss_z": "train/loss_z",
+                            "norm_z": "train/grad_norm_z"},
                   "val": {"loss": "val/loss"}, "eval": {"accuracy": "eval/hellaswag"}}
 
     FILES = ("main.log", "main.jsonl")  # the text log and its JSONL twin, in the run's folder
