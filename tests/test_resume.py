@@ -419,6 +419,21 @@ def test_damaged_checkpoint_is_named(saved, shards, damage):
     assert target.name in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["m", "params"])
+def test_a_tensor_whose_dtype_was_damaged_is_named(saved, shards, name):
+    # F32 -> I32 in the header keeps every size and every checksum of the bytes: the state loaded as integers
+    spath = state_path(saved, 4)
+    data = spath.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    header = data[8:8 + header_len]
+    entry = f'"{name}":{{"dtype":"F32"'.encode()
+    assert header.count(entry) == 1
+    spath.write_bytes(data[:8] + header.replace(entry, entry.replace(b"F32", b"I32")) + data[8 + header_len:])
+    with pytest.raises(LlmpyError, match=rf"^.*state_00000004\.safetensors: tensor '{name}' is int32, not float32 "
+                                         r"or bfloat16: the file is damaged$"):
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+
+
 @pytest.mark.parametrize("key, value", [("checksums", [1]), ("options", None), ("rng", 5), ("data", "x"),
                                         ("outliers", []), ("total_steps", "12"), ("step", 4.0)])
 def test_state_metadata_of_the_wrong_shape_is_named(saved, shards, key, value):

@@ -263,6 +263,10 @@ def load_checkpoint(out_dir, step: int) -> TrainingState:
         if name in tensors and tensors[name].numel() != config.num_parameters:
             raise LlmpyError(f"{spath}: tensor '{name}' has {tensors[name].numel()} elements, the model "
                              f"has {config.num_parameters}")
+        # the checksums cover a tensor's bytes, not the header's dtype: F32 damaged to I32 would load as integers
+        if name in tensors and tensors[name].dtype not in (torch.float32, torch.bfloat16):
+            raise LlmpyError(f"{spath}: tensor '{name}' is {str(tensors[name].dtype).removeprefix('torch.')}, "
+                             "not float32 or bfloat16: the file is damaged")
     for name, what in (("params", "parameters"), ("m", "AdamW"), ("v", "AdamW")):
         if name not in tensors:
             raise LlmpyError(f"{spath}: no {what} '{name}' tensor")
