@@ -99,7 +99,8 @@ def test_z_matches_llmc_window_including_the_new_value():
                                    {"window": 2.5, "values": []}, {"window": "x", "values": []},
                                    {"window": 4, "values": ["a"]}, {"window": 4, "values": 7},
                                    {"window": 4, "values": ["1.5"]}, {"window": 4, "values": [True, 1.0]},
-                                   {"window": 2, "values": [1.0, 2.0, 3.0]}, {"window": 2, "values": "12"}])
+                                   {"window": 2, "values": [1.0, 2.0, 3.0]}, {"window": 2, "values": "12"},
+                                   {"window": 10**30, "values": []}, {"window": 4, "values": [10**400]}])
 def test_load_state_dict_refuses_a_malformed_state(state):
     # a checkpoint's detector state that cannot be a window is a ValueError or TypeError, which `-y 1` reports as
     # a malformed training state in one line; a window of 0 loaded and then failed at the next step's update with

@@ -7,6 +7,8 @@ import math
 import numbers
 from collections import deque
 
+from .errors import shown
+
 OUTLIER_WINDOW = 128
 
 
@@ -38,12 +40,17 @@ class OutlierDetector:
         """A state_dict's window and values; one that cannot be a window (a checkpoint's damaged state) is a
         ValueError or TypeError, here and not at the next update."""
         window = state["window"]
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:  # numpy's too
-            raise ValueError(f"outlier window {window!r}: must be a positive integer")
+        # numpy's integers too; past 2**31 a deque's length overflows (and no run is that long)
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 1 <= window <= 2**31:
+            raise ValueError(f"outlier window {shown(window)}: must be an integer from 1 to 2**31")
         values = state["values"]
         if not isinstance(values, list) or len(values) > window or \
                 not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
             # float() would take "1.5" and a deque of the window's length would drop the surplus unseen
             raise ValueError(f"outlier values: must be a list of at most {int(window)} numbers")
-        self.values = deque((float(v) for v in values), maxlen=int(window))
+        try:
+            floats = [float(v) for v in values]
+        except OverflowError:  # a JSON integer past float's range
+            raise ValueError("outlier values: a number too large for a float") from None
+        self.values = deque(floats, maxlen=int(window))
         self.window = int(window)

@@ -1206,7 +1206,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, tok_s=tok_s, skipped=skip,
                       loss_z=loss_z, norm_z=norm_z, **extra)
         mfu = f" | {100 * mfu_frac:.1f}% MFU" if mfu_frac > 0 else ""
-        loss_zs, norm_zs = ("" if z is None else f" ({z:+.2f}z)" for z in (loss_z, norm_z))  # as llm.c's line
+        loss_zs, norm_zs = ("" if z is None else f" ({z:+.2f}z)" for z in (loss_z, norm_z))  # llm.c's (+0.12z)
         log(f"step {step + 1:5d}/{steps} | loss {loss:.6f}{loss_zs} | norm {norm:.4f}{norm_zs} | lr {lr:.2e} | "
             f"{ms:.1f} ms | {tok_s:.0f} tok/s{mfu}")
         if progress is not None:
@@ -1214,14 +1214,15 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
 
     last_z = [float("nan"), float("nan")]
 
-    def score(loss, norm):
+    def score_step(loss, norm):
         """Every step's loss and gradient norm join their windows, -sl/-sg or not (as llm.c's): the step line shows
-        their z-scores, and a run resumed with -sl/-sg has its windows full from the first step."""
+        their z-scores, and a run resumed with -sl/-sg has its windows full from the first step (an older llmpy's
+        checkpoint of a run without -sl/-sg holds empty windows: they fill over the next 128 steps)."""
         last_z[:] = loss_outliers.update(loss), grad_outliers.update(norm)
 
     def outlier(loss, norm) -> bool:
         """-sl/-sg: skip the update when the loss or gradient norm is an outlier of its recent window."""
-        score(loss, norm)
+        score_step(loss, norm)
         return (opts.skip_loss_z > 0 and last_z[0] > opts.skip_loss_z) or \
             (opts.skip_grad_z > 0 and last_z[1] > opts.skip_grad_z)
     # without -sl/-sg the step needs no decision before its update: it is scored after it
@@ -1281,7 +1282,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             if not math.isfinite(loss):
                 raise LlmpyError(f"step {step + 1}: the loss is {loss}; stopping (lower -l, or check the data)")
             if skip_fn is None:
-                score(loss, norm)
+                score_step(loss, norm)
             skip = backend.last_step_skipped
             ms = (time.perf_counter() - t0) * 1000
             result.train_losses.append(loss)
