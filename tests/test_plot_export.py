@@ -408,6 +408,84 @@ def test_plot_names_charts_left_from_an_earlier_plot(tmp_path):
     assert [p.name for p in pl.plot_run(full.parent, warn=notes.append)] == list(pl.CHART_FILES) and notes == []
 
 
+def saved_figures(monkeypatch) -> dict:
+    """chart name -> the Figure saved under it, for the plots made after this call."""
+    from matplotlib.figure import Figure
+    saved, savefig = {}, Figure.savefig
+
+    def keep(self, fname, **kwargs):
+        saved[Path(fname).name.split(".")[1]] = self  # the chart's name, from its temporary's ".lr.png.PID.TAG.tmp"
+        return savefig(self, fname, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return saved
+
+
+@needs_mpl
+def test_plot_of_several_runs_draws_each_in_its_own_color(tmp_path, monkeypatch):
+    a, b = tmp_path / "lr3e-4", tmp_path / "lr1e-3"
+    write_log(a)
+    write_log(b, steps=40, extra=False)  # no tok_s or mfu: those charts hold a's line alone
+    saved = saved_figures(monkeypatch)
+    out = tmp_path / "compare"
+    written = pl.plot_runs([a, b], out)
+    assert [p.name for p in written] == ["loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png"]
+    assert_pngs(out, [p.name for p in written])
+    assert not (a / "plots").exists() and not (b / "plots").exists()
+    loss = saved["loss"].axes[0]
+    labels = [h.get_label() for h in loss.get_legend().legend_handles]
+    assert labels == ["lr3e-4 train (EMA 0.9)", "skipped update", "lr3e-4 val", "lr1e-3 train (EMA 0.9)",
+                      "lr1e-3 val"]
+    assert loss.get_title() == "lr3e-4 vs lr1e-3: loss"
+    colors = {line.get_label(): line.get_color() for line in loss.lines}
+    assert colors["lr3e-4 train (EMA 0.9)"] == colors["lr3e-4 val"] != colors["lr1e-3 train (EMA 0.9)"]
+    lr = saved["lr"].axes[0]
+    assert [line.get_label() for line in lr.lines] == ["lr3e-4", "lr1e-3"]
+    assert [len(line.get_xdata()) for line in lr.lines] == [60, 40]
+    assert lr.lines[0].get_color() != lr.lines[1].get_color()
+    assert [line.get_label() for line in saved["tokens_per_s"].axes[0].lines] == ["lr3e-4"]
+
+
+@needs_mpl
+def test_plot_of_several_runs_names_alike_folders_by_their_paths(tmp_path, monkeypatch):
+    a, b = tmp_path / "x" / "run", tmp_path / "y" / "run"
+    write_log(a, extra=False)
+    write_log(b, extra=False)
+    saved = saved_figures(monkeypatch)
+    pl.plot_runs([a, b], tmp_path / "out", smooth=0.0)
+    assert [line.get_label() for line in saved["lr"].axes[0].lines] == [str(a), str(b)]
+    # no smoothing: the raw train line carries the run's name
+    assert [h.get_label() for h in saved["loss"].axes[0].get_legend().legend_handles][0] == str(a)
+
+
+def test_plot_of_several_runs_errors(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_log(a)
+    write_log(b)
+    with pytest.raises(LlmpyError, match=r"^2 runs: give -o, the folder for the charts that compare them$"):
+        pl.plot_runs([a, b])
+    again = tmp_path / "a" / ".." / "a"
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(again))}: given twice \(as {re.escape(str(a))} too\)$"):
+        pl.plot_runs([a, b, again], tmp_path / "out")
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(tmp_path / 'c'))}: no such directory$"):
+        pl.plot_runs([a, tmp_path / "c"], tmp_path / "out")
+    with pytest.raises(LlmpyError, match=r"^-o '': an empty output folder name$"):
+        pl.plot_runs([a, b], "")
+    assert not (tmp_path / "out").exists() and not (a / "plots").exists()
+    r = run_cli("plot", a, b)
+    assert r.returncode == 1 and r.stderr.strip() == "llmpy plot: error: 2 runs: give -o, the folder for the charts " \
+        "that compare them", r.stderr
+
+
+@needs_mpl
+def test_cli_plot_of_several_runs(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_log(a, extra=False)
+    write_log(b, extra=False)
+    r = run_cli("plot", a, b, "-o", tmp_path / "out")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.split() == [str(tmp_path / "out" / n) for n in ("loss.png", "lr.png", "grad_norm.png")]
+
+
 @needs_mpl
 def test_plot_log_without_loss_says_so(tmp_path):
     (tmp_path / "main.jsonl").write_text(json.dumps({"step": 1, "kind": "train", "lr": 1e-4}) + "\n")

@@ -1,4 +1,5 @@
-"""`llmpy plot DIR`: PNG charts of a run from its main.jsonl (the trainer's RunLog).
+"""`llmpy plot DIR [DIR ...]`: PNG charts of a run from its main.jsonl (the trainer's RunLog), or of several runs
+drawn together (a line and a color each).
 
 One chart per quantity: loss (train raw + smoothed, validation), learning rate, gradient norm, and
 tokens/s and MFU when the log carries them ("tok_s", "mfu"; MFU is a fraction, drawn in percent).
@@ -27,15 +28,19 @@ CHART_FILES = ("loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.p
 
 
 def add_arguments(parser: argparse.ArgumentParser):
-    parser.description = "Draw PNG charts of a training run from DIR/main.jsonl."
-    parser.add_argument("run_dir", metavar="DIR", help="the run's output directory (train -o), holding main.jsonl")
-    parser.add_argument("-o", "--output", default=None, help="folder for the PNGs (default: DIR/plots)")
+    parser.description = ("Draw PNG charts of a training run from DIR/main.jsonl; of several runs, charts that "
+                          "draw them together, a line and a color each.")
+    parser.add_argument("run_dirs", metavar="DIR", nargs="+",
+                        help="the run's output directory (train -o), holding main.jsonl; several: one chart each "
+                             "quantity, a line each run")
+    parser.add_argument("-o", "--output", default=None,
+                        help="folder for the PNGs (default: DIR/plots; needed with several runs)")
     parser.add_argument("--smooth", type=float, default=0.9,
                         help="EMA weight of the smoothed train loss, in [0, 1) (default: 0.9)")
 
 
 def run(args: argparse.Namespace) -> int:
-    paths = plot_run(args.run_dir, args.output, smooth=args.smooth,
+    paths = plot_runs(args.run_dirs, args.output, smooth=args.smooth,
                      warn=lambda msg: print(f"llmpy plot: note: {msg}", file=sys.stderr))
     for p in paths:
         print(p)
@@ -304,11 +309,14 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     out), or with records of a run that a later one went back before (left out, see superseded), gets a line
     through `warn`, if given.
     """
+    return plot_runs([run_dir], out_dir, smooth, warn)
+
+
+def _read_run(run_dir, warn) -> tuple[Path, LogColumns]:
+    """A run folder's checked path and its log's columns; LlmpyError where it has nothing to chart."""
     # Path("") is the current folder: not what was meant
     if not str(run_dir).strip():
         raise LlmpyError("an empty run directory name (give the run's output directory, train -o)")
-    if out_dir is not None and not str(out_dir).strip():
-        raise LlmpyError("-o '': an empty output folder name (leave -o out for DIR/plots)")
     from .files import expand_user
     run_dir = expand_user(run_dir)  # a quoted "~/runs/x" too, as train and prepare take it
     if not run_dir.exists():
@@ -319,8 +327,6 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     if not log.exists():
         raise LlmpyError(f"{run_dir}: no {LOG_NAME} in it (was it written by `llmpy train -o`?)")
     columns = read_columns(log)
-    if not 0.0 <= smooth < 1.0:
-        raise LlmpyError(f"--smooth {smooth}: must be in [0, 1)")
     if not any(len(columns.series(kind, key)[0]) for kind, keys in CHARTED.items() for key in keys):
         # checked before the plot folder is made, so a failed plot leaves none behind
         raise LlmpyError(f"{log}: {columns.records} record(s) but none with a loss, learning rate, gradient norm, "
@@ -333,14 +339,45 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     note = leave_out_undrawable(columns, log)  # before any chart is written: matplotlib would crash mid-way
     if note is not None and warn is not None:
         warn(note)
-    out = expand_user(out_dir) if out_dir is not None else run_dir / "plots"
+    return run_dir, columns
+
+
+def _run_names(run_dirs: list[Path]) -> list[str]:
+    """Each run's name in the legend: its folder's name, or the path as given where two runs' names are alike."""
+    names = [d.resolve().name for d in run_dirs]
+    return [str(d) if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
+
+
+def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path]:
+    """plot_run of one run or several: with several, each chart draws every run's line in a color of its own,
+    named in the legend (a learning-rate sweep, a run against its baseline), into out_dir, which is then needed."""
+    run_dirs = list(run_dirs)
+    if not run_dirs:
+        raise LlmpyError("no run directory given (give the run's output directory, train -o)")
+    if out_dir is not None and not str(out_dir).strip():
+        raise LlmpyError("-o '': an empty output folder name" +
+                         (" (leave -o out for DIR/plots)" if len(run_dirs) == 1 else ""))
+    if not 0.0 <= smooth < 1.0:
+        raise LlmpyError(f"--smooth {smooth}: must be in [0, 1)")
+    runs = [_read_run(d, warn) for d in run_dirs]
+    seen = {}
+    for d, _ in runs:
+        if d.resolve() in seen:
+            raise LlmpyError(f"{d}: given twice (as {seen[d.resolve()]} too)")
+        seen[d.resolve()] = d
+    several = len(runs) > 1
+    if several and out_dir is None:
+        raise LlmpyError(f"{len(runs)} runs: give -o, the folder for the charts that compare them")
+    from .files import expand_user
+    out = expand_user(out_dir) if out_dir is not None else runs[0][0] / "plots"
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
     Figure = _figure_class()
     import numpy as np
     from .files import atomic_path, writable_dir
     writable_dir(out, "plot folder")
-    title = run_dir.resolve().name
+    names = _run_names([d for d, _ in runs])
+    title = names[0] if not several else " vs ".join(names) if len(names) <= 3 else f"{len(names)} runs"
     written = []
 
     def save(fig, name):
@@ -361,49 +398,67 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
         ax.grid(True, alpha=0.3)
         return fig, ax
 
+    def color(i, alone):
+        # one run keeps a color for each kind of line; several, a color for each run
+        return alone if not several else f"C{i % 10}"
+
+    def named(i, label):
+        return label if not several else f"{names[i]} {label}".strip()
+
     # loss: raw train faint, smoothed train (over every step, then thinned), validation as markers + line
-    tx, ty = columns.series("train", "loss")
-    vx, vy = columns.series("val", "loss")
-    if len(tx) or len(vx):
+    if any(len(columns.series(kind, "loss")[0]) for _, columns in runs for kind in ("train", "val")):
         fig, ax = new("loss", "loss")
-        if len(tx):
-            draw(ax, tx, ty, color="C0", alpha=0.25, linewidth=0.8, label="train")
-            if smooth > 0:  # one point too: the faint raw line alone would hardly show it
-                draw(ax, tx, ema(ty, smooth), color="C0", linewidth=1.6, label=f"train (EMA {smooth:g})")
-            skipped = (columns.values["train", "skipped"] != 0) & columns.present["train", "skipped"] \
-                & columns.present["train", "loss"]
-            if skipped.any():
-                ax.scatter(columns.steps["train"][skipped], columns.values["train", "loss"][skipped], color="C3",
-                           marker="x", zorder=3, label="skipped update")
-        if len(vx):
-            draw(ax, vx, vy, color="C1", marker="o", markersize=3, linewidth=1.4, label="val")
+        skip_label = "skipped update"
+        for i, (_, columns) in enumerate(runs):
+            tx, ty = columns.series("train", "loss")
+            vx, vy = columns.series("val", "loss")
+            if len(tx):
+                raw = "train" if not several or smooth > 0 else ""
+                draw(ax, tx, ty, color=color(i, "C0"), alpha=0.25, linewidth=0.8,
+                     label=named(i, raw) if not several or smooth == 0 else None)
+                if smooth > 0:  # one point too: the faint raw line alone would hardly show it
+                    draw(ax, tx, ema(ty, smooth), color=color(i, "C0"), linewidth=1.6,
+                         label=named(i, f"train (EMA {smooth:g})"))
+                skipped = (columns.values["train", "skipped"] != 0) & columns.present["train", "skipped"] \
+                    & columns.present["train", "loss"]
+                if skipped.any():
+                    ax.scatter(columns.steps["train"][skipped], columns.values["train", "loss"][skipped], color="C3",
+                               marker="x", zorder=3, label=skip_label)
+                    skip_label = None  # one legend entry for every run's
+            if len(vx):
+                draw(ax, vx, vy, color=color(i, "C1"), marker="o", markersize=3, linewidth=1.4,
+                     linestyle="-" if not several else "--", label=named(i, "val"))
         ax.legend()
         save(fig, "loss.png")
 
-    for key, fname, ylabel, what, scale, logy in (
-            ("lr", "lr.png", "learning rate", "learning rate", 1.0, False),
-            ("norm", "grad_norm.png", "gradient norm", "gradient norm (before clipping)", 1.0, True),
-            ("tok_s", "tokens_per_s.png", "tokens / s", "throughput", 1.0, False),
-            ("mfu", "mfu.png", "MFU (%)", "model FLOPs utilization", 100.0, False)):
-        xs, ys = columns.series("train", key)
-        if not len(xs):
-            continue  # the log does not carry this quantity (older trainer, CPU run): no chart
+    def chart(kind, key, fname, ylabel, what, scale, alone_color, style, logy=False, sci=False):
+        lines = [(i, *columns.series(kind, key)) for i, (_, columns) in enumerate(runs)]
+        lines = [(i, xs, ys) for i, xs, ys in lines if len(xs)]
+        if not lines:
+            return  # no log carries this quantity (older trainer, CPU run): no chart
         fig, ax = new(ylabel, what)
-        draw(ax, xs, ys * scale, color="C2", linewidth=1.2)
-        finite = ys[np.isfinite(ys)]
+        for i, xs, ys in lines:
+            draw(ax, xs, ys * scale, color=color(i, alone_color), label=names[i], **style)
+        finite = np.concatenate([ys[np.isfinite(ys)] for _, _, ys in lines])
         if logy and len(finite) and (finite > 0).all():
             ax.set_yscale("log")  # norms span orders of magnitude early in training
-        if key == "lr":
+        if sci:
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        if several:
+            ax.legend()
         save(fig, fname)
-    xs, ys = columns.series("eval", "accuracy")
-    if len(xs):
-        fig, ax = new("accuracy (%)", "HellaSwag accuracy")
-        draw(ax, xs, ys * 100, color="C4", marker="o", markersize=3, linewidth=1.2)
-        save(fig, "hellaswag.png")
+
+    chart("train", "lr", "lr.png", "learning rate", "learning rate", 1.0, "C2", {"linewidth": 1.2}, sci=True)
+    chart("train", "norm", "grad_norm.png", "gradient norm", "gradient norm (before clipping)", 1.0, "C2",
+          {"linewidth": 1.2}, logy=True)
+    chart("train", "tok_s", "tokens_per_s.png", "tokens / s", "throughput", 1.0, "C2", {"linewidth": 1.2})
+    chart("train", "mfu", "mfu.png", "MFU (%)", "model FLOPs utilization", 100.0, "C2", {"linewidth": 1.2})
+    chart("eval", "accuracy", "hellaswag.png", "accuracy (%)", "HellaSwag accuracy", 100.0, "C4",
+          {"marker": "o", "markersize": 3, "linewidth": 1.2})
     # a chart of an earlier log this one has nothing for (a GPU run's mfu.png under a CPU run's charts) would pass
     # for this run's: said, not deleted (the folder may be the user's)
     stale = [name for name in CHART_FILES if out / name not in written and (out / name).exists()]
     if stale and warn is not None:
-        warn(f"{out}: {', '.join(stale)} left from an earlier plot; this log has nothing to chart in them")
+        logs = "these logs have" if several else "this log has"
+        warn(f"{out}: {', '.join(stale)} left from an earlier plot; {logs} nothing to chart in them")
     return written
