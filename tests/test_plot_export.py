@@ -21,9 +21,11 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 try:
-    import matplotlib  # noqa: F401
+    import matplotlib
+    import matplotlib.colors
     HAS_MPL = True
 except ImportError:
+    matplotlib = None
     HAS_MPL = False
 try:
     import transformers
@@ -426,35 +428,54 @@ def test_plot_of_several_runs_draws_each_in_its_own_color(tmp_path, monkeypatch)
     write_log(a)
     write_log(b, steps=40, extra=False)  # no tok_s or mfu: those charts hold a's line alone
     saved = saved_figures(monkeypatch)
-    out = tmp_path / "compare"
-    written = pl.plot_runs([a, b], out)
+    out, notes = tmp_path / "compare", []
+    written = pl.plot_runs([a, b], out, warn=notes.append)
     assert [p.name for p in written] == ["loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png"]
     assert_pngs(out, [p.name for p in written])
-    assert not (a / "plots").exists() and not (b / "plots").exists()
+    assert notes == [] and not (a / "plots").exists() and not (b / "plots").exists()
     loss = saved["loss"].axes[0]
-    labels = [h.get_label() for h in loss.get_legend().legend_handles]
-    assert labels == ["lr3e-4 train (EMA 0.9)", "skipped update", "lr3e-4 val", "lr1e-3 train (EMA 0.9)",
-                      "lr1e-3 val"]
+    # a name and a color each run, the kinds of line told once, in gray
+    handles = loss.get_legend().legend_handles
+    assert [h.get_label() for h in handles] == ["lr3e-4", "lr1e-3", "train (EMA 0.9)", "val", "skipped update"]
+    assert handles[0].get_color() != handles[1].get_color() and handles[2].get_color() == "gray"
     assert loss.get_title() == "lr3e-4 vs lr1e-3: loss"
-    colors = {line.get_label(): line.get_color() for line in loss.lines}
-    assert colors["lr3e-4 train (EMA 0.9)"] == colors["lr3e-4 val"] != colors["lr1e-3 train (EMA 0.9)"]
+    by_color = {}
+    for line in loss.lines:
+        by_color.setdefault(line.get_color(), []).append(line.get_label())
+    assert sorted(by_color.values()) == [["train", "train (EMA 0.9)", "val"]] * 2
+    # each run's skipped step (25) in the run's color
+    assert [len(c.get_offsets()) for c in loss.collections] == [1, 1]
+    assert [matplotlib.colors.to_hex(c.get_facecolor()[0]) for c in loss.collections] == \
+        [matplotlib.colors.to_hex(h.get_color()) for h in handles[:2]]
     lr = saved["lr"].axes[0]
     assert [line.get_label() for line in lr.lines] == ["lr3e-4", "lr1e-3"]
     assert [len(line.get_xdata()) for line in lr.lines] == [60, 40]
     assert lr.lines[0].get_color() != lr.lines[1].get_color()
-    assert [line.get_label() for line in saved["tokens_per_s"].axes[0].lines] == ["lr3e-4"]
+    tok_s = saved["tokens_per_s"].axes[0]  # titled by the run it draws
+    assert [line.get_label() for line in tok_s.lines] == ["lr3e-4"] and tok_s.get_title() == "lr3e-4: throughput"
 
 
 @needs_mpl
-def test_plot_of_several_runs_names_alike_folders_by_their_paths(tmp_path, monkeypatch):
-    a, b = tmp_path / "x" / "run", tmp_path / "y" / "run"
-    write_log(a, extra=False)
-    write_log(b, extra=False)
+def test_plot_of_several_runs_names_each_by_what_tells_it_apart(tmp_path, monkeypatch):
+    a, b, c = tmp_path / "x" / "run", tmp_path / "y" / "run", tmp_path / "y" / "other"
+    for d in (a, b, c):
+        write_log(d, extra=False)
     saved = saved_figures(monkeypatch)
-    pl.plot_runs([a, b], tmp_path / "out", smooth=0.0)
-    assert [line.get_label() for line in saved["lr"].axes[0].lines] == [str(a), str(b)]
-    # no smoothing: the raw train line carries the run's name
-    assert [h.get_label() for h in saved["loss"].axes[0].get_legend().legend_handles][0] == str(a)
+    pl.plot_runs([a, b, c], tmp_path / "out", smooth=0.0)
+    assert [line.get_label() for line in saved["lr"].axes[0].lines] == ["x/run", "y/run", "other"]
+    assert saved["lr"].axes[0].get_title() == "x/run vs y/run vs other: learning rate"
+    # no smoothing: the raw line is the train line of the legend
+    assert [h.get_label() for h in saved["loss"].axes[0].get_legend().legend_handles][3] == "train"
+    # a sweep of twelve: twelve colors, a legend that leaves the lines room, a title that counts them
+    sweep = [tmp_path / "sweep" / f"lr{k:02d}" for k in range(12)]
+    for d in sweep:
+        write_log(d, extra=False)
+    saved.clear()
+    pl.plot_runs(sweep, tmp_path / "out12")
+    lr = saved["lr"].axes[0]
+    assert len({matplotlib.colors.to_hex(line.get_color()) for line in lr.lines}) == 12
+    assert lr.get_title() == "12 runs: learning rate"
+    assert len(saved["loss"].axes[0].get_legend().legend_handles) == 12 + 3
 
 
 def test_plot_of_several_runs_errors(tmp_path):

@@ -312,72 +312,96 @@ def plot_run(run_dir, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path
     return plot_runs([run_dir], out_dir, smooth, warn)
 
 
-def _read_run(run_dir, warn) -> tuple[Path, LogColumns]:
-    """A run folder's checked path and its log's columns; LlmpyError where it has nothing to chart."""
-    # Path("") is the current folder: not what was meant
-    if not str(run_dir).strip():
-        raise LlmpyError("an empty run directory name (give the run's output directory, train -o)")
+def _checked_run_dir(run_dir) -> Path:
+    """A run folder given on the command line, as a path, once it holds a log; LlmpyError naming it otherwise."""
     from .files import expand_user
     run_dir = expand_user(run_dir)  # a quoted "~/runs/x" too, as train and prepare take it
     if not run_dir.exists():
         raise LlmpyError(f"{run_dir}: no such directory")
     if not run_dir.is_dir():
         raise LlmpyError(f"{run_dir} is not a directory (give the run's output directory)")
-    log = run_dir / LOG_NAME
-    if not log.exists():
+    if not (run_dir / LOG_NAME).exists():
         raise LlmpyError(f"{run_dir}: no {LOG_NAME} in it (was it written by `llmpy train -o`?)")
+    return run_dir
+
+
+def _read_run(run_dir: Path, smooth: float, alone: bool, warn) -> LogColumns:
+    """A run's log as columns, with its notes; LlmpyError where it has nothing to chart."""
+    log = run_dir / LOG_NAME
     columns = read_columns(log)
+    if not 0.0 <= smooth < 1.0:
+        raise LlmpyError(f"--smooth {smooth}: must be in [0, 1)")
     if not any(len(columns.series(kind, key)[0]) for kind, keys in CHARTED.items() for key in keys):
         # checked before the plot folder is made, so a failed plot leaves none behind
         raise LlmpyError(f"{log}: {columns.records} record(s) but none with a loss, learning rate, gradient norm, "
                          "tok_s, mfu or accuracy: nothing to plot")
     if warn is not None and not any(len(columns.series(kind, "loss")[0]) for kind in ("train", "val")):
-        warn(f"{log}: no loss values in it, so no loss chart")
+        warn(f"{log}: no loss values in it" + (", so no loss chart" if alone else ""))
     if warn is not None and columns.abandoned:
         warn(f"{log}: a later run resumed from an earlier step; left out {columns.abandoned} record(s) that the "
              "earlier run logged past it and the resumed run has not logged again")
     note = leave_out_undrawable(columns, log)  # before any chart is written: matplotlib would crash mid-way
     if note is not None and warn is not None:
         warn(note)
-    return run_dir, columns
+    return columns
 
 
-def _run_names(run_dirs: list[Path]) -> list[str]:
-    """Each run's name in the legend: its folder's name, or the path as given where two runs' names are alike."""
-    names = [d.resolve().name for d in run_dirs]
-    return [str(d) if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
+def run_names(run_dirs: list[Path]) -> list[str]:
+    """Each run's name in the legends: the fewest last parts of its full path that tell it from the others
+    (its folder's name, unless two runs share it: then "x/run" and "y/run")."""
+    parts = [d.resolve().parts for d in run_dirs]
+    names = []
+    for i, mine in enumerate(parts):
+        k = next((k for k in range(1, len(mine)) if all(other[-k:] != mine[-k:] for j, other in enumerate(parts)
+                                                        if j != i)), len(mine))
+        names.append(str(Path(*mine[-k:])))  # all of them: the whole path, from its root
+    return names
+
+
+def run_colors(count: int) -> list:
+    """A color for each of `count` runs: matplotlib's ten, then tab20's twenty; past 20 they repeat."""
+    if count <= 10:
+        return [f"C{i}" for i in range(count)]
+    import matplotlib
+    tab20 = matplotlib.colormaps["tab20"]
+    return [tab20(i % 20) for i in range(count)]
+
+
+TITLE_MOST = 60  # characters of run names a title takes, before it says "N runs"
 
 
 def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path]:
-    """plot_run of one run or several: with several, each chart draws every run's line in a color of its own,
-    named in the legend (a learning-rate sweep, a run against its baseline), into out_dir, which is then needed."""
+    """plot_run of one run or several: with several, each chart draws every run that has its quantity, in a color of
+    its own named in the legend (a learning-rate sweep, a run against its baseline), into out_dir, which is then
+    needed. The runs' folders are checked, then their logs read, before any chart is drawn."""
     run_dirs = list(run_dirs)
     if not run_dirs:
         raise LlmpyError("no run directory given (give the run's output directory, train -o)")
+    # Path("") is the current folder: not what was meant
+    if any(not str(d).strip() for d in run_dirs):
+        raise LlmpyError("an empty run directory name (give the run's output directory, train -o)")
+    several = len(run_dirs) > 1
     if out_dir is not None and not str(out_dir).strip():
-        raise LlmpyError("-o '': an empty output folder name" +
-                         (" (leave -o out for DIR/plots)" if len(run_dirs) == 1 else ""))
-    if not 0.0 <= smooth < 1.0:
-        raise LlmpyError(f"--smooth {smooth}: must be in [0, 1)")
-    runs = [_read_run(d, warn) for d in run_dirs]
+        raise LlmpyError("-o '': an empty output folder name" + ("" if several else " (leave -o out for DIR/plots)"))
+    dirs = [_checked_run_dir(d) for d in run_dirs]
     seen = {}
-    for d, _ in runs:
+    for d in dirs:
         if d.resolve() in seen:
             raise LlmpyError(f"{d}: given twice (as {seen[d.resolve()]} too)")
         seen[d.resolve()] = d
-    several = len(runs) > 1
     if several and out_dir is None:
-        raise LlmpyError(f"{len(runs)} runs: give -o, the folder for the charts that compare them")
+        raise LlmpyError(f"{len(dirs)} runs: give -o, the folder for the charts that compare them")
+    runs = [_read_run(d, smooth, not several, warn) for d in dirs]
     from .files import expand_user
-    out = expand_user(out_dir) if out_dir is not None else runs[0][0] / "plots"
+    out = expand_user(out_dir) if out_dir is not None else dirs[0] / "plots"
     if out.exists() and not out.is_dir():
         raise LlmpyError(f"{out} exists and is not a directory")
     Figure = _figure_class()
     import numpy as np
+    from matplotlib.lines import Line2D
     from .files import atomic_path, writable_dir
     writable_dir(out, "plot folder")
-    names = _run_names([d for d, _ in runs])
-    title = names[0] if not several else " vs ".join(names) if len(names) <= 3 else f"{len(names)} runs"
+    names, colors = run_names(dirs), run_colors(len(dirs))
     written = []
 
     def save(fig, name):
@@ -389,63 +413,75 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Pa
             raise OSError(e.errno, e.strerror or str(e), str(path)) from None
         written.append(path)
 
-    def new(ylabel, what):
+    def new(ylabel, what, drawn):
+        """A chart of `drawn` (the indices of the runs with a line in it)."""
         fig = Figure(figsize=(8, 4.5), layout="constrained")
         ax = fig.subplots()
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{title}: {what}")
+        title = " vs ".join(names[i] for i in drawn)
+        ax.set_title(f"{title if len(title) <= TITLE_MOST else f'{len(drawn)} runs'}: {what}")
         ax.grid(True, alpha=0.3)
         return fig, ax
 
-    def color(i, alone):
-        # one run keeps a color for each kind of line; several, a color for each run
-        return alone if not several else f"C{i % 10}"
-
-    def named(i, label):
-        return label if not several else f"{names[i]} {label}".strip()
+    def legend(ax, drawn, extra=()):
+        # several runs: a name each, and a line's kind told once (val dashed, skipped updates), small and in columns
+        # so that a sweep's legend does not cover the lines
+        handles = [Line2D([], [], color=colors[i], linewidth=1.6, label=names[i]) for i in drawn] + list(extra)
+        ax.legend(handles=handles, fontsize="small" if len(handles) > 6 else None, ncol=1 + len(handles) // 12)
 
     # loss: raw train faint, smoothed train (over every step, then thinned), validation as markers + line
-    if any(len(columns.series(kind, "loss")[0]) for _, columns in runs for kind in ("train", "val")):
-        fig, ax = new("loss", "loss")
-        skip_label = "skipped update"
-        for i, (_, columns) in enumerate(runs):
+    with_loss = [i for i, columns in enumerate(runs)
+                 if any(len(columns.series(kind, "loss")[0]) for kind in ("train", "val"))]
+    if with_loss:
+        fig, ax = new("loss", "loss", with_loss)
+        kinds = set()
+        for i in with_loss:
+            columns = runs[i]
             tx, ty = columns.series("train", "loss")
             vx, vy = columns.series("val", "loss")
+            c_train, c_val = (colors[i], colors[i]) if several else ("C0", "C1")
             if len(tx):
-                raw = "train" if not several or smooth > 0 else ""
-                draw(ax, tx, ty, color=color(i, "C0"), alpha=0.25, linewidth=0.8,
-                     label=named(i, raw) if not several or smooth == 0 else None)
+                draw(ax, tx, ty, color=c_train, alpha=0.25, linewidth=0.8, label="train")
                 if smooth > 0:  # one point too: the faint raw line alone would hardly show it
-                    draw(ax, tx, ema(ty, smooth), color=color(i, "C0"), linewidth=1.6,
-                         label=named(i, f"train (EMA {smooth:g})"))
+                    draw(ax, tx, ema(ty, smooth), color=c_train, linewidth=1.6, label=f"train (EMA {smooth:g})")
                 skipped = (columns.values["train", "skipped"] != 0) & columns.present["train", "skipped"] \
                     & columns.present["train", "loss"]
                 if skipped.any():
-                    ax.scatter(columns.steps["train"][skipped], columns.values["train", "loss"][skipped], color="C3",
-                               marker="x", zorder=3, label=skip_label)
-                    skip_label = None  # one legend entry for every run's
+                    ax.scatter(columns.steps["train"][skipped], columns.values["train", "loss"][skipped],
+                               color=c_train if several else "C3", marker="x", zorder=3, label="skipped update")
+                    kinds.add("skipped")
             if len(vx):
-                draw(ax, vx, vy, color=color(i, "C1"), marker="o", markersize=3, linewidth=1.4,
-                     linestyle="-" if not several else "--", label=named(i, "val"))
-        ax.legend()
+                draw(ax, vx, vy, color=c_val, marker="o", markersize=3, linewidth=1.4,
+                     linestyle="--" if several else "-", label="val")
+                kinds.add("val")
+        if several:
+            what = f"train (EMA {smooth:g})" if smooth > 0 else "train"
+            extra = [Line2D([], [], color="gray", linewidth=1.6, label=what)]
+            if "val" in kinds:
+                extra.append(Line2D([], [], color="gray", linestyle="--", marker="o", markersize=3, label="val"))
+            if "skipped" in kinds:
+                extra.append(Line2D([], [], color="gray", linestyle="", marker="x", label="skipped update"))
+            legend(ax, with_loss, extra)
+        else:
+            ax.legend()
         save(fig, "loss.png")
 
     def chart(kind, key, fname, ylabel, what, scale, alone_color, style, logy=False, sci=False):
-        lines = [(i, *columns.series(kind, key)) for i, (_, columns) in enumerate(runs)]
+        lines = [(i, *runs[i].series(kind, key)) for i in range(len(runs))]
         lines = [(i, xs, ys) for i, xs, ys in lines if len(xs)]
         if not lines:
             return  # no log carries this quantity (older trainer, CPU run): no chart
-        fig, ax = new(ylabel, what)
+        fig, ax = new(ylabel, what, [i for i, _, _ in lines])
         for i, xs, ys in lines:
-            draw(ax, xs, ys * scale, color=color(i, alone_color), label=names[i], **style)
+            draw(ax, xs, ys * scale, color=colors[i] if several else alone_color, label=names[i], **style)
         finite = np.concatenate([ys[np.isfinite(ys)] for _, _, ys in lines])
         if logy and len(finite) and (finite > 0).all():
             ax.set_yscale("log")  # norms span orders of magnitude early in training
         if sci:
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         if several:
-            ax.legend()
+            legend(ax, [i for i, _, _ in lines])
         save(fig, fname)
 
     chart("train", "lr", "lr.png", "learning rate", "learning rate", 1.0, "C2", {"linewidth": 1.2}, sci=True)
