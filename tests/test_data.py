@@ -1164,6 +1164,70 @@ def test_a_prepare_that_fails_while_moving_its_shards_in_leaves_the_earlier_ones
     assert files() == before and len(os.listdir(out)) == len(before) + 1
 
 
+KILLED_PREPARE = """
+import os, sys
+from llmpy import prepare as prep
+stop_at = sys.argv[1]
+if stop_at == "remove_stale":  # every new shard in place, the earlier prepare's extra ones not yet removed
+    prep._remove_stale = lambda *a: os._exit(9)
+else:  # the second new shard's move: the new val shard in place, train's first set aside, the rest the earlier's
+    moves, replace = [], os.replace
+    def killed_mid_commit(src, dst):
+        if os.fspath(src).endswith(".part"):
+            moves.append(src)
+            if len(moves) == 2:
+                os._exit(9)
+        return replace(src, dst)
+    prep.os.replace = killed_mid_commit
+prep.prepare(sys.argv[2], sys.argv[3], tokenizer="bytes", val_tokens=100, shard_size=1000, log=lambda m: None)
+"""
+
+
+@pytest.mark.parametrize("stop_at", ["commit", "remove_stale"])
+def test_a_prepare_killed_while_its_shards_move_in_leaves_them_refused_until_it_runs_again(tmp_path, stop_at):
+    # SIGKILL (the OOM killer, a preemption) between the first move and the last removal left a mix of two prepares'
+    # shards that train read without a word
+    import subprocess
+    import sys
+    rng = np.random.default_rng()
+    src = tmp_path / "c.txt"
+    src.write_text("".join(rng.choice(list("abc \n"), 5000)))
+    out = tmp_path / "o"
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    src.write_text("".join(rng.choice(list("xyz \n"), 3000)))  # fewer shards: the last ones are stale after it
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    r = subprocess.run([sys.executable, "-c", KILLED_PREPARE, stop_at, str(src), str(out)], env=env, timeout=120)
+    assert r.returncode != 0
+    journal = out / ".c.prepare-commit"
+    assert journal.exists()
+    message = (rf"^{re.escape(str(out))}/c_(train|val)_\d{{6}}\.bin: a prepare of 'c' was stopped while it moved its "
+               r"shards into place \(\.c\.prepare-commit is left\), so they may mix two prepares; run that llmpy "
+               r"prepare again$")
+    with pytest.raises(LlmpyError, match=message):
+        DataLoader(str(out / "c_train_*.bin"), 2, 8, vocab_size=257)
+    with pytest.raises(LlmpyError, match=message):
+        EvalLoader(str(out / "c_val_*.bin"), 2, 8, vocab_size=257)
+    # a shard named on its own too, and a glob of two prepares' names, one of them whole
+    write_shard(out / "d_train_000000.bin", rng.integers(0, 257, 100))
+    with pytest.raises(LlmpyError, match=message):
+        DataLoader([str(out / "d_train_*.bin"), str(out / "c_train_000001.bin")], 2, 8, vocab_size=257)
+    assert len(DataLoader(str(out / "d_train_*.bin"), 2, 8, vocab_size=257).files) == 1
+    # a glob that matches nothing (its only shard set aside when the process died) says why it may
+    with pytest.raises(LlmpyError, match=r"c_none_\*\.bin: no files match this pattern \(a prepare was stopped here "
+                                         r"while it moved its shards into place: \.c\.prepare-commit is left; run it "
+                                         r"again\)$"):
+        DataLoader(str(out / "c_none_*.bin"), 2, 8, vocab_size=257)
+    # the same prepare again: the dataset whole, the journal gone
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    assert not journal.exists()
+    fresh = tmp_path / "fresh"
+    run_prepare([src, "-o", fresh, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    shards = lambda folder: {p.name: p.read_bytes() for p in folder.glob("c_*.bin")}  # noqa: E731
+    assert shards(out) == shards(fresh) and len(shards(out)) == 4  # the earlier prepare's 4th and 5th train gone
+    assert not [p for p in os.listdir(out) if p.endswith(".prepare-commit")]
+    DataLoader(str(out / "c_train_*.bin"), 2, 8, vocab_size=257)
+
+
 def test_prepare_reads_gzip_and_folders_whatever_their_case_and_names_what_it_cannot_read(tmp_path, monkeypatch):
     import gzip
     good = json.dumps({"text": "fine"}) + "\n"

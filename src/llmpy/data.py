@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import stat
 import sysconfig
 from dataclasses import dataclass
@@ -231,12 +232,13 @@ def resolve_shards(pattern_or_paths) -> list[Path]:
             if not matched:
                 matched = sorted(glob.glob(s))
             if not matched:
-                raise LlmpyError(f"{s}: no files match this pattern")
+                raise LlmpyError(f"{s}: no files match this pattern{_stopped_commit_note(head)}")
             files.extend(Path(m) for m in matched)
         else:
             if not Path(s).exists():
                 raise LlmpyError(f"{s}: no such token shard")
             files.append(Path(s))
+    refuse_a_stopped_commit(files)
     return files
 
 
@@ -538,9 +540,45 @@ def shard_name(name: str, split: str, index: int) -> str:
     return f"{name}_{split}_{index:06d}.bin"
 
 
+_SHARD_NAME = re.compile(r"(.+)_(?:train|val)_\d{6}\.bin")
+
+
+def commit_journal(folder: Path, name: str) -> Path:
+    """The file `llmpy prepare` keeps in its folder while it moves NAME's new shards into place and removes the
+    earlier ones: left there (the process killed mid-way), the folder's NAME shards may mix two prepares."""
+    return Path(folder) / f".{name}.prepare-commit"
+
+
+def _stopped_commit_note(folder: str) -> str:
+    """For a glob that matched nothing: the commit journals in its folder (a killed prepare may have set its only
+    shard aside), as a clause to add to the error line."""
+    if glob.has_magic(folder):
+        return ""
+    try:
+        journals = sorted(e.name for e in os.scandir(folder or ".") if e.name.endswith(".prepare-commit"))
+    except OSError:
+        return ""
+    return (f" (a prepare was stopped here while it moved its shards into place: {', '.join(journals)} is left; run "
+            "it again)") if journals else ""
+
+
+def refuse_a_stopped_commit(files: list[Path]) -> None:
+    """LlmpyError naming the first shard whose folder holds its prepare's commit journal (one check a prefix)."""
+    checked = set()
+    for f in files:
+        m = _SHARD_NAME.fullmatch(f.name)
+        if m is None or (f.parent, m.group(1)) in checked:
+            continue
+        checked.add((f.parent, m.group(1)))
+        journal = commit_journal(f.parent, m.group(1))
+        if os.path.lexists(journal):
+            raise LlmpyError(f"{f}: a prepare of '{m.group(1)}' was stopped while it moved its shards into place "
+                             f"({journal.name} is left), so they may mix two prepares; run that llmpy prepare again")
+
+
 __all__ = [
     "SHARD_MAGIC", "SHARD_VERSION", "HEADER_INTS", "write_shard", "ShardFile", "read_shard", "read_tokens",
     "shard_num_tokens",
-    "check_tokens", "resolve_shards", "DataLoader", "EvalLoader", "default_corpus", "default_dataset",
+    "check_tokens", "resolve_shards", "commit_journal", "DataLoader", "EvalLoader", "default_corpus", "default_dataset",
     "default_cache_dir", "DatasetFiles", "shard_name",
 ]

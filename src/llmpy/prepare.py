@@ -38,7 +38,7 @@ import numpy as np
 
 from .files import (ORPHAN_MIN_AGE_S, atomic_path, expand_user, remove_orphaned_temporaries, temporary_sibling,
                     writable_dir)
-from .data import ShardFile, shard_name
+from .data import ShardFile, commit_journal, shard_name
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Document, Tokenizer, load_tokenizer, refuse_files_for_bytes
 
@@ -380,13 +380,22 @@ class Staging:
         self.pending.append((tmp, final))
         return tmp
 
-    def commit(self) -> None:
+    def commit(self, journal: Path | None = None) -> None:
         """Every new shard into place, or none: a shard being replaced is first set aside under a temporary name and
-        put back if a later move fails, so that a train never reads a mix of two prepares."""
+        put back if a later move fails, so that a train never reads a mix of two prepares. `journal` (data's
+        commit_journal) is written first, and left for the caller to remove once the dataset is whole: a process
+        killed in between leaves it, and train refuses the shards it names."""
         for _, final in self.pending:
             if os.path.lexists(final) and not (os.path.islink(final) or os.path.isfile(final)):
                 raise LlmpyError(f"{final}: not a file, where a new shard goes; move it away")
         moved, set_aside, final = [], [], None  # finals holding new shards; (temporary, final) of the old ones
+        if journal is not None:
+            try:
+                journal.write_text(f"llmpy prepare (process {os.getpid()}) moving {len(self.pending)} shard(s)\n")
+            except OSError as e:
+                raise LlmpyError(f"{journal}: cannot write ({e.strerror or e}); the shards already there are as "
+                                 "they were") from None
+        put_back = True
         try:
             for tmp, final in self.pending:
                 if os.path.lexists(final):
@@ -405,7 +414,9 @@ class Staging:
                 try:
                     os.replace(backup, old)
                 except OSError:
-                    pass
+                    put_back = False
+            if journal is not None and put_back:  # as they were: nothing for a train to refuse
+                _unlink(journal)
             if isinstance(e, OSError):
                 raise LlmpyError(f"{final}: cannot move the new shard into place ({e.strerror or e}); the shards "
                                  "already there are as they were") from None
@@ -543,6 +554,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     n_val = val_tokens if val_tokens is not None or val_fraction is not None else src.default_val_tokens
 
     created = _missing_folders(out)
+    journal = commit_journal(out, name)
     staging = Staging()
     spill = None
     writers: dict[str, ShardWriter] = {}
@@ -581,7 +593,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
         if not result["train"]:
             raise LlmpyError(f"{source}: all {seen} tokens went to the val split; nothing left to train on "
                              "(lower --val-tokens / --val-fraction)")
-        staging.commit()
+        staging.commit(journal)
     except BaseException:  # KeyboardInterrupt too: no temporaries, no empty folder of ours left behind
         for w in writers.values():
             w.abandon()
@@ -593,6 +605,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     if spill is not None:
         _unlink(spill)
     _remove_stale(out, name, result)
+    _unlink(journal)  # the dataset is whole: the new shards in place, the earlier run's extra ones gone
     for split in ("val", "train"):
         files = result[split]
         total = sum(n for _, n in files)
