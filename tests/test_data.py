@@ -1201,8 +1201,8 @@ def test_a_prepare_killed_while_its_shards_move_in_leaves_them_refused_until_it_
     journal = out / ".c.prepare-commit"
     assert journal.exists()
     message = (rf"^{re.escape(str(out))}/c_(train|val)_\d{{6}}\.bin: a prepare of 'c' was stopped while it moved its "
-               r"shards into place \(\.c\.prepare-commit is left\), so they may mix two prepares; run that llmpy "
-               r"prepare again$")
+               rf"shards into place \({re.escape(str(journal))} is left\), so they may mix two prepares; run that "
+               r"llmpy prepare again$")
     with pytest.raises(LlmpyError, match=message):
         DataLoader(str(out / "c_train_*.bin"), 2, 8, vocab_size=257)
     with pytest.raises(LlmpyError, match=message):
@@ -1217,6 +1217,28 @@ def test_a_prepare_killed_while_its_shards_move_in_leaves_them_refused_until_it_
                                          r"while it moved its shards into place: \.c\.prepare-commit is left; run it "
                                          r"again\)$"):
         DataLoader(str(out / "c_none_*.bin"), 2, 8, vocab_size=257)
+    # a link to one of the folder's shards, from elsewhere
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "l_train_000000.bin").symlink_to(out / "c_train_000001.bin")
+    with pytest.raises(LlmpyError, match=r"l_train_000000\.bin: a prepare of 'c' was stopped"):
+        DataLoader(str(tmp_path / "links" / "l_train_*.bin"), 2, 8, vocab_size=257)
+    # the prepare again, failing in its own commit: rolled back to the mix the killed one left, which stays refused
+    real_replace, moves = os.replace, []
+
+    def failing_second_move(a, b):
+        if os.fspath(a).endswith(".part"):
+            moves.append(b)
+            if len(moves) == 2:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_replace(a, b)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(os, "replace", failing_second_move)
+        with pytest.raises(LlmpyError, match=r"cannot move the new shard into place \(Input/output error\); the "
+                                             r"shards already there are as they were$"):
+            run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    assert journal.exists()
+    with pytest.raises(LlmpyError, match=message):
+        DataLoader(str(out / "c_train_*.bin"), 2, 8, vocab_size=257)
     # the same prepare again: the dataset whole, the journal gone
     run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
     assert not journal.exists()
@@ -1226,6 +1248,62 @@ def test_a_prepare_killed_while_its_shards_move_in_leaves_them_refused_until_it_
     assert shards(out) == shards(fresh) and len(shards(out)) == 4  # the earlier prepare's 4th and 5th train gone
     assert not [p for p in os.listdir(out) if p.endswith(".prepare-commit")]
     DataLoader(str(out / "c_train_*.bin"), 2, 8, vocab_size=257)
+
+
+@pytest.mark.parametrize("after", ["set_aside", "move_in"])
+def test_a_ctrl_c_just_after_a_move_undoes_it_too(tmp_path, monkeypatch, after):
+    # a move made but not yet noted when the KeyboardInterrupt came was left out of the undoing: a new shard beside
+    # the earlier ones, or an earlier one left under its temporary name
+    rng = np.random.default_rng()
+    src = tmp_path / "c.txt"
+    src.write_text("".join(rng.choice(list("abc \n"), 2000)))  # val 0, train 0 and 1
+    out = tmp_path / "o"
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    before = _snapshot(out)
+    src.write_text("".join(rng.choice(list("xyz \n"), 4000)))  # val 0, train 0 to 3
+    real_replace, moves = os.replace, []
+    # the third set-aside (train 1's), or the fourth move-in (train 2's, a shard with no earlier one)
+    suffix, nth = (".bin", 3) if after == "set_aside" else (".part", 4)
+
+    def interrupted_just_after(a, b):
+        real_replace(a, b)
+        if os.fspath(a).endswith(suffix):
+            moves.append(b)
+            if len(moves) == nth:
+                raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", interrupted_just_after)
+    with pytest.raises(KeyboardInterrupt):
+        run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    monkeypatch.undo()
+    assert len(moves) == nth and _snapshot(out) == before  # the earlier shards, no temporaries, no journal
+
+
+def test_an_earlier_shard_prepare_cannot_remove_keeps_its_folder_refused(tmp_path, monkeypatch):
+    # the new shards in place and one of the earlier prepare's extra ones left (its unlink failed silently): train
+    # read it with the new ones
+    rng = np.random.default_rng()
+    src = tmp_path / "c.txt"
+    src.write_text("".join(rng.choice(list("abc \n"), 5000)))
+    out = tmp_path / "o"
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    src.write_text("".join(rng.choice(list("xyz \n"), 3000)))
+    unlink = Path.unlink
+
+    def refused(self, *a, **k):
+        if self.name == "c_train_000004.bin":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return unlink(self, *a, **k)
+    monkeypatch.setattr(Path, "unlink", refused)
+    with pytest.raises(LlmpyError, match=r"c_train_000004\.bin: cannot remove this shard of an earlier prepare "
+                                         r"\(Permission denied\); train refuses the folder's shards until it is gone "
+                                         r"and the prepare has run again$"):
+        run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    monkeypatch.undo()
+    assert (out / ".c.prepare-commit").exists() and (out / "c_train_000004.bin").exists()
+    with pytest.raises(LlmpyError, match=r"was stopped while it moved its shards into place"):
+        DataLoader(str(out / "c_train_*.bin"), 2, 8, vocab_size=257)
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    assert not (out / ".c.prepare-commit").exists() and len(list(out.glob("c_train_*.bin"))) == 3
 
 
 def test_prepare_reads_gzip_and_folders_whatever_their_case_and_names_what_it_cannot_read(tmp_path, monkeypatch):

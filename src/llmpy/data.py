@@ -566,14 +566,16 @@ def refuse_a_stopped_commit(files: list[Path]) -> None:
     """LlmpyError naming the first shard whose folder holds its prepare's commit journal (one check a prefix)."""
     checked = set()
     for f in files:
-        m = _SHARD_NAME.fullmatch(f.name)
-        if m is None or (f.parent, m.group(1)) in checked:
-            continue
-        checked.add((f.parent, m.group(1)))
-        journal = commit_journal(f.parent, m.group(1))
-        if os.path.lexists(journal):
-            raise LlmpyError(f"{f}: a prepare of '{m.group(1)}' was stopped while it moved its shards into place "
-                             f"({journal.name} is left), so they may mix two prepares; run that llmpy prepare again")
+        for path in (f, Path(os.path.realpath(f))):  # the shard as named, and the one a link leads to
+            m = _SHARD_NAME.fullmatch(path.name)
+            if m is None or (path.parent, m.group(1)) in checked:
+                continue
+            checked.add((path.parent, m.group(1)))
+            journal = commit_journal(path.parent, m.group(1))
+            if os.path.lexists(journal):
+                raise LlmpyError(f"{f}: a prepare of '{m.group(1)}' was stopped while it moved its shards into "
+                                 f"place ({journal} is left), so they may mix two prepares; run that llmpy prepare "
+                                 "again")
 
 
 __all__ = [

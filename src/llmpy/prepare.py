@@ -389,6 +389,9 @@ class Staging:
             if os.path.lexists(final) and not (os.path.islink(final) or os.path.isfile(final)):
                 raise LlmpyError(f"{final}: not a file, where a new shard goes; move it away")
         moved, set_aside, final = [], [], None  # finals holding new shards; (temporary, final) of the old ones
+        # an earlier prepare's journal (it was killed mid-way): the folder is a mix already, and stays refused until
+        # a commit completes, even when this one is rolled back
+        earlier_journal = journal is not None and os.path.lexists(journal)
         if journal is not None:
             try:
                 journal.write_text(f"llmpy prepare (process {os.getpid()}) moving {len(self.pending)} shard(s)\n")
@@ -400,26 +403,32 @@ class Staging:
             for tmp, final in self.pending:
                 if os.path.lexists(final):
                     backup = temporary_sibling(final, "old")
-                    os.replace(final, backup)
+                    # each move noted before it is made: a Ctrl-C between the two would leave it out of the undoing
                     set_aside.append((backup, final))
+                    os.replace(final, backup)
                     # a rename keeps the old shard's time: fresh, a prepare on another host (which knows a temporary
                     # only by its age) leaves it for the put-back below
                     os.utime(backup)
-                os.replace(tmp, final)
                 moved.append(final)
+                os.replace(tmp, final)
         except BaseException as e:  # Ctrl-C too
             for path in moved:
                 _unlink(path)
             for backup, old in reversed(set_aside):
+                if not os.path.lexists(backup):
+                    continue  # its move was not made
                 try:
                     os.replace(backup, old)
                 except OSError:
                     put_back = False
-            if journal is not None and put_back:  # as they were: nothing for a train to refuse
+            if journal is not None and put_back and not earlier_journal:  # as they were: nothing for train to refuse
                 _unlink(journal)
             if isinstance(e, OSError):
-                raise LlmpyError(f"{final}: cannot move the new shard into place ({e.strerror or e}); the shards "
-                                 "already there are as they were") from None
+                state = ("the shards already there are as they were" if put_back else
+                         f"some earlier shards could not be put back ({journal.name if journal else 'no journal'} "
+                         "keeps train from them): run the prepare again")
+                raise LlmpyError(f"{final}: cannot move the new shard into place ({e.strerror or e}); {state}") \
+                    from None
             raise
         self.pending = []
         for backup, _ in set_aside:
@@ -640,7 +649,14 @@ def _remove_stale(out: Path, name: str, result) -> None:
     pattern = re.compile(re.escape(name) + r"_(train|val)_\d{6}\.bin")
     for p in out.iterdir():
         if pattern.fullmatch(p.name) and p.name not in keep:
-            _unlink(p)
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # left, it would be read with the new ones: the commit journal stays, and says so
+                raise LlmpyError(f"{p}: cannot remove this shard of an earlier prepare ({e.strerror or e}); train "
+                                 "refuses the folder's shards until it is gone and the prepare has run again") \
+                    from None
 
 
 # ----------------------------------------------------------------------------------------------
