@@ -1164,6 +1164,18 @@ def test_a_prepare_that_fails_while_moving_its_shards_in_leaves_the_earlier_ones
     assert files() == before and len(os.listdir(out)) == len(before) + 1
 
 
+def _prepared_twice_over(tmp_path, first: int, second: int):
+    """A folder prepared from a text of `first` characters (shards of 1000 tokens, 100 for val), and the source
+    rewritten with `second` other characters for the prepare a test runs next: (source, folder)."""
+    rng = np.random.default_rng()
+    src = tmp_path / "c.txt"
+    src.write_text("".join(rng.choice(list("abc \n"), first)))
+    out = tmp_path / "o"
+    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    src.write_text("".join(rng.choice(list("xyz \n"), second)))
+    return src, out
+
+
 KILLED_PREPARE = """
 import os, sys
 from llmpy import prepare as prep
@@ -1190,11 +1202,7 @@ def test_a_prepare_killed_while_its_shards_move_in_leaves_them_refused_until_it_
     import subprocess
     import sys
     rng = np.random.default_rng()
-    src = tmp_path / "c.txt"
-    src.write_text("".join(rng.choice(list("abc \n"), 5000)))
-    out = tmp_path / "o"
-    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
-    src.write_text("".join(rng.choice(list("xyz \n"), 3000)))  # fewer shards: the last ones are stale after it
+    src, out = _prepared_twice_over(tmp_path, 5000, 3000)  # fewer shards: the last ones are stale after it
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     r = subprocess.run([sys.executable, "-c", KILLED_PREPARE, stop_at, str(src), str(out)], env=env, timeout=120)
     assert r.returncode != 0
@@ -1254,13 +1262,9 @@ def test_a_prepare_killed_while_its_shards_move_in_leaves_them_refused_until_it_
 def test_a_ctrl_c_just_after_a_move_undoes_it_too(tmp_path, monkeypatch, after):
     # a move made but not yet noted when the KeyboardInterrupt came was left out of the undoing: a new shard beside
     # the earlier ones, or an earlier one left under its temporary name
-    rng = np.random.default_rng()
-    src = tmp_path / "c.txt"
-    src.write_text("".join(rng.choice(list("abc \n"), 2000)))  # val 0, train 0 and 1
-    out = tmp_path / "o"
-    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
-    before = _snapshot(out)
-    src.write_text("".join(rng.choice(list("xyz \n"), 4000)))  # val 0, train 0 to 3
+    # val 0, train 0 and 1; then val 0, train 0 to 3
+    before = _snapshot(_prepared_twice_over(tmp_path, 2000, 4000)[1])
+    src, out = tmp_path / "c.txt", tmp_path / "o"
     real_replace, moves = os.replace, []
     # the third set-aside (train 1's), or the fourth move-in (train 2's, a shard with no earlier one)
     suffix, nth = (".bin", 3) if after == "set_aside" else (".part", 4)
@@ -1281,12 +1285,7 @@ def test_a_ctrl_c_just_after_a_move_undoes_it_too(tmp_path, monkeypatch, after):
 def test_an_earlier_shard_prepare_cannot_remove_keeps_its_folder_refused(tmp_path, monkeypatch):
     # the new shards in place and one of the earlier prepare's extra ones left (its unlink failed silently): train
     # read it with the new ones
-    rng = np.random.default_rng()
-    src = tmp_path / "c.txt"
-    src.write_text("".join(rng.choice(list("abc \n"), 5000)))
-    out = tmp_path / "o"
-    run_prepare([src, "-o", out, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
-    src.write_text("".join(rng.choice(list("xyz \n"), 3000)))
+    src, out = _prepared_twice_over(tmp_path, 5000, 3000)
     unlink = Path.unlink
 
     def refused(self, *a, **k):
