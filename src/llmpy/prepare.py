@@ -424,9 +424,9 @@ class Staging:
             if journal is not None and put_back and not earlier_journal:  # as they were: nothing for train to refuse
                 _unlink(journal)
             if isinstance(e, OSError):
+                kept_from = f" ({journal.name} keeps train from them)" if journal is not None else ""
                 state = ("the shards already there are as they were" if put_back else
-                         f"some earlier shards could not be put back ({journal.name if journal else 'no journal'} "
-                         "keeps train from them): run the prepare again")
+                         f"some earlier shards could not be put back{kept_from}: run the prepare again")
                 raise LlmpyError(f"{final}: cannot move the new shard into place ({e.strerror or e}); {state}") \
                     from None
             raise
