@@ -8,6 +8,7 @@ import json
 import os
 import re
 import secrets
+import time
 import urllib.error
 from pathlib import Path
 
@@ -1256,6 +1257,71 @@ def test_a_prepare_killed_while_its_shards_move_in_leaves_them_refused_until_it_
     assert shards(out) == shards(fresh) and len(shards(out)) == 4  # the earlier prepare's 4th and 5th train gone
     assert not [p for p in os.listdir(out) if p.endswith(".prepare-commit")]
     DataLoader(str(out / "c_train_*.bin"), 2, 8, vocab_size=257)
+
+
+def test_two_prepares_into_one_folder_commit_one_after_the_other(tmp_path, monkeypatch):
+    # their moves and removals interleaved: a prepare committing while another was half-way through its own left a
+    # mix of the two (one's stale removal could also delete the other's new shards), and they shared one journal
+    import threading
+    rng = np.random.default_rng()
+    out = tmp_path / "o"
+    first, second = tmp_path / "first" / "c.txt", tmp_path / "second" / "c.txt"
+    for src, n in ((first, 5000), (second, 3000)):  # 5 and 3 train shards
+        src.parent.mkdir()
+        src.write_text("".join(rng.choice(list("abc \n"), n)))
+    real_replace, paused, resume = os.replace, threading.Event(), threading.Event()
+    first_thread_moves = []
+
+    def first_pauses_after_two_moves(a, b):
+        real_replace(a, b)
+        if threading.current_thread().name == "first" and os.fspath(a).endswith(".part"):
+            first_thread_moves.append(b)
+            if len(first_thread_moves) == 2:
+                paused.set()
+                assert resume.wait(60)
+    monkeypatch.setattr(os, "replace", first_pauses_after_two_moves)
+    logs, errors = {"first": [], "second": []}, []
+
+    def run(src, name):
+        try:
+            prep.prepare(str(src), out, tokenizer="bytes", val_tokens=100, shard_size=1000, log=logs[name].append)
+        except BaseException as e:
+            errors.append(e)
+    threads = {n: threading.Thread(target=run, args=(src, n), name=n) for n, src in (("first", first),
+                                                                                       ("second", second))}
+    threads["first"].start()
+    assert paused.wait(60)
+    threads["second"].start()
+    deadline = time.monotonic() + 60
+    while not logs["second"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert logs["second"] == [f"waiting for another llmpy prepare to finish moving its shards into {out}"]
+    resume.set()
+    for t in threads.values():
+        t.join(60)
+    assert not errors
+    monkeypatch.undo()
+    # the second committed last, whole: its shards and none of the first's
+    fresh = tmp_path / "fresh"
+    run_prepare([second, "-o", fresh, "--tokenizer", "bytes", "--val-tokens", 100, "--shard-size", 1000])
+    assert _snapshot(out) == _snapshot(fresh) and len(_snapshot(out)) == 4
+
+
+def test_a_prepare_on_a_file_system_without_locks_commits_with_a_note(tmp_path, monkeypatch):
+    import fcntl
+    src = tmp_path / "c.txt"
+    src.write_text("".join(np.random.default_rng().choice(list("abc \n"), 3000)))
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    logs = []
+    result = prep.prepare(str(src), tmp_path / "o", tokenizer="bytes", val_tokens=100, shard_size=1000,
+                          log=logs.append)
+    assert logs[0] == (f"note: {tmp_path / 'o'}: the file system takes no locks ({os.strerror(errno.ENOLCK)}); a "
+                       "second prepare into this folder at the same time could mix its shards with these")
+    assert len(result["train"]) == 3 and sorted(os.listdir(tmp_path / "o")) == sorted(
+        p.name for files in result.values() for p, _ in files)
 
 
 @pytest.mark.parametrize("after", ["set_aside", "move_in"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import errno
 import hashlib
 import http.client
 import json
@@ -565,7 +566,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     created = _missing_folders(out)
     journal = commit_journal(out, name)
     staging = Staging()
-    spill = None
+    spill = commit_lock = None
     writers: dict[str, ShardWriter] = {}
     try:
         writable_dir(out, "output folder")
@@ -602,8 +603,10 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
         if not result["train"]:
             raise LlmpyError(f"{source}: all {seen} tokens went to the val split; nothing left to train on "
                              "(lower --val-tokens / --val-fraction)")
+        commit_lock = _lock_folder_for_commit(out, log)
         staging.commit(journal)
     except BaseException:  # KeyboardInterrupt too: no temporaries, no empty folder of ours left behind
+        _unlock(commit_lock)
         for w in writers.values():
             w.abandon()
         staging.discard()
@@ -613,8 +616,11 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
         raise
     if spill is not None:
         _unlink(spill)
-    _remove_stale(out, name, result)
-    _unlink(journal)  # the dataset is whole: the new shards in place, the earlier run's extra ones gone
+    try:
+        _remove_stale(out, name, result)
+        _unlink(journal)  # the dataset is whole: the new shards in place, the earlier run's extra ones gone
+    finally:
+        _unlock(commit_lock)
     for split in ("val", "train"):
         files = result[split]
         total = sum(n for _, n in files)
@@ -622,6 +628,45 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     log(f"tokenizer {tok.name} (vocab {tok.vocab_size}); train on {out / (name + '_train_*.bin')}"
         + (f", validate on {out / (name + '_val_*.bin')}" if result["val"] else ""))
     return result
+
+
+def _lock_folder_for_commit(out: Path, log) -> int | None:
+    """An exclusive lock on the output folder from the first shard moved into place until the earlier extra ones are
+    removed: two prepares into one folder then commit one after the other, each whole, where their moves and
+    removals interleaved (one's stale removal could delete the other's new shards, and both shared one commit
+    journal). The lock goes with the process, however it ends. None where there are no locks (Windows, some
+    network file systems), which a note names."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(out, os.O_RDONLY)
+    except OSError as e:
+        raise LlmpyError(f"{out}: cannot open the output folder to lock it ({e.strerror or e})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another llmpy prepare to finish moving its shards into {out}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        os.close(fd)
+        # EBADF: NFS emulates flock with byte-range locks, which want a folder opened for writing
+        if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):
+            log(f"note: {out}: the file system takes no locks ({e.strerror}); a second prepare into this folder "
+                "at the same time could mix its shards with these")
+            return None
+        raise LlmpyError(f"{out}: cannot lock the output folder ({e.strerror or e})") from None
+    except BaseException:  # Ctrl-C while waiting
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # closing the last descriptor drops the lock
 
 
 def _missing_folders(folder: Path) -> list[Path]:
