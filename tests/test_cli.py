@@ -604,6 +604,17 @@ def test_tensorboard_events_match_the_jsonl_log(tmp_path, shards):
     assert {e.step for e in acc.Scalars("train/lr")} == {1, 2, 3, 4}
 
 
+def test_each_train_record_counts_the_tokens_trained_on(tmp_path, shards):
+    # what `llmpy plot -x tokens` runs along: step * B * T * accumulation (* processes)
+    train, _ = shards
+    out = tmp_path / "out"
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-d", 96, "-x", 3, "-v", 0, "-g", 0, "-o", out,
+                "--progress", 0)
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in (out / "main.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["tokens"]) for r in records if r["kind"] == "train"] == [(1, 96), (2, 192), (3, 288)]
+
+
 def test_z_scores_reach_the_step_line_tensorboard_and_the_log_once_the_window_is_full(tmp_path, shards):
     import json
 

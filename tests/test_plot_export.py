@@ -497,6 +497,74 @@ def test_plot_of_several_runs_errors(tmp_path):
         "that compare them", r.stderr
 
 
+def write_batch_log(run_dir: Path, steps: int, per_step: int, tokens=True) -> list[dict]:
+    """A main.jsonl of `steps` steps of `per_step` tokens, with the trainer's "tokens" or (tokens=False, as logs
+    from before it) only the throughput and time they follow from; a validation every 5 steps."""
+    import random
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recs = []
+    for s in range(1, steps + 1):
+        ms = random.uniform(50.0, 150.0)
+        rec = {"step": s, "kind": "train", "loss": 4.0 - s / steps + random.random() * 0.1, "lr": 1e-3 * s / steps,
+               "norm": random.uniform(0.5, 2.0), "ms": ms, "tok_s": per_step / (ms / 1000), "skipped": s == 3}
+        if tokens:
+            rec["tokens"] = s * per_step
+        recs.append(rec)
+        if s % 5 == 0:
+            recs.append({"step": s, "kind": "val", "loss": 4.1 - s / steps})
+    (run_dir / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return recs
+
+
+@needs_mpl
+@pytest.mark.parametrize("logged", ["tokens", "tok_s and ms"])
+def test_plot_along_the_tokens_lines_up_runs_of_different_batch_sizes(tmp_path, monkeypatch, logged):
+    # by step, a run of 4x the batch ended at a quarter of the other's x, however many tokens it had seen
+    small, big = tmp_path / "b8", tmp_path / "b32"
+    write_batch_log(small, 40, 8 * 1024, tokens=logged == "tokens")
+    write_batch_log(big, 10, 32 * 1024, tokens=logged == "tokens")
+    saved = saved_figures(monkeypatch)
+    pl.plot_runs([small, big], tmp_path / "cmp", x_axis="tokens")
+    lr = saved["lr"].axes[0]
+    assert lr.get_xlabel() == "tokens"
+    assert [line.get_xdata().tolist() for line in lr.lines] == [[s * 8192.0 for s in range(1, 41)],
+                                                               [s * 32768.0 for s in range(1, 11)]]
+    loss = saved["loss"].axes[0]
+    val = [line for line in loss.lines if line.get_label() == "val"]
+    assert [line.get_xdata().tolist() for line in val] == [[s * 8192.0 for s in range(5, 41, 5)],
+                                                          [s * 32768.0 for s in (5, 10)]]
+    assert [c.get_offsets()[:, 0].tolist() for c in loss.collections] == [[3 * 8192.0], [3 * 32768.0]]
+    assert lr.xaxis.get_major_formatter().format_data(327680) == "327.68 k"
+    # by step, as before
+    saved.clear()
+    pl.plot_runs([small, big], tmp_path / "by_step")
+    assert saved["lr"].axes[0].get_xlabel() == "step"
+    assert saved["lr"].axes[0].lines[1].get_xdata().tolist() == list(range(1, 11))
+
+
+def test_plot_along_the_tokens_needs_a_log_that_tells_them(tmp_path):
+    run = tmp_path / "run"
+    recs = write_batch_log(run, 12, 4096)
+    recs[7]["tokens"] += 1  # step 7's, on line 8 (the val record of step 5 is line 6)
+    (run / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    log = re.escape(str(run / "main.jsonl"))
+    with pytest.raises(LlmpyError, match=rf"^{log}:8: 'tokens' 28673 at step 7: not a whole number of tokens a "
+                                         r"step, the same at every step; plot it by step$"):
+        pl.plot_runs([run], tmp_path / "p", x_axis="tokens")
+    for r in recs:
+        r.pop("tokens", None)
+        r.pop("tok_s", None)
+    (run / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(LlmpyError, match=rf"^{log}: no train record says how many tokens a step takes \('tokens', or "
+                                         r"'tok_s' and 'ms'\); plot it by step$"):
+        pl.plot_runs([run], tmp_path / "p", x_axis="tokens")
+    with pytest.raises(LlmpyError, match=r"^--x-axis 'time': one of step, tokens$"):
+        pl.plot_runs([run], tmp_path / "p", x_axis="time")
+    assert not (tmp_path / "p").exists()
+    r = run_cli("plot", run, "-x", "time")
+    assert r.returncode == 2 and "argument -x/--x-axis: invalid choice: 'time'" in r.stderr
+
+
 @needs_mpl
 def test_cli_plot_of_several_runs(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"

@@ -2,7 +2,8 @@
 drawn together (a line and a color each).
 
 One chart per quantity: loss (train raw + smoothed, validation), learning rate, gradient norm, and
-tokens/s and MFU when the log carries them ("tok_s", "mfu"; MFU is a fraction, drawn in percent).
+tokens/s and MFU when the log carries them ("tok_s", "mfu"; MFU is a fraction, drawn in percent); along the step,
+or along the tokens trained on (-x tokens: runs of different batch sizes line up).
 matplotlib is an optional dependency (`pip install matplotlib`, or the `plot` extra), imported only here.
 """
 from __future__ import annotations
@@ -17,13 +18,14 @@ from pathlib import Path
 from .errors import LlmpyError
 
 LOG_NAME = "main.jsonl"
-NUMERIC_KEYS = ("loss", "norm", "lr", "ms", "skipped", "tok_s", "mfu", "accuracy")
+NUMERIC_KEYS = ("loss", "norm", "lr", "ms", "skipped", "tok_s", "mfu", "accuracy", "tokens")
 KINDS = ("train", "val", "eval")  # eval: HellaSwag accuracy (-h 1)
 # the largest magnitude drawn: matplotlib's limits, margins and log-scale ticks overflow float64 well before the
 # float maximum (+-1e308 crashes it, 1e300 warns); no logged quantity comes near it
 DRAWABLE = 1e100
 # what the charts draw, by kind: a log without any of it has nothing to plot
 CHARTED = {"train": ("loss", "lr", "norm", "tok_s", "mfu"), "val": ("loss",), "eval": ("accuracy",)}
+X_AXES = ("step", "tokens")
 CHART_FILES = ("loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png", "hellaswag.png")
 
 
@@ -37,10 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="folder for the PNGs (default: DIR/plots; needed with several runs)")
     parser.add_argument("--smooth", type=float, default=0.9,
                         help="EMA weight of the smoothed train loss, in [0, 1) (default: 0.9)")
+    parser.add_argument("-x", "--x-axis", choices=X_AXES, default="step",
+                        help="what the charts run along: the step, or the tokens trained on (to compare runs of "
+                             "different batch sizes) (default: step)")
 
 
 def run(args: argparse.Namespace) -> int:
-    paths = plot_runs(args.run_dirs, args.output, smooth=args.smooth,
+    paths = plot_runs(args.run_dirs, args.output, smooth=args.smooth, x_axis=args.x_axis,
                      warn=lambda msg: print(f"llmpy plot: note: {msg}", file=sys.stderr))
     for p in paths:
         print(p)
@@ -346,6 +351,32 @@ def _read_run(run_dir: Path, smooth: float, alone: bool, warn) -> LogColumns:
     return columns
 
 
+def tokens_per_step(columns: LogColumns, log) -> int:
+    """The tokens a step of the run trains on (-d), from its train records' "tokens" (the tokens trained on through
+    that step), or, in a log from before that field, from a record's throughput and time (tok_s * ms / 1000, exact
+    to far below a token). LlmpyError where the log has neither, or where its records disagree."""
+    import numpy as np
+    steps, tokens = columns.series("train", "tokens")
+    if len(steps):
+        per_step = tokens[0] / steps[0] if steps[0] > 0 else math.nan
+        whole = math.isfinite(per_step) and per_step >= 1 and per_step == round(per_step)
+        wrong = np.flatnonzero(tokens != steps * per_step) if whole else [0]
+        if len(wrong):
+            at, value = wrong[0], float(tokens[wrong[0]])
+            line = columns.lines["train"][columns.present["train", "tokens"]][at]
+            shown = int(value) if value.is_integer() else value
+            raise LlmpyError(f"{log}:{line}: 'tokens' {_short(shown)} at step {steps[at]}: not a whole number of "
+                             "tokens a step, the same at every step; plot it by step")
+        return int(per_step)
+    have = columns.present["train", "tok_s"] & columns.present["train", "ms"]
+    rates = columns.values["train", "tok_s"][have] * columns.values["train", "ms"][have] / 1000
+    rates = rates[np.isfinite(rates) & (rates >= 0.5)]
+    if not len(rates):
+        raise LlmpyError(f"{log}: no train record says how many tokens a step takes ('tokens', or 'tok_s' and 'ms'); "
+                         "plot it by step")
+    return int(np.rint(rates[0]))
+
+
 def run_names(run_dirs: list[Path]) -> list[str]:
     """Each run's name in the legends: the fewest last parts of its full path that tell it from the others
     (its folder's name, unless two runs share it: then "x/run" and "y/run")."""
@@ -370,10 +401,13 @@ def run_colors(count: int) -> list:
 TITLE_MOST = 60  # characters of run names a title takes, before it says "N runs"
 
 
-def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Path]:
+def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None, x_axis: str = "step") -> list[Path]:
     """plot_run of one run or several: with several, each chart draws every run that has its quantity, in a color of
     its own named in the legend (a learning-rate sweep, a run against its baseline), into out_dir, which is then
-    needed. The runs' folders are checked, then their logs read, before any chart is drawn."""
+    needed. The runs' folders are checked, then their logs read, before any chart is drawn. x_axis: "step", or
+    "tokens" (the tokens trained on, so that runs of different batch sizes line up)."""
+    if x_axis not in X_AXES:
+        raise LlmpyError(f"--x-axis {x_axis!r}: one of {', '.join(X_AXES)}")
     run_dirs = list(run_dirs)
     if not run_dirs:
         raise LlmpyError("no run directory given (give the run's output directory, train -o)")
@@ -392,6 +426,12 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Pa
     if several and out_dir is None:
         raise LlmpyError(f"{len(dirs)} runs: give -o, the folder for the charts that compare them")
     runs = [_read_run(d, smooth, not several, warn) for d in dirs]
+    # each run's tokens a step, where the charts run along the tokens trained on
+    per_step = [tokens_per_step(c, d / LOG_NAME) for c, d in zip(runs, dirs)] if x_axis == "tokens" else None
+
+    def along(i, steps):
+        """The x of run i's steps: the steps, or the tokens trained on through them (float: no int64 overflow)."""
+        return steps if per_step is None else steps * float(per_step[i])
     from .files import expand_user
     out = expand_user(out_dir) if out_dir is not None else dirs[0] / "plots"
     if out.exists() and not out.is_dir():
@@ -417,7 +457,10 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Pa
         """A chart of `drawn` (the indices of the runs with a line in it)."""
         fig = Figure(figsize=(8, 4.5), layout="constrained")
         ax = fig.subplots()
-        ax.set_xlabel("step")
+        ax.set_xlabel(x_axis)
+        if x_axis == "tokens":
+            from matplotlib.ticker import EngFormatter
+            ax.xaxis.set_major_formatter(EngFormatter())  # 500 M, 2 G: tokens run to billions
         ax.set_ylabel(ylabel)
         title = " vs ".join(names[i] for i in drawn)
         ax.set_title(f"{title if len(title) <= TITLE_MOST else f'{len(drawn)} runs'}: {what}")
@@ -440,6 +483,7 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Pa
             columns = runs[i]
             tx, ty = columns.series("train", "loss")
             vx, vy = columns.series("val", "loss")
+            tx, vx = along(i, tx), along(i, vx)
             c_train, c_val = (colors[i], colors[i]) if several else ("C0", "C1")
             if len(tx):
                 draw(ax, tx, ty, color=c_train, alpha=0.25, linewidth=0.8, label="train")
@@ -448,7 +492,7 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Pa
                 skipped = (columns.values["train", "skipped"] != 0) & columns.present["train", "skipped"] \
                     & columns.present["train", "loss"]
                 if skipped.any():
-                    ax.scatter(columns.steps["train"][skipped], columns.values["train", "loss"][skipped],
+                    ax.scatter(along(i, columns.steps["train"][skipped]), columns.values["train", "loss"][skipped],
                                color=c_train if several else "C3", marker="x", zorder=3, label="skipped update")
                     kinds.add("skipped")
             if len(vx):
@@ -474,7 +518,7 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None) -> list[Pa
             return  # no log carries this quantity (older trainer, CPU run): no chart
         fig, ax = new(ylabel, what, [i for i, _, _ in lines])
         for i, xs, ys in lines:
-            draw(ax, xs, ys * scale, color=colors[i] if several else alone_color, label=names[i], **style)
+            draw(ax, along(i, xs), ys * scale, color=colors[i] if several else alone_color, label=names[i], **style)
         finite = np.concatenate([ys[np.isfinite(ys)] for _, _, ys in lines])
         if logy and len(finite) and (finite > 0).all():
             ax.set_yscale("log")  # norms span orders of magnitude early in training

@@ -1203,8 +1203,9 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         extra = {"mfu": mfu_frac} if mfu_frac > 0 else {}
         # the z-scores, null (and left off the step line) while the window fills or holds a non-finite value
         loss_z, norm_z = (z if math.isfinite(z) else None for z in last_z)
+        # tokens: trained on through this step (llmpy plot -x tokens lines up runs of different batch sizes)
         run_log.write(step + 1, "train", loss=loss, norm=norm, lr=lr, ms=ms, tok_s=tok_s, skipped=skip,
-                      loss_z=loss_z, norm_z=norm_z, **extra)
+                      loss_z=loss_z, norm_z=norm_z, tokens=(step + 1) * tokens_per_micro * accum, **extra)
         mfu = f" | {100 * mfu_frac:.1f}% MFU" if mfu_frac > 0 else ""
         loss_zs, norm_zs = ("" if z is None else f" ({z:+.2f}z)" for z in (loss_z, norm_z))  # llm.c's (+0.12z)
         log(f"step {step + 1:5d}/{steps} | loss {loss:.6f}{loss_zs} | norm {norm:.4f}{norm_zs} | lr {lr:.2e} | "
