@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -558,11 +559,42 @@ def test_plot_along_the_tokens_needs_a_log_that_tells_them(tmp_path):
     with pytest.raises(LlmpyError, match=rf"^{log}: no train record says how many tokens a step takes \('tokens', or "
                                          r"'tok_s' and 'ms'\); plot it by step$"):
         pl.plot_runs([run], tmp_path / "p", x_axis="tokens")
-    with pytest.raises(LlmpyError, match=r"^--x-axis 'time': one of step, tokens$"):
+    # along the time: every train record needs its step's
+    del recs[9]["ms"]  # step 9's, on line 10
+    (run / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(LlmpyError, match=rf"^{log}:10: a train record with no 'ms', so no time to plot along; plot it "
+                                         r"by step or tokens$"):
         pl.plot_runs([run], tmp_path / "p", x_axis="time")
+    with pytest.raises(LlmpyError, match=r"^--x-axis 'hours': one of step, tokens, time$"):
+        pl.plot_runs([run], tmp_path / "p", x_axis="hours")
     assert not (tmp_path / "p").exists()
-    r = run_cli("plot", run, "-x", "time")
-    assert r.returncode == 2 and "argument -x/--x-axis: invalid choice: 'time'" in r.stderr
+    r = run_cli("plot", run, "-x", "hours")
+    assert r.returncode == 2 and "argument -x/--x-axis: invalid choice: 'hours'" in r.stderr
+
+
+@needs_mpl
+def test_plot_along_the_time_in_training_steps(tmp_path, monkeypatch):
+    # each step's x: the sum of the steps' ms up to it (validation time not in it), in the unit the longest run needs
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    fast_recs, slow_recs = write_batch_log(fast, 40, 8192), write_batch_log(slow, 20, 8192)
+    for r in slow_recs:
+        if "ms" in r:
+            r["ms"] *= 200  # 10-30 s a step, 200-600 s in all: in minutes
+    slow_recs.insert(0, {"step": 0, "kind": "val", "loss": 4.5})
+    (slow / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in slow_recs))
+    saved = saved_figures(monkeypatch)
+    pl.plot_runs([fast, slow], tmp_path / "cmp", x_axis="time")
+    lr = saved["lr"].axes[0]
+    assert lr.get_xlabel() == "time in training steps (min)"
+    for line, recs in zip(lr.lines, (fast_recs, slow_recs)):
+        want = np.cumsum([r["ms"] for r in recs if r["kind"] == "train"]) / 60000
+        assert np.allclose(line.get_xdata(), want, rtol=1e-12, atol=0)
+    val = [line for line in saved["loss"].axes[0].lines if line.get_label() == "val"]
+    slow_ms = np.cumsum([r["ms"] for r in slow_recs if r["kind"] == "train"]) / 60000
+    assert np.allclose(val[1].get_xdata(), [0.0, slow_ms[4], slow_ms[9], slow_ms[14], slow_ms[19]], rtol=1e-12)
+    saved.clear()
+    pl.plot_runs([fast], tmp_path / "alone", x_axis="time")  # 40 steps of up to 0.15 s: in seconds
+    assert saved["lr"].axes[0].get_xlabel() == "time in training steps (s)"
 
 
 @needs_mpl

@@ -3,7 +3,8 @@ drawn together (a line and a color each).
 
 One chart per quantity: loss (train raw + smoothed, validation), learning rate, gradient norm, and
 tokens/s and MFU when the log carries them ("tok_s", "mfu"; MFU is a fraction, drawn in percent); along the step,
-or along the tokens trained on (-x tokens: runs of different batch sizes line up).
+along the tokens trained on (-x tokens: runs of different batch sizes line up), or along the time the steps took
+(-x time: the sum of their "ms", without validation, sampling or checkpoints).
 matplotlib is an optional dependency (`pip install matplotlib`, or the `plot` extra), imported only here.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ KINDS = ("train", "val", "eval")  # eval: HellaSwag accuracy (-h 1)
 DRAWABLE = 1e100
 # what the charts draw, by kind: a log without any of it has nothing to plot
 CHARTED = {"train": ("loss", "lr", "norm", "tok_s", "mfu"), "val": ("loss",), "eval": ("accuracy",)}
-X_AXES = ("step", "tokens")
+X_AXES = ("step", "tokens", "time")
 CHART_FILES = ("loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png", "hellaswag.png")
 
 
@@ -40,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--smooth", type=float, default=0.9,
                         help="EMA weight of the smoothed train loss, in [0, 1) (default: 0.9)")
     parser.add_argument("-x", "--x-axis", choices=X_AXES, default="step",
-                        help="what the charts run along: the step, or the tokens trained on (to compare runs of "
-                             "different batch sizes) (default: step)")
+                        help="what the charts run along: the step, the tokens trained on (to compare runs of "
+                             "different batch sizes), or the time spent in training steps (to compare their speed) "
+                             "(default: step)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -377,6 +379,46 @@ def tokens_per_step(columns: LogColumns, log) -> int:
     return int(np.rint(rates[0]))
 
 
+def training_seconds(columns: LogColumns, log):
+    """(steps, seconds): each train record's step and the time of the steps up to it, the sum of their "ms" (the
+    time a step took, validation, sampling and checkpoints not in it). LlmpyError naming the first train record
+    without a time, or with one that is not a finite number of milliseconds, where there is one."""
+    import numpy as np
+    steps, ms = columns.steps["train"], columns.values["train", "ms"]
+    if not len(steps):
+        raise LlmpyError(f"{log}: no train records, so no time to plot along; plot it by step")
+    bad = ~columns.present["train", "ms"] | ~np.isfinite(ms) | (ms < 0)
+    if bad.any():
+        at = int(np.argmax(bad))
+        what = "no 'ms'" if not columns.present["train", "ms"][at] else f"'ms' {_short(float(ms[at]))}"
+        raise LlmpyError(f"{log}:{columns.lines['train'][at]}: a train record with {what}, so no time to plot along; "
+                         "plot it by step or tokens")
+    return steps, np.cumsum(ms) / 1000
+
+
+def x_positions(x_axis: str, runs: list[LogColumns], dirs: list[Path]):
+    """(along, label): along(i, steps) -> the x of run i's steps on the axis, which `label` names: the steps, the
+    tokens trained on through them (float: no int64 overflow), or the time in steps up to them (in seconds, minutes
+    or hours by the longest run; none yet before the first train record, as a validation at step 0). LlmpyError
+    where a run's log cannot tell them."""
+    import numpy as np
+    if x_axis == "tokens":
+        per_step = [float(tokens_per_step(c, d / LOG_NAME)) for c, d in zip(runs, dirs)]
+        return (lambda i, steps: steps * per_step[i]), "tokens"
+    if x_axis == "time":
+        clocks = [training_seconds(c, d / LOG_NAME) for c, d in zip(runs, dirs)]
+        longest = max(float(seconds[-1]) for _, seconds in clocks)
+        unit, unit_seconds = next((u, k) for u, k, most in (("s", 1, 120), ("min", 60, 7200), ("h", 3600, None))
+                                  if most is None or longest <= most)
+
+        def along(i, steps):
+            train_steps, seconds = clocks[i]
+            k = np.searchsorted(train_steps, steps, side="right") - 1
+            return np.where(k >= 0, seconds[np.maximum(k, 0)], 0.0) / unit_seconds
+        return along, f"time in training steps ({unit})"
+    return (lambda i, steps: steps), "step"
+
+
 def run_names(run_dirs: list[Path]) -> list[str]:
     """Each run's name in the legends: the fewest last parts of its full path that tell it from the others
     (its folder's name, unless two runs share it: then "x/run" and "y/run")."""
@@ -426,12 +468,7 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None, x_axis: st
     if several and out_dir is None:
         raise LlmpyError(f"{len(dirs)} runs: give -o, the folder for the charts that compare them")
     runs = [_read_run(d, smooth, not several, warn) for d in dirs]
-    # each run's tokens a step, where the charts run along the tokens trained on
-    per_step = [tokens_per_step(c, d / LOG_NAME) for c, d in zip(runs, dirs)] if x_axis == "tokens" else None
-
-    def along(i, steps):
-        """The x of run i's steps: the steps, or the tokens trained on through them (float: no int64 overflow)."""
-        return steps if per_step is None else steps * float(per_step[i])
+    along, xlabel = x_positions(x_axis, runs, dirs)  # each run's x of a step, the axis's name
     from .files import expand_user
     out = expand_user(out_dir) if out_dir is not None else dirs[0] / "plots"
     if out.exists() and not out.is_dir():
@@ -457,7 +494,7 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None, x_axis: st
         """A chart of `drawn` (the indices of the runs with a line in it)."""
         fig = Figure(figsize=(8, 4.5), layout="constrained")
         ax = fig.subplots()
-        ax.set_xlabel(x_axis)
+        ax.set_xlabel(xlabel)
         if x_axis == "tokens":
             from matplotlib.ticker import EngFormatter
             ax.xaxis.set_major_formatter(EngFormatter())  # 500 M, 2 G: tokens run to billions
