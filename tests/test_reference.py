@@ -147,6 +147,14 @@ def test_global_norm_and_clip_scale():
     assert ref.clip_scale(2.0, 1.0) == 0.5 and ref.clip_scale(0.5, 1.0) == 1.0 and ref.clip_scale(5.0, 0.0) == 1.0
 
 
+def test_global_norm_of_a_float32_buffer_is_exact_to_float64():
+    # fp32 dot products over chunks of a million values were off by ~7e-5 of the sum of squares (a step line's
+    # norm 12.6001 for 12.6005), and the reference is the kernels' oracle and what -c clips by
+    g = torch.randn(3 * (1 << 20) + 7) * 0.01 + 0.02  # a mean: every partial sum grows, as a gradient's can
+    exact = math.sqrt(float((g.double() ** 2).sum()))
+    assert math.isclose(ref.global_norm(g), exact, rel_tol=1e-13)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the whole model: an independent torch.nn GPT-2 in float64
 
