@@ -272,7 +272,14 @@ def test_resume_with_changed_settings_says_which(saved, shards):
     lines = []
     train(options(shards, saved, max_steps=6, resume=1, learning_rate=5e-3, skip_loss_z=3.0, overfit_single_batch=1),
           log=lines.append)
-    assert "note: resuming with changed settings (-l 0.01 -> 0.005, -a 0 -> 1, -sl 0.0 -> 3.0)" in lines
+    # -x too: raised to train further, a decaying schedule stretches (the saved run ended at 4)
+    assert "note: resuming with changed settings (-l 0.01 -> 0.005, -a 0 -> 1, -sl 0.0 -> 3.0, -x 4 -> 6: the " \
+        "cosine schedule now decays over -x 6)" in lines
+    lines.clear()
+    train(options(shards, saved, max_steps=7, resume=1, lr_schedule="constant"), log=lines.append)
+    # from that run's checkpoint at 6: a constant schedule does not stretch
+    assert "note: resuming with changed settings (-l 0.005 -> 0.01, -k cosine -> constant, -a 1 -> 0, -sl 3.0 -> " \
+        "0.0, -x 6 -> 7)" in lines
 
 
 def test_resume_given_another_model_file_says_it_keeps_the_checkpoints_weights(saved, shards, tmp_path):
@@ -856,11 +863,12 @@ def test_resume_notes_a_change_of_master_weights_tf32_or_engine(saved, shards, m
     # each changes the arithmetic, so the run is no longer the uninterrupted one: a resume said nothing
     lines = []
     train(options(shards, saved, max_steps=6, resume=1, master_weights=0, tf32=0), log=lines.append)
-    assert "note: resuming with changed settings (-w 1 -> 0, -f 1 -> 0)" in lines
+    assert "note: resuming with changed settings (-w 1 -> 0, -f 1 -> 0, -x 4 -> 6: the cosine schedule now decays " \
+        "over -x 6)" in lines
     state = load_checkpoint(saved, 6)
     assert state.meta["options"]["engine"] == "reference"
     lines = []
-    opts = options(shards, saved, max_steps=8, resume=1, master_weights=0, tf32=0, dtype="float32", engine="kernels")
+    opts = options(shards, saved, max_steps=6, resume=1, master_weights=0, tf32=0, dtype="float32", engine="kernels")
     trainer._check_resume(state, opts, state.config, 1, lines.append, 1)
     assert lines == ["note: resuming with changed settings (engine reference -> kernels)"]
 

@@ -844,6 +844,11 @@ def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log
                          f"{accum} (-d {opts.total_batch_size})")
     changed = [f"{flag} {saved[fld]} -> {getattr(opts, fld)}" for fld, flag in _RESUME_MAY_CHANGE
                if fld in saved and saved[fld] != getattr(opts, fld)]
+    if "max_steps" in saved and saved["max_steps"] != opts.max_steps:
+        # "raise -x to train further" (the message of a run already at its end): a decaying schedule then stretches
+        stretch = "" if opts.lr_schedule == "constant" else f": the {opts.lr_schedule} schedule now decays over " \
+            f"-x {opts.max_steps}"
+        changed.append(f"-x {saved['max_steps']} -> {opts.max_steps}{stretch}")
     if changed:
         log(f"note: resuming with changed settings ({', '.join(changed)})")
     if opts.model and _names_a_model_file(opts.model) and saved.get("model") != opts.model:
