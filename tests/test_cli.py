@@ -761,5 +761,14 @@ def test_a_second_run_into_an_output_folder_in_use_is_refused(tmp_path, shards):
         res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", out, "-y", 1)
         assert_one_line_error(res, f"-o {out}: another run is writing there (process 4242); wait for it to end")
         assert sorted(p.name for p in out.iterdir()) == [".llmpy.lock"]  # no log begun
+        # the run in progress has logged before its first checkpoint: said so, where the earlier-log check's advice
+        # (-y 1) only led to this line; and with its checkpoints too
+        (out / "main.log").write_text("s:0 trl:5.5 lr:0.0001 norm:1.00\n")
+        for resume in (0, 1):
+            res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", out,
+                        "-y", resume)
+            assert_one_line_error(res, f"-o {out}: another run is writing there (process 4242); wait for it to end")
+            assert "starting from step 0" not in res.stdout
+        (out / "main.log").unlink()
     res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", out, "-y", 1)
     assert res.returncode == 0, res.stderr  # the lock goes with the process that held it

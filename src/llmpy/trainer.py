@@ -549,8 +549,7 @@ def _lock_run_folder(out_dir: Path, log):
         f.seek(0)
         holder = f.read().strip()
         f.close()
-        raise LlmpyError(f"-o {out_dir}: another run is writing there" + (f" (process {holder})" if holder else "")
-                         + "; wait for it to end, or give another -o") from None
+        raise _folder_in_use(out_dir, holder) from None
     except OSError as e:
         f.close()
         if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
@@ -563,6 +562,29 @@ def _lock_run_folder(out_dir: Path, log):
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def _folder_in_use(out_dir, holder: str) -> LlmpyError:
+    return LlmpyError(f"-o {out_dir}: another run is writing there" + (f" (process {holder})" if holder else "")
+                      + "; wait for it to end, or give another -o")
+
+
+def _refuse_a_folder_in_use(out_dir: str) -> None:
+    """Before the checks of what -o holds: a run writing there makes the folder look like an earlier run's (its log
+    without a checkpoint yet), and that error's advice, -y 1, would only end at the lock. A probe, not the lock
+    (RunLog takes it once every input is checked); where locks fail, RunLog says so."""
+    try:
+        import fcntl
+        f = open(os.path.join(out_dir, RUN_LOCK_NAME))
+    except (ImportError, OSError):  # no lock file: no run has written there
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _folder_in_use(out_dir, f.read().strip()) from None
+        except OSError:
+            pass
 
 
 class RunLog:
@@ -945,6 +967,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
 
     state = None
     from .training_state import checkpoint_files, latest_complete_step, load_checkpoint
+    if opts.output_dir and rank == 0:  # rank 0 alone takes the lock: another's probe could find rank 0's
+        _refuse_a_folder_in_use(opts.output_dir)
     # checkpoints in -o are resumed (-y 1) and never overwritten: a run from step 0 needs an -o without any
     names = checkpoint_files(opts.output_dir) if opts.output_dir else []
     found = latest_complete_step(opts.output_dir) if opts.resume and names else None
