@@ -302,6 +302,28 @@ def test_resume_removes_the_temporaries_of_a_killed_run(saved, shards):
     assert not orphan.exists()
 
 
+@pytest.mark.parametrize("locks", [True, False])
+def test_a_run_holding_its_folders_lock_removes_a_new_checkpoint_temporary(saved, shards, monkeypatch, locks):
+    # a job preempted mid-checkpoint and restarted at once left its GB-sized temporary: only one 10 minutes old went
+    fresh = [saved / f".{name}.{pid}.0123abcd.tmp" for name, pid in (("state_00000005.safetensors", 999999999),
+                                                                      ("model_00000005.bin", 1), ("DONE_00000005", 1))]
+    other = saved / ".notes.txt.999999999.0123abcd.tmp"  # not the run's: another writer's, maybe still at work
+    for path in fresh + [other]:
+        path.write_bytes(b"half a file")
+    if not locks:  # a file system without locks: nothing keeps another run's writer out, so its files stay
+        import fcntl
+
+        def no_locks(f, op):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        monkeypatch.setattr(fcntl, "flock", no_locks)
+    lines = []
+    train(options(shards, saved, max_steps=6, resume=1), log=lines.append)
+    assert [p.exists() for p in fresh] == [not locks] * 3 and other.exists()
+    removed = [line for line in lines if line.startswith("note: removed")]
+    assert removed == ([f"note: removed 3 temporary file(s) in {saved} left by a killed llmpy process"] if locks
+                       else [])
+
+
 def test_a_full_disk_while_logging_names_the_log(saved, shards, monkeypatch):
     def full_disk(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -15,7 +15,7 @@ from typing import Callable
 from .errors import LlmpyError
 
 # a writer's temporary beside its file: hidden, named by the writing process, matched by _TEMPORARY_NAME
-_TEMPORARY_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part|old)$")
+_TEMPORARY_NAME = re.compile(r"^\.(.+)\.(\d+)\.[0-9a-f]{8}\.(?:tmp|part|old)$")
 
 
 def refuse_non_file(path: Path, what: str) -> None:
@@ -114,11 +114,14 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def remove_orphaned_temporaries(folder, log: Callable[[str], None] | None = None) -> int:
+def remove_orphaned_temporaries(folder, log: Callable[[str], None] | None = None,
+                                kept_out: re.Pattern | None = None) -> int:
     """Remove the temporaries llmpy's writers leave where their process was killed mid-write (SIGKILL, the OOM
     killer, a power cut): a name of atomic_path's or prepare's pattern, a process id no process has (or this
-    process's id, on a file older than this process), and no change for ORPHAN_MIN_AGE_S. Returns how many it
-    removed, and says so through `log` if it removed any."""
+    process's id, on a file older than this process), and no change for ORPHAN_MIN_AGE_S. `kept_out`: the files
+    whose writers a lock this process holds keeps out of the folder (a run's checkpoints), whose temporaries are
+    a killed writer's however new (a preempted job restarted at once would otherwise leave GBs each time).
+    Returns how many it removed, and says so through `log` if it removed any."""
     removed = 0
     try:
         entries = list(os.scandir(folder))
@@ -129,9 +132,10 @@ def remove_orphaned_temporaries(folder, log: Callable[[str], None] | None = None
         try:
             if not match or not entry.is_file(follow_symlinks=False):
                 continue
-            pid, mtime = int(match.group(1)), entry.stat(follow_symlinks=False).st_mtime
+            pid, mtime = int(match.group(2)), entry.stat(follow_symlinks=False).st_mtime
             writer_runs = _process_exists(pid) and not (pid == os.getpid() and mtime < _IMPORTED_AT)
-            if writer_runs or time.time() - mtime < ORPHAN_MIN_AGE_S:
+            locked_out = kept_out is not None and kept_out.fullmatch(match.group(1)) and pid != os.getpid()
+            if not locked_out and (writer_runs or time.time() - mtime < ORPHAN_MIN_AGE_S):
                 continue
             os.unlink(entry.path)
         except OSError:

@@ -14,6 +14,7 @@ import json
 import math
 import numbers
 import os
+import re
 import signal
 import sys
 import threading
@@ -527,6 +528,8 @@ def _open_to_append(path: Path):
 
 
 RUN_LOCK_NAME = ".llmpy.lock"
+# what a run writes into -o under that lock, atomically (training_state's model_path, state_path, done_path)
+CHECKPOINT_FILES = re.compile(r"(model_\d{8}\.bin|state_\d{8}\.safetensors|DONE_\d{8})")
 
 
 def _lock_run_folder(out_dir: Path, log):
@@ -1069,10 +1072,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     out_dir = None
     writer = rank == 0  # the one rank that writes checkpoints and logs
     if opts.output_dir:  # after every check of the input
-        from .files import remove_orphaned_temporaries, writable_dir
+        from .files import writable_dir
         out_dir = writable_dir(opts.output_dir, "output directory", name=f"-o {opts.output_dir}")
-        if writer:
-            remove_orphaned_temporaries(out_dir, log)
 
     if kernels:
         backend = GPUBackend(config, params, opts, device=device, data_parallel=dp)
@@ -1142,6 +1143,10 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             "(raise -x to train further)")
         return result
     run_log = RunLog(out_dir if writer else None, log, start_step)
+    if out_dir is not None and writer:
+        from .files import remove_orphaned_temporaries
+        # with the folder's lock, a checkpoint's temporary is a killed run's however new
+        remove_orphaned_temporaries(out_dir, log, kept_out=CHECKPOINT_FILES if run_log.lock is not None else None)
     progress = None
     if writer and (opts.progress == 1 or (opts.progress == -1 and sys.stderr.isatty())):
         from tqdm import tqdm
