@@ -748,6 +748,33 @@ def test_sample_refuses_a_tokenizer_dir_for_a_byte_model_under_auto(tmp_path):
     assert res.stdout == ""
 
 
+def test_an_output_folder_that_is_a_file_is_named_so(tmp_path, shards):
+    # "cannot create or write the output directory (File exists)" left the user to guess
+    train, _ = shards
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", taken)
+    assert_one_line_error(res, f"-o {taken}: a file is there; the output directory must be a folder")
+    res = llmpy("prepare", train, "-o", taken, "--tokenizer", "bytes")
+    assert_one_line_error(res, f"{taken}: a file is there; the output folder must be a folder")
+    assert taken.read_text() == "mine"
+
+
+def test_a_training_state_given_for_a_model_says_which_file_to_give(tmp_path, shards):
+    # "unexpected tensor 'm' (and 2 more): not a GPT-2 model" did not say what the file was, nor what to give
+    train, _ = shards
+    out = tmp_path / "out"
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-n", 1, "-o", out)
+    assert res.returncode == 0, res.stderr
+    state = out / "state_00000001.safetensors"
+    want = (f"{state}: a training state (the optimizer's moments, the data position), not a model; give the model "
+            f"file written with it ({out / 'model_00000001.bin'})")
+    assert_one_line_error(llmpy("sample", state, "-g", 2), want)
+    assert_one_line_error(llmpy("export", state, tmp_path / "hf"), want)
+    assert_one_line_error(llmpy("train", "-i", train, "-e", state, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0), want)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_second_run_into_an_output_folder_in_use_is_refused(tmp_path, shards):
     # two runs at once into one -o would write their checkpoints over each other's and their steps into one log
     import fcntl

@@ -454,6 +454,11 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
     if "wte.weight" not in index and "lm_head.weight" in index:
         # tied tensors saved once under one of their names (safetensors' save_model keeps lm_head's): one tensor
         index["wte.weight"], dtypes["wte.weight"] = index["lm_head.weight"], dtypes["lm_head.weight"]
+    if {"params", "m", "v"} <= index.keys():  # llmpy train's state_%08d.safetensors, beside its model_%08d.bin
+        beside = re.fullmatch(r"state_(\d{8})\.safetensors", label.name) if len(files) == 1 else None
+        model = f" ({label.with_name(f'model_{beside.group(1)}.bin')})" if beside else ""
+        raise LlmpyError(f"{label}: a training state (the optimizer's moments, the data position), not a model; give "
+                         f"the model file written with it{model}")
     unexpected = [k for k in index if not (_is_hf_param(k) or _is_hf_ignored(k))]
     if unexpected:
         raise LlmpyError(f"{label}: unexpected tensor {unexpected[0]!r}"

@@ -94,6 +94,8 @@ def writable_dir(folder, what: str, name: str | None = None) -> Path:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         os.unlink(probe)
     except OSError as e:
+        if isinstance(e, FileExistsError) and not folder.is_dir():  # a file (or a link to one) where it goes
+            raise LlmpyError(f"{name or folder}: a file is there; the {what} must be a folder") from None
         raise LlmpyError(f"{name or folder}: cannot create or write the {what} ({e.strerror or e})") from None
     return folder
 
