@@ -430,8 +430,16 @@ def test_state_mismatch_and_malformed_state_are_refused(tmp_path, rng):
         DataLoader(pattern, 2, 9, shuffle=True, seed=5).load_state_dict(state)
     with pytest.raises(LlmpyError, match=r"seed=5.*seed=6"):
         DataLoader(pattern, 2, 8, shuffle=True, seed=6).load_state_dict(state)
-    with pytest.raises(LlmpyError, match="num_shards"):
+    # other shards: named by what tells them apart (the state holds only a hash of their names and sizes)
+    with pytest.raises(LlmpyError, match=r"^the position was saved over other shards than these 1 "
+                                         r"\(d_train_000000\.bin \.\.\.; 2 then, told apart by name and token count\): "
+                                         r"resume with the data that run trained on$"):
         DataLoader(tmp_path / "d_train_000000.bin", 2, 8, shuffle=True, seed=5).load_state_dict(state)
+    write_shard(tmp_path / "d_train_000001.bin", rng.integers(0, 65536, 701))  # the same names, one size changed
+    with pytest.raises(LlmpyError, match=r"^the position was saved over other shards than these 2 "
+                                         r"\(d_train_000000\.bin \.\.\.; 2 then,"):
+        DataLoader(pattern, 2, 8, shuffle=True, seed=5).load_state_dict(state)
+    make_shards(tmp_path, [500, 700], rng)
     with pytest.raises(LlmpyError, match="malformed"):
         DataLoader(pattern, 2, 8, shuffle=True, seed=5).load_state_dict({"version": 1})
     bad = dict(state, window_pos=10**6)

@@ -267,6 +267,21 @@ def test_resume_with_a_different_run_is_refused(saved, shards, change, needles):
     assert snapshot(saved) == before
 
 
+def test_resume_with_other_data_names_the_shards_and_both_i(saved, shards, tmp_path):
+    # "data loader state was saved with shards='7cd4e73979626334', this run has shards='5cac483a9d4b450b'"
+    other = tmp_path / "other" / "o_train_000000.bin"
+    other.parent.mkdir()
+    write_shard(other, np.random.default_rng().integers(0, 257, 2000))
+    before = snapshot(saved)
+    state = saved / "state_00000004.safetensors"
+    with pytest.raises(LlmpyError, match=rf"^-y 1: {re.escape(str(state))}: the position was saved over other shards "
+                                         r"than these 1 \(o_train_000000\.bin \.\.\.; 1 then, told apart by name and "
+                                         rf"token count\): resume with the data that run trained on \(its run had -i "
+                                         rf"{re.escape(str(shards[0]))}, this one -i {re.escape(str(other))}\)$"):
+        train(options((other, shards[1]), saved, max_steps=6, resume=1), log=quiet)
+    assert snapshot(saved) == before
+
+
 def test_resume_with_changed_settings_says_which(saved, shards):
     # a schedule's or the outlier detectors' settings may change on resume (llm.c allows it), but not unsaid
     lines = []

@@ -407,6 +407,10 @@ class DataLoader:
                 raise LlmpyError(f"data loader state version {state.get('version')} is not {STATE_VERSION}")
             for key in ("B", "T", "world_size", "shuffle", "seed", "num_shards", "shards"):
                 mine = self.state_dict()[key]
+                if key in ("num_shards", "shards") and state[key] != mine:  # a hash would tell the user nothing
+                    raise LlmpyError(f"the position was saved over other shards than these {len(self.files)} "
+                                     f"({self.files[0].name} ...; {state['num_shards']} then, told apart by name and "
+                                     "token count): resume with the data that run trained on")
                 if state[key] != mine:
                     raise LlmpyError(f"data loader state was saved with {key}={state[key]!r}, this run "
                                      f"has {key}={mine!r}; the position cannot be restored")

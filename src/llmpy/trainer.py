@@ -1058,7 +1058,13 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     if state is not None:
         _check_resume(state, opts, config, accum, log, world)
         try:
-            train_loader.load_state_dict(state.meta["data"])
+            try:
+                train_loader.load_state_dict(state.meta["data"])
+            except LlmpyError as e:  # the data position: the -i that differs, if one does, is the likely cause
+                was = state.meta.get("options", {}).get("train_data")
+                if was != opts.train_data:
+                    raise LlmpyError(f"{e} (its run had -i {was}, this one -i {opts.train_data})") from None
+                raise
             loss_outliers.load_state_dict(state.meta["outliers"]["loss"])
             grad_outliers.load_state_dict(state.meta["outliers"]["grad"])
         except LlmpyError as e:
