@@ -117,6 +117,17 @@ def test_hellaswag_with_validation_off_says_it_never_runs(shards):
         "note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs"]
 
 
+def test_a_warmup_longer_than_the_run_is_noted(shards):
+    import llmpy
+    train, _ = shards
+    for warmup, notes in ((10, ["note: -u 10 is more than the run's 3 steps: the warmup never ends (the learning rate "
+                                "reaches 0.0003, not -l 0.001)"]), (3, [])):
+        lines = []
+        llmpy.train(log=lines.append, train_data=str(train), model=TINY, batch_size=2, seq_len=16, max_steps=3,
+                    val_every=0, gen_tokens=0, device="cpu", warmup_steps=warmup, learning_rate=1e-3)
+        assert [line for line in lines if line.startswith("note:")] == notes
+
+
 def test_tiny_run_trains_writes_checkpoint_and_log(tmp_path, shards):
     train, val = shards
     out = tmp_path / "out"

@@ -1131,6 +1131,9 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     unsaved = [f"{flag} {getattr(opts, name)}" for name, flag in checkpoint_flags if getattr(opts, name)]
     if unsaved and not opts.output_dir:
         log(f"note: {', '.join(unsaved)} without -o: no checkpoints are written")
+    if opts.warmup_steps > steps:  # the learning rate never reaches -l: likely a -u meant for a longer run
+        log(f"note: -u {opts.warmup_steps} is more than the run's {steps} steps: the warmup never ends (the learning "
+            f"rate reaches {schedule(steps - 1):.3g}, not -l {opts.learning_rate:g})")
     if opts.hellaswag and opts.val_every == 0:  # HellaSwag is scored at the validation steps
         log("note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs")
     if state is not None:
