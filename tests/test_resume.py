@@ -288,8 +288,12 @@ def test_resume_with_changed_settings_says_which(saved, shards):
     train(options(shards, saved, max_steps=6, resume=1, learning_rate=5e-3, skip_loss_z=3.0, overfit_single_batch=1),
           log=lines.append)
     # -x too: raised to train further, a decaying schedule stretches (the saved run ended at 4)
-    assert "note: resuming with changed settings (-l 0.01 -> 0.005, -a 0 -> 1, -sl 0.0 -> 3.0, -x 4 -> 6: the " \
-        "cosine schedule now decays over -x 6)" in lines
+    note = "note: resuming with changed settings (-l 0.01 -> 0.005, -a 0 -> 1, -sl 0.0 -> 3.0, -x 4 -> 6: the " \
+        "cosine schedule now decays over -x 6)"
+    assert note in lines
+    # after the run's header, beside the line naming the checkpoint (it came before the header)
+    at = lines.index(note)
+    assert lines[at - 1].startswith("resuming from model_00000004.bin") and lines[0].startswith("llmpy train |")
     lines.clear()
     train(options(shards, saved, max_steps=7, resume=1, lr_schedule="constant"), log=lines.append)
     # from that run's checkpoint at 6: a constant schedule does not stretch

@@ -1056,7 +1056,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     if opts.overfit_single_batch:  # taken before a resume moves the train loader: the same batch at any position
         first_batch = _single_batch(opts, train_loader, config.vocab_size, rank, world)
     if state is not None:
-        _check_resume(state, opts, config, accum, log, world)
+        resume_notes: list[str] = []  # said after the run's header, beside the line that names the checkpoint
+        _check_resume(state, opts, config, accum, resume_notes.append, world)
         try:
             try:
                 train_loader.load_state_dict(state.meta["data"])
@@ -1138,6 +1139,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         log("note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs")
     if state is not None:
         log(f"resuming from {state.model_file.name} + {state.state_file.name} (step {start_step} of {steps})")
+        for note in resume_notes:
+            log(note)
     elif opts.resume:  # llm.c's -y 1: the same command line starts a run, then resumes it
         log(f"-y 1: no checkpoint in {opts.output_dir} yet: starting from step 0")
     mfu_of = None
