@@ -118,7 +118,8 @@ def test_two_processes_are_bitwise_one_process_with_accumulation(shards, one_pro
     if zero == 1:
         n = s_ref.tensors["m"].numel()
         (lo0, hi0), (lo1, hi1) = shard_bounds(n, 2, _norm_chunk())
-        assert f"AdamW state and master weights of {hi0 - lo0:,} of {n:,} parameters" in res.stdout
+        kept = "AdamW state and master weights" if master else "AdamW state"  # -w 0: no master weights to shard
+        assert f"ZeRO-1: {kept} of {hi0 - lo0:,} of {n:,} parameters" in res.stdout
         assert hi0 - lo0 < n and lo1 == hi0 and hi1 == n
 
 
@@ -667,6 +668,35 @@ sys.exit(main({argv!r}))
     assert codes == [1, 1], errs
     assert errs == [f"llmpy train: rank 0 of 2: error: {rank0_line}\n",
                     f"llmpy train: rank 1 of 2: error: rank 0 could not {what} (see its line); stopping\n"], errs
+
+
+@interpreter_only
+@pytest.mark.parametrize("found_by", ["the probe", "the log's lock"])
+def test_an_output_folder_in_use_stops_every_rank_with_one_line(shards, tmp_path, found_by):
+    # rank 0 alone probes and locks -o; its refusal left rank 1 to die in the next collective, in gloo's words cut
+    # mid-word ("Connection closed by peer ... Check the logs of the remote w")
+    import fcntl
+    out = tmp_path / "o"
+    out.mkdir()
+    train_f, _ = shards
+    argv = [str(a) for a in ["train", "-i", train_f, "-e", TINY, "-b", B, "-t", T, "-x", 2, "-v", 0, "-g", 0,
+                             "--device", "cpu", "--progress", 0, "-o", out]]
+    script = tmp_path / "in_use.py"
+    # "the log's lock": taken by another run after rank 0's probe (made to pass here), when rank 0 opens its log
+    skip_probe = "trainer._refuse_a_folder_in_use = lambda out_dir: None\n" if found_by == "the log's lock" else ""
+    script.write_text(f"import sys\nfrom llmpy import trainer\nfrom llmpy.cli import main\n{skip_probe}"
+                      f"sys.exit(main({argv!r}))\n")
+    with open(out / ".llmpy.lock", "a+") as held:  # as a run in progress holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        codes, errs = _each_ranks_end(script)
+    what = f"write into -o {out}" if found_by == "the probe" else f"start the run's log in -o {out}"
+    assert codes == [1, 1], errs
+    assert errs == [f"llmpy train: rank 0 of 2: error: -o {out}: another run is writing there (process 4242); wait "
+                    "for it to end, or give another -o\n",
+                    f"llmpy train: rank 1 of 2: error: rank 0 could not {what} (see its line); stopping\n"], errs
+    assert sorted(p.name for p in out.iterdir()) == [".llmpy.lock"]
 
 
 @pytest.mark.gpu

@@ -296,6 +296,11 @@ def test_resume_with_changed_settings_says_which(saved, shards):
     assert lines[at - 1].startswith("resuming from model_00000004.bin") and lines[0].startswith("llmpy train |")
     lines.clear()
     train(options(shards, saved, max_steps=7, resume=1, lr_schedule="constant"), log=lines.append)
+    # -q 1: a schedule that ends where it starts does not stretch either
+    state, notes = load_checkpoint(saved, 4), []
+    opts = options(shards, saved, max_steps=9, resume=1, final_lr_frac=1.0, dtype="float32", engine="reference")
+    trainer._check_resume(state, opts, state.config, 1, notes.append)
+    assert notes == ["note: resuming with changed settings (-q 0.1 -> 1.0, -x 4 -> 9)"]
     # from that run's checkpoint at 6: a constant schedule does not stretch
     assert "note: resuming with changed settings (-l 0.005 -> 0.01, -k cosine -> constant, -a 1 -> 0, -sl 3.0 -> " \
         "0.0, -x 6 -> 7)" in lines

@@ -692,7 +692,8 @@ class GPT2Model:
     def _describe_parallel(self) -> str:
         if self.world_size == 1:
             return ""
-        what = (f"ZeRO-1: AdamW state and master weights of {self._hi - self._lo:,} of "
+        kept = "AdamW state and master weights" if self.master_weights else "AdamW state"
+        what = (f"ZeRO-1: {kept} of {self._hi - self._lo:,} of "
                 f"{self.config.num_parameters:,} parameters" if self.zero_stage == 1 else "all-reduce (-z 0)")
         return f"rank {self.rank} of {self.world_size}, {what} | "
 

@@ -756,6 +756,19 @@ def _stop_if_a_rank_failed(own_error: Exception | None, failed_rank: int | None,
         raise LlmpyError(f"rank {failed_rank} could not {what} (see its line); stopping")
 
 
+def _rank_0_done(dp, error: Exception | None, device, what: str) -> None:
+    """After work rank 0 alone did before the loop (the -o lock): its error, as it came, on rank 0, and one line naming
+    rank 0 on the others, where they went on to the next collective and died there in gloo's or NCCL's words.
+    `what` completes "rank R could not ..."."""
+    if dp is None:
+        if error is not None:
+            raise error
+        return
+    failures = dp.all_gather_scalars(torch.tensor([error is not None], dtype=torch.int64, device=device))
+    failures = failures.reshape(-1).tolist()
+    _stop_if_a_rank_failed(error, failures.index(1) if any(failures) else None, what)
+
+
 def _save_checkpoint(out_dir: Path, step: int, config: GPT2Config, backend, opts: TrainOptions, meta: dict,
                      write: bool = True):
     """llm.c's model file model_%08d.bin in the run's precision (version 3 fp32 or 5 bf16, as llm.c) and
@@ -871,8 +884,8 @@ def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log
                if fld in saved and saved[fld] != getattr(opts, fld)]
     if "max_steps" in saved and saved["max_steps"] != opts.max_steps:
         # "raise -x to train further" (the message of a run already at its end): a decaying schedule then stretches
-        stretch = "" if opts.lr_schedule == "constant" else f": the {opts.lr_schedule} schedule now decays over " \
-            f"-x {opts.max_steps}"
+        decays = opts.lr_schedule != "constant" and opts.final_lr_frac != 1.0  # -q 1: nothing to stretch
+        stretch = f": the {opts.lr_schedule} schedule now decays over -x {opts.max_steps}" if decays else ""
         changed.append(f"-x {saved['max_steps']} -> {opts.max_steps}{stretch}")
     if changed:
         log(f"note: resuming with changed settings ({', '.join(changed)})")
@@ -970,8 +983,14 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
 
     state = None
     from .training_state import checkpoint_files, latest_complete_step, load_checkpoint
-    if opts.output_dir and rank == 0:  # rank 0 alone takes the lock: another's probe could find rank 0's
-        _refuse_a_folder_in_use(opts.output_dir)
+    if opts.output_dir:
+        in_use = None
+        try:
+            if rank == 0:  # rank 0 alone takes the lock: another's probe could find rank 0's
+                _refuse_a_folder_in_use(opts.output_dir)
+        except LlmpyError as e:
+            in_use = e
+        _rank_0_done(dp, in_use, device, f"write into -o {opts.output_dir}")
     # checkpoints in -o are resumed (-y 1) and never overwritten: a run from step 0 needs an -o without any
     names = checkpoint_files(opts.output_dir) if opts.output_dir else []
     found = latest_complete_step(opts.output_dir) if opts.resume and names else None
@@ -1154,7 +1173,12 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         log(f"the checkpoint is at step {start_step} and the run has {steps} steps: nothing to do "
             "(raise -x to train further)")
         return result
-    run_log = RunLog(out_dir if writer else None, log, start_step)
+    run_log = no_log = None
+    try:
+        run_log = RunLog(out_dir if writer else None, log, start_step)
+    except LlmpyError as e:  # the -o lock taken since the probe above, a log that cannot be opened
+        no_log = e
+    _rank_0_done(dp, no_log, device, f"start the run's log in -o {opts.output_dir}")
     if out_dir is not None and writer:
         from .files import remove_orphaned_temporaries
         # with the folder's lock, a checkpoint's temporary is a killed run's however new
