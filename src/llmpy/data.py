@@ -405,15 +405,15 @@ class DataLoader:
         try:
             if state.get("version") != STATE_VERSION:
                 raise LlmpyError(f"data loader state version {state.get('version')} is not {STATE_VERSION}")
-            for key in ("B", "T", "world_size", "shuffle", "seed", "num_shards", "shards"):
-                mine = self.state_dict()[key]
-                if key in ("num_shards", "shards") and state[key] != mine:  # a hash would tell the user nothing
-                    raise LlmpyError(f"the position was saved over other shards than these {len(self.files)} "
-                                     f"({self.files[0].name} ...; {state['num_shards']} then, told apart by name and "
-                                     "token count): resume with the data that run trained on")
-                if state[key] != mine:
+            mine = self.state_dict()
+            for key in ("B", "T", "world_size", "shuffle", "seed"):
+                if state[key] != mine[key]:
                     raise LlmpyError(f"data loader state was saved with {key}={state[key]!r}, this run "
-                                     f"has {key}={mine!r}; the position cannot be restored")
+                                     f"has {key}={mine[key]!r}; the position cannot be restored")
+            if (state["num_shards"], state["shards"]) != (mine["num_shards"], mine["shards"]):  # a hash tells nothing
+                raise LlmpyError(f"the position was saved over other shards than these {len(self.files)} "
+                                 f"({self.files[0].name} ...; {state['num_shards']} then, told apart by name and "
+                                 "token count): resume with the data that run trained on")
             epoch, shard_pos, window_pos = int(state["epoch"]), int(state["shard_pos"]), int(state["window_pos"])
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise LlmpyError(f"data loader state is malformed ({type(e).__name__}: {e})") from None

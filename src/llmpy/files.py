@@ -5,6 +5,7 @@ checkpoint.py, the data and token-shard writers, prepare, export and plot all wr
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -99,6 +100,10 @@ def writable_dir(folder, what: str, name: str | None = None) -> Path:
         raise LlmpyError(f"{name or folder}: cannot create or write the {what} ({e.strerror or e})") from None
     return folder
 
+
+# flock's errors on a file system that takes no locks (Lustre without -o flock, some NFS and FUSE mounts; EBADF: NFS
+# emulates flock with byte-range locks, which want a file opened for writing): the run or prepare goes on with a note
+NO_LOCKS_ERRNOS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
 
 ORPHAN_MIN_AGE_S = 600  # untouched this long: not a write still going on (on another host of a shared folder, say)
 # every writer goes through this module, so no temporary of this process is older than its import: one that is was

@@ -446,8 +446,8 @@ TITLE_MOST = 60  # characters of run names a title takes, before it says "N runs
 def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None, x_axis: str = "step") -> list[Path]:
     """plot_run of one run or several: with several, each chart draws every run that has its quantity, in a color of
     its own named in the legend (a learning-rate sweep, a run against its baseline), into out_dir, which is then
-    needed. The runs' folders are checked, then their logs read, before any chart is drawn. x_axis: "step", or
-    "tokens" (the tokens trained on, so that runs of different batch sizes line up)."""
+    needed. The runs' folders are checked, then their logs read, before any chart is drawn. x_axis: what the charts
+    run along, one of X_AXES (see x_positions)."""
     if x_axis not in X_AXES:
         raise LlmpyError(f"--x-axis {x_axis!r}: one of {', '.join(X_AXES)}")
     run_dirs = list(run_dirs)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import errno
 import hashlib
 import http.client
 import json
@@ -37,7 +36,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .files import (ORPHAN_MIN_AGE_S, atomic_path, expand_user, remove_orphaned_temporaries, temporary_sibling,
+from .files import (NO_LOCKS_ERRNOS, ORPHAN_MIN_AGE_S, atomic_path, expand_user, remove_orphaned_temporaries, temporary_sibling,
                     writable_dir)
 from .data import ShardFile, commit_journal, shard_name
 from .errors import LlmpyError
@@ -652,8 +651,7 @@ def _lock_folder_for_commit(out: Path, log) -> int | None:
             fcntl.flock(fd, fcntl.LOCK_EX)
     except OSError as e:
         os.close(fd)
-        # EBADF: NFS emulates flock with byte-range locks, which want a folder opened for writing
-        if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):
+        if e.errno in NO_LOCKS_ERRNOS:
             log(f"note: {out}: the file system takes no locks ({e.strerror}); a second prepare into this folder "
                 "at the same time could mix its shards with these")
             return None

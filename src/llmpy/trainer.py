@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import math
 import numbers
@@ -26,7 +25,7 @@ import torch
 
 from .config import ATTENTION_IMPLS, GPT2Config, looks_like_a_model_path, parse_descriptor
 from .errors import LlmpyError
-from .files import expand_user
+from .files import NO_LOCKS_ERRNOS, expand_user
 from .outliers import OutlierDetector
 from .rand import check_seed
 from .sampler import check_sampling_options
@@ -555,7 +554,7 @@ def _lock_run_folder(out_dir: Path, log):
         raise _folder_in_use(out_dir, holder) from None
     except OSError as e:
         f.close()
-        if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+        if e.errno in NO_LOCKS_ERRNOS:
             log(f"note: {path}: the file system takes no locks ({e.strerror}); nothing keeps a second run out of "
                 f"-o {out_dir} while this one writes")
             return None
