@@ -703,6 +703,13 @@ def test_ctrl_c_while_the_parser_loads_torch_is_one_line(monkeypatch, capsys):
         raise KeyboardInterrupt
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["prepare", "x.txt"]) == 130
+    assert capsys.readouterr().err == "llmpy prepare: interrupted\n"
+    # under torchrun each rank says which it is, as its later lines would
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["train", "-b", "2"]) == 130
+    assert capsys.readouterr().err == "llmpy train: rank 1 of 2: interrupted\n"
+    assert cli.main([]) == 130  # no command named: nothing else to say who it is
     assert capsys.readouterr().err == "llmpy: interrupted\n"
 
 

@@ -123,10 +123,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _escape_what_stdout_cannot_encode()
     names = [name for name, _, _ in COMMANDS]
+    command = argv[0] if argv and argv[0] in names else ""
     try:  # the command's module may import torch: a second or so in which Ctrl-C may land
-        parser = build_parser(argv[0] if argv and argv[0] in names else "")
-    except KeyboardInterrupt:
-        sys.stderr.write("llmpy: interrupted\n")
+        parser = build_parser(command)
+    except KeyboardInterrupt:  # said as every later line is, so that torchrun's ranks tell theirs apart
+        sys.stderr.write(f"{_speaker(command) if command else 'llmpy'}: interrupted\n")
         return 130
     args = parser.parse_args(argv)
     if args.command is None:
