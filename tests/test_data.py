@@ -1493,6 +1493,38 @@ def test_a_long_prepare_keeps_its_waiting_temporaries_fresh(tmp_path, monkeypatc
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for files_ in result.values() for p, _ in files_)
 
 
+def test_a_killed_prepares_temporaries_go_once_aged_while_the_next_one_runs(tmp_path, monkeypatch):
+    """A prepare killed and run again at once finds the dead one's spill and shards too new to remove (a live writer
+    on another host of the folder looks the same), and the spill is as large as the dataset's tokens: the rerun
+    removes them once they have aged, not only a prepare started ten minutes later."""
+    import time
+    from llmpy import files
+    out = tmp_path / "o"
+    out.mkdir()
+    dead_pid = 2**22 + 17  # above Linux's pid_max: no process has it
+    rng = np.random.default_rng()
+    dead = [out / f".long_tokens.{dead_pid}.{rng.bytes(4).hex()}.part",
+            out / f".long_train_000000.bin.{dead_pid}.{rng.bytes(4).hex()}.part"]
+    for p in dead:
+        p.write_bytes(rng.bytes(100))  # written just now, as by a prepare killed a moment ago
+    text = "hello world, some text here.\n" * 20
+    logged = []
+
+    def groups():
+        for i in range(6):
+            if i == 3:  # ten minutes and more into this prepare
+                assert all(p.exists() for p in dead)  # too new at the start to tell from a live writer's
+                for p in dead:
+                    os.utime(p, (time.time() - files.ORPHAN_MIN_AGE_S - 5,) * 2)
+            yield False, [text]
+    monkeypatch.setattr(prep, "resolve_source", lambda *a, **k: prep.Source(name="long", groups=groups))
+    monkeypatch.setattr(prep, "KEEP_FRESH_S", 0.0)
+    result = prep.prepare("long", out, tokenizer="bytes", shard_size=500, val_fraction=0.05, log=logged.append)
+    assert not any(p.exists() for p in dead)
+    assert f"note: removed 2 temporary file(s) in {out} left by a killed llmpy process" in logged
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for files_ in result.values() for p, _ in files_)
+
+
 def test_a_shard_set_aside_by_the_commit_stays_until_it_is_put_back(tmp_path, monkeypatch):
     """The commit renames each old shard to a temporary name before the new one takes its place, and puts the old ones
     back if a later move fails. A rename keeps a file's time: an old shard set aside looked to a prepare on another

@@ -36,8 +36,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .files import (NO_LOCKS_ERRNOS, ORPHAN_MIN_AGE_S, atomic_path, expand_user, remove_orphaned_temporaries, temporary_sibling,
-                    writable_dir)
+from .files import (NO_LOCKS_ERRNOS, ORPHAN_MIN_AGE_S, atomic_path, expand_user, remove_orphaned_temporaries,
+                    temporary_sibling, writable_dir)
 from .data import ShardFile, commit_journal, shard_name
 from .errors import LlmpyError
 from .tokenizer import TOKENIZER_NAMES, Document, Tokenizer, load_tokenizer, refuse_files_for_bytes
@@ -314,7 +314,8 @@ def _fineweb(name: str, shard_size: int) -> Source:
             if batch:
                 yield False, batch
         except (OSError, ConnectionError, ValueError) as e:
-            raise LlmpyError(f"cannot read {FINEWEB_REPOS[name]} through `datasets` ({type(e).__name__}: {e})") from None
+            raise LlmpyError(f"cannot read {FINEWEB_REPOS[name]} through `datasets` ({type(e).__name__}: {e})") \
+                from None
     return Source(name, groups, default_val_tokens=shard_size)
 
 
@@ -354,15 +355,18 @@ class Staging:
     """Shards written under temporary names in the output folder and renamed into place together once the
     whole prepare succeeded, so that a failed or interrupted one leaves an earlier dataset as it was."""
 
-    def __init__(self):
+    def __init__(self, folder: Path | None = None, log: Callable[[str], None] | None = None):
         self.pending: list[tuple[Path, Path]] = []  # (temporary, final)
         self.others: list[Path] = []  # the run's other temporaries (the spilled token stream)
+        self.folder, self.log = folder, log  # where keep_fresh looks for a killed prepare's temporaries
         self._touched = time.monotonic()
 
     def keep_fresh(self) -> None:
         """Touch the run's temporaries every KEEP_FRESH_S. A finished shard waits unchanged until the commit, and
         the spill while it is read back, for hours on a large corpus; a prepare on another host of a shared folder
-        (or in another container) cannot see this process, so it tells a live writer's files only by their age."""
+        (or in another container) cannot see this process, so it tells a live writer's files only by their age.
+        By the same rule, the temporaries of a prepare killed just before this one began were too new to remove at
+        its start (a spill as large as the dataset's tokens): they go here once they have aged."""
         now = time.monotonic()
         if now - self._touched < KEEP_FRESH_S:
             return
@@ -372,6 +376,8 @@ class Staging:
                 os.utime(path)
             except OSError:  # not created yet (a shard's file opens at its first tokens), or gone: nothing to keep
                 pass
+        if self.folder is not None:  # after the touch: this run's own files are fresh, whatever their age before
+            remove_orphaned_temporaries(self.folder, self.log)
 
     def temporary(self, final: Path) -> Path:
         # hidden and not ending in .bin: neither a shard glob nor _remove_stale picks it up; named by this process,
@@ -564,7 +570,7 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
 
     created = _missing_folders(out)
     journal = commit_journal(out, name)
-    staging = Staging()
+    staging = Staging(out, log)
     spill = commit_lock = None
     writers: dict[str, ShardWriter] = {}
     try:
