@@ -31,12 +31,17 @@ def setup(device, dtype, master):
     return state
 
 
+def kernel_step(state, grad, step, grad_scale=0.7, seed=1235, stochastic=True):
+    """adamw_update of state at step `step` with grad as it is (its dtype kept: fp32 grads on bf16 params too)."""
+    set_hyper(state["hyper"], HP["lr"], step, HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], grad_scale)
+    state["seed"].fill_(seed)
+    adamw_update(state["params"], grad, state["m"], state["v"], state["hyper"], state["seed"], state["ranges"],
+                 master=state["master"], stochastic=stochastic)
+
+
 def run_steps(state, grads, steps, grad_scale=0.7, seed0=1234, stochastic=True):
     for step in range(1, steps + 1):
-        set_hyper(state["hyper"], HP["lr"], step, HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], grad_scale)
-        state["seed"].fill_(seed0 + step)
-        adamw_update(state["params"], grads[step - 1].to(state["params"].dtype), state["m"], state["v"], state["hyper"],
-                     state["seed"], state["ranges"], master=state["master"], stochastic=stochastic)
+        kernel_step(state, grads[step - 1].to(state["params"].dtype), step, grad_scale, seed0 + step, stochastic)
 
 
 def test_fp32_matches_reference(device):
@@ -95,6 +100,93 @@ def test_bf16_without_master_rounds_stochastically(device):
     lo, hi = bf16_neighbours(p - slack)[0], bf16_neighbours(p + slack)[1]
     got = state["params"].cpu().float()
     assert torch.all((got >= lo) & (got <= hi))
+
+
+def step_against_float64(state, grad, step, stochastic=True, grad_scale=0.7):
+    """One kernel step, and reference_step in float64 from the same state (the kernel's parameters - its master
+    weights where it has them -, m and v): checks m, v and the master weights. Returns the exact parameters and
+    the slack that bounds the kernel's fp32 parameter around them (before any rounding to bf16)."""
+    w = state["params"] if state["master"] is None else state["master"]
+    p0, m0, v0 = (t.cpu().double() for t in (w, state["m"], state["v"]))
+    p, m, v, g = p0.clone(), m0.clone(), v0.clone(), grad.cpu().double()
+    reference_step(p, g, m, v, step, grad_scale)
+    kernel_step(state, grad, step, grad_scale, seed=4321 + step, stochastic=stochastic)
+    # m and v: within 4 fp32 ulps of the largest term each one adds (as in test_fp32_matches_reference); rounding
+    # the gradient to bf16 first is off by ~0.1 * |g| * 2^-9 in m, a thousand times more
+    ulp, gs = 2.0 ** -23, (g * grad_scale).abs()
+    assert ((state["m"].cpu().double() - m).abs() <= 4 * ulp * torch.maximum(m0.abs(), gs)).all()
+    assert ((state["v"].cpu().double() - v).abs() <= 4 * ulp * torch.maximum(v0, gs * gs)).all()
+    # the fp32 parameter p0 - lr * (m_hat / (sqrt(v_hat) + eps) + wd * p0): half an ulp of p0 for the subtraction,
+    # and a few ulps of the update's bound `upd` for m's error (above) and v's (v's rounding is relative to
+    # max(v0, g^2), up to 20 times v itself: ~5 ulps of sqrt(v)) and the fp32 hyper-parameters: 16 ulps of both
+    # (at most 1.3 measured over 200 steps); still ~2^-11 of a bf16 ulp
+    bc1, bc2 = 1 - HP["beta1"] ** step, 1 - HP["beta2"] ** step
+    den = (v / bc2).sqrt() + HP["eps"]
+    upd = HP["lr"] * (torch.maximum(m0.abs(), gs) / bc1 / den + HP["weight_decay"] * p0.abs())
+    slack = 16 * ulp * (p0.abs() + upd)
+    if state["master"] is not None:
+        assert ((state["master"].cpu().double() - p).abs() <= slack).all()
+    return p, slack
+
+
+@pytest.mark.parametrize("master", [True, False], ids=["master", "no_master"])
+def test_bf16_params_with_fp32_grads(device, master):
+    """bf16 parameters updated from an fp32 gradient (the model's fp32 accumulator of several micro-steps, or the
+    gradient reduced over ranks): the kernel must use the fp32 values, not bf16-rounded ones. Three steps, each
+    against the float64 reference from the kernel's state; the bf16 weights are one of the two bf16 values around
+    the exact result (stochastic rounding: within one bf16 ulp of it), widened by the slack of the fp32 value."""
+    state = setup(device, torch.bfloat16, master)
+    for step in range(1, 4):
+        grad = torch.randn(N, device=device)
+        assert not torch.equal(grad, grad.bfloat16().float()), "a bf16-representable gradient tests nothing"
+        p, slack = step_against_float64(state, grad, step)
+        got = state["params"].cpu().float()
+        lo, hi = bf16_neighbours((p - slack).float())[0], bf16_neighbours((p + slack).float())[1]
+        assert torch.all((got >= lo) & (got <= hi)), f"step {step}"
+        if master:  # and rounded from the master itself
+            lo, hi = bf16_neighbours(state["master"].cpu())
+            assert torch.all((got == lo) | (got == hi)), f"step {step}"
+
+
+@pytest.mark.parametrize("master", [True, False], ids=["master", "no_master"])
+def test_bf16_round_to_nearest_per_element(device, master):
+    """stochastic=False: each bf16 weight is the fp32 result rounded to nearest even. Per element against the
+    float64 reference: bitwise RNE(fp32(exact)) except where the kernel's fp32 value may lie on the other side
+    of a rounding midpoint (exact +- slack straddles one: ~2^-10 of the elements), where either neighbour is
+    right; with master weights, bitwise RNE of the kernel's own fp32 master everywhere."""
+    state = setup(device, torch.bfloat16, master)
+    for step in range(1, 3):
+        p, slack = step_against_float64(state, torch.randn(N, device=device).bfloat16(), step, stochastic=False)
+        got = state["params"].cpu()
+        lo, hi = (p - slack).float().bfloat16(), (p + slack).float().bfloat16()
+        assert torch.all((got >= lo) & (got <= hi)), f"step {step}"
+        pinned = lo == hi
+        assert pinned.float().mean() > 0.99, "the slack must leave almost every element a single answer"
+        assert torch.equal(got[pinned].view(torch.int16), p.float().bfloat16()[pinned].view(torch.int16))
+        if master:
+            assert torch.equal(got.view(torch.int16), state["master"].cpu().bfloat16().view(torch.int16))
+
+
+def test_bf16_round_to_nearest_breaks_ties_to_even(device):
+    """Master weights exactly halfway between two bf16 values, an update far below their fp32 ulp (the master
+    keeps its bits): round to nearest even picks the even neighbour, up for some and down for others."""
+    n = 4000
+    base = ((torch.rand(n) + 0.5) * torch.randn(n).sign()).view(torch.int32)  # |w| in [0.5, 1.5)
+    master = ((base & ~0xFFFF) | 0x8000).view(torch.float32).to(device)  # the low 16 bits: exactly half
+    state = dict(params=torch.full((n,), float("nan"), dtype=torch.bfloat16, device=device), master=master.clone(),
+                 m=torch.zeros(n, device=device), v=torch.zeros(n, device=device), hyper=hyper_tensor(device),
+                 ranges=decay_ranges_tensor([(0, n // 2)], device),
+                 seed=torch.tensor([7], dtype=torch.int64, device=device))
+    set_hyper(state["hyper"], 1e-12, 1, HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], 1.0)
+    adamw_update(state["params"], torch.randn(n, device=device), state["m"], state["v"], state["hyper"],
+                 state["seed"], state["ranges"], master=state["master"], stochastic=False)
+    assert torch.equal(state["master"], master), "the update must not move the fp32 master (lr too large)"
+    got = state["params"].cpu().view(torch.int16)
+    expected = master.cpu().bfloat16().view(torch.int16)  # torch's RNE: ties to the even bf16
+    assert torch.equal(got, expected)
+    assert not (got & 1).any()
+    up = (got.float() != (master.cpu().view(torch.int32) >> 16).float()).float().mean()
+    assert 0.3 < up < 0.7, "ties rounded all one way cannot tell nearest-even from truncation or half-up"
 
 
 def test_small_updates_survive_only_with_stochastic_rounding(device):

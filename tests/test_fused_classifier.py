@@ -18,7 +18,8 @@ SHAPES = [(2, 3, 61, 128), (3, 5, 50, 64), (1, 7, 37, 40)]  # (B, T, V, Vp)
 # (several 16-byte vectors a thread) even at these sizes; Vp = 464 = 256 + 128 + 64 + 16 fills all four
 # chunk slots; Vp = 1040 = 1024 + 16; Vp = 496 has more binary digits than slots (the last chunk
 # overhangs Vp). twopass at progs_per_sm=1: 4 persistent programs (the interpreter's "SM count") walk
-# the 6 or 12 rows.
+# the 6 or 12 rows. exact=False: one chunk of next_pow2(Vp) columns, masked past Vp (for the packed words at
+# Vp = 464: 256 words where exact cuts the 232 into 128 + 64 + 32 + 16).
 VARIANTS = {
     "twopass_b16": dict(variant="twopass", block_size=16),
     "twopass_b32_tile4": dict(variant="twopass", block_size=32, tile=4),
@@ -29,6 +30,8 @@ VARIANTS = {
     "onepass_pw": dict(variant="onepass", keep="pw", num_warps=1),
     "onepass_xw": dict(variant="onepass", keep="xw", num_warps=1),
     "onepass_p_pow2": dict(variant="onepass", keep="p", num_warps=2, exact=False),
+    "onepass_pw_pow2": dict(variant="onepass", keep="pw", num_warps=1, exact=False),
+    "onepass_xw_pow2": dict(variant="onepass", keep="xw", num_warps=1, exact=False),
     "split_b64": dict(variant="split", block_size=64),
     "legacy_b16": dict(variant="legacy", block_size=16),
 }
@@ -105,7 +108,8 @@ def test_fused_classifier_validation_leaves_logits(device, dtype, B, T, V, Vp, b
 # bf16 for every variant, fp32 for those whose fp32 code differs (pw / xw on fp32 are pl / x; the twopass
 # blocks are covered by the tests above): fewer kernels to compile on the GPU machine
 VARIANT_CASES = [(n, torch.bfloat16) for n in VARIANTS] + [
-    (n, torch.float32) for n in ("twopass_persistent", "onepass_p", "onepass_x", "onepass_pl", "split_b64")]
+    (n, torch.float32) for n in ("twopass_persistent", "onepass_p", "onepass_x", "onepass_pl", "split_b64",
+                                 "legacy_b16")]
 
 
 @pytest.mark.parametrize("name,dtype", VARIANT_CASES)
@@ -167,7 +171,7 @@ def test_fused_classifier_padding_garbage_and_extremes(device, dtype):
         assert (dlogits[..., V:] == 0).all()
 
 
-@pytest.mark.parametrize("name", ["onepass_pw", "onepass_xw"])
+@pytest.mark.parametrize("name", ["onepass_pw", "onepass_xw", "onepass_pw_pow2", "onepass_xw_pow2"])
 def test_fused_classifier_words_round_to_nearest(device, name):
     """The packed-words kernels round the gradient to bf16 with their own integer round-to-nearest-even:
     almost every element equals the fp32 reference rounded to nearest (truncation would miss ~half; pw
@@ -177,7 +181,47 @@ def test_fused_classifier_words_round_to_nearest(device, name):
     _, dlogits = run(logits, targets, V, 0.01, device, **VARIANTS[name])
     _, exp_dlogits = reference(logits, targets, V, 0.01)
     same = (dlogits.cpu() == exp_dlogits.cpu().bfloat16()).float().mean().item()
-    assert same > (0.97 if name == "onepass_xw" else 0.7), same
+    assert same > (0.97 if "xw" in name else 0.7), same
+
+
+class GridSpy:
+    """A kernel's stand-in that records the grid of every launch, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("keep,progs_per_sm,dtype", [("p", 1, torch.bfloat16), ("p", 1, torch.float32),
+                                                     ("x", 1, torch.bfloat16), ("pl", 2, torch.float32)])
+def test_fused_classifier_onepass_persistent(device, monkeypatch, keep, progs_per_sm, dtype):
+    """onepass with progs_per_sm: a grid of progs_per_sm programs an SM (the interpreter's 4 "SMs": 4 or 8 programs)
+    smaller than the row count, so that the programs walk several rows each (11 rows over 4 programs: 3, 3, 3 and 2;
+    over 8: 2 or 1; 12 rows: 3 each, or 2 and 1), training and validation against the reference; validation gives
+    bitwise the training losses and leaves the logits (NaN padding included) as they were."""
+    from llmpy.kernels import fused_classifier as fc
+    spy = GridSpy(fc._fc_onepass_kernel)
+    monkeypatch.setattr(fc, "_fc_onepass_kernel", spy)
+    monkeypatch.setattr(fc, "_sm_count", lambda t: 4)  # on a GPU too (where the L2 prefetch of the next row runs)
+    kw = dict(variant="onepass", keep=keep, num_warps=1, progs_per_sm=progs_per_sm)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    shapes = ((1, 11), (3, 4))
+    for B, T in shapes:
+        V, Vp = 450, 464  # four chunks
+        logits, targets = make_case(B, T, V, Vp, dtype, seed=B * 10 + T, padding=float("nan"))
+        dloss = 1.0 / (B * T)
+        exp_losses, exp_dlogits = reference(logits, targets, V, dloss)
+        losses, dlogits = run(logits, targets, V, dloss, device, **kw)
+        check_train(losses, dlogits, exp_losses, exp_dlogits, V, dloss, dtype)
+        val_losses, after = run(logits, targets, V, dloss, device, write_dlogits=False, **kw)
+        assert torch.equal(val_losses, losses)
+        assert torch.equal(after.view(bits), logits.to(device).view(bits))
+    rows = [B * T for B, T in shapes for _ in ("train", "val")]
+    assert [g[0] for g in spy.grids] == [4 * progs_per_sm] * len(rows)
+    assert all(g[0] < r for g, r in zip(spy.grids, rows)), "persistent: fewer programs than rows"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
