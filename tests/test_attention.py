@@ -96,8 +96,13 @@ def check_causal_zeros(x):
 # ---------------------------------------------------------------------------------------------------
 # CPU (interpreter) and GPU: the classic path at small shapes
 
+# and for the permute kernel, T in several tiles of BLOCK_T = 4096 / next_pow2(hs) rows: hs 600 (tiles of 4 rows,
+# T = 7: the second partial) and hs 2050 (tiles of 1 row)
+PERMUTE_SHAPES = SHAPES + [(2, 7, 2, 600), (1, 3, 1, 2050)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,T,NH,hs", SHAPES)
+@pytest.mark.parametrize("B,T,NH,hs", PERMUTE_SHAPES)
 def test_permute_unpermute_exact(device, B, T, NH, hs, dtype):
     C = NH * hs
     qkv = rand(B, T, 3 * C, dtype=dtype, device=device)

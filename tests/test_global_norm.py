@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from llmpy import reference as ref
-from llmpy.kernels.global_norm import (NORM_CHUNK, clip_scale, global_norm_partials, global_norm_squared,
-                                      norm_aggregate, norm_partials, num_norm_partials)
+from llmpy.kernels.global_norm import (AGGREGATE_BLOCK, NORM_CHUNK, clip_scale, global_norm_partials,
+                                      global_norm_squared, norm_aggregate, norm_partials, num_norm_partials)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5}  # the sum is fp32 either way; bf16 only stores inputs
 
@@ -52,6 +52,25 @@ def test_sharded_partials_give_the_same_bits(device, dtype, world):
     sharded = torch.full((1,), float("nan"), device=device)
     norm_aggregate(sharded, gathered, num_norm_partials(n))
     assert torch.equal(whole, sharded)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_norm_aggregate_more_partials_than_a_block(device, accumulate):
+    """More partials than the second level adds a step (AGGREGATE_BLOCK; GPT-2 124M has ~1900): its loop
+    runs three times, the last block partial; the slots past count (NaN) are not read; against float64,
+    plus out's value when accumulating; bitwise repeatable."""
+    count = 2 * AGGREGATE_BLOCK + 37
+    partials = torch.full((count + 11,), float("nan"), device=device)
+    partials[:count] = torch.randn(count, device=device) ** 2
+    start = torch.rand(1, device=device) * count if accumulate else torch.full((1,), float("nan"), device=device)
+    results = []
+    for _ in range(2):
+        out = start.clone()
+        norm_aggregate(out, partials, count, accumulate=accumulate)
+        results.append(out)
+    expected = partials[:count].double().sum().item() + (start.item() if accumulate else 0.0)
+    assert math.isclose(results[0].item(), expected, rel_tol=1e-5)
+    assert torch.equal(results[0], results[1])
 
 
 def test_strided_partials_rejected(device):

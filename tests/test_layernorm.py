@@ -387,6 +387,18 @@ def test_layernorm_backward_sweep_candidates(name, dtype, device):
     check_backward((37, 40), dtype, device, seed=24, num_chunks=3, **cfg)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layernorm_backward_reduce_loops_over_chunk_blocks(dtype, device, monkeypatch):
+    # the second level sums REDUCE_BLOCK_K (512) chunks a step, so the default 1024 chunks take two steps on
+    # the GPU; more than 512 here would take as many first-level programs, ~2.7 s a call in the interpreter.
+    # With a block of 8 the same loop takes three steps over 20 chunks, the last partial; 39 rows put at
+    # least one row in every chunk (an empty chunk's zeros would hide a step that is skipped); with the
+    # projection's bias (a third sum in the same loop) too
+    monkeypatch.setattr(layernorm, "REDUCE_BLOCK_K", 8)
+    check_backward((39, 40), dtype, device, seed=71, num_chunks=20)
+    check_backward_proj_bias((39, 40), dtype, device, seed=72, num_chunks=20)
+
+
 def test_layernorm_backward_scratch_shape():
     assert layernorm_backward_scratch_shape(15, 40) == (15, 2, 40)
     assert layernorm_backward_scratch_shape(64 * 1024, 768) == (LN_BACKWARD_CHUNKS, 2, 768)

@@ -195,7 +195,9 @@ def _tma_config(device, subtile):
 def test_triton_matmul_tma_equals_pointer_kernel(device, dtype, shape, epilogue, subtile):
     """The persistent TMA kernel (tensor descriptors, edge tiles clipped by TMA rather than masked) gives
     the pointer kernel's bits: same tiles, same K order, same epilogue arithmetic; for both weight layouts,
-    partial tiles in M and N and a K tail; pre_gelu (aux) too; nothing written past the outputs."""
+    partial tiles in M and N and a K tail; pre_gelu (aux) too; nothing written past the outputs. And each
+    epilogue's outputs against float64 on their own (a fault the two kernels shared would pass the bitwise
+    comparison)."""
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm_90")
     M, K, N = shape
@@ -220,8 +222,15 @@ def test_triton_matmul_tma_equals_pointer_kernel(device, dtype, shape, epilogue,
         assert torch.equal(outs[0][0], outs[1][0]), "TMA kernel output differs from the pointer kernel's"
         if epilogue == mm.EPILOGUE_GELU_AUX:
             assert torch.equal(outs[0][1], outs[1][1]), "TMA kernel pre_gelu differs"
+        c, aux = outs[1]
+        product = a.double() @ b.double()
         if epilogue == mm.EPILOGUE_NONE:
-            check(outs[1][0], up(a, dtype) @ up(b, dtype) + up(bias, dtype), dtype, "c")
+            check(c, product + bias.double(), dtype, "c")
+        elif epilogue == mm.EPILOGUE_GELU_AUX:
+            check(aux, product + bias.double(), dtype, "pre_gelu")
+            check(c, ref.gelu_forward(product + bias.double()), dtype, "gelu(pre_gelu)")
+        else:
+            check(c, ref.gelu_backward(aux_in.double(), product), dtype, "dgelu")
 
 
 def test_triton_matmul_tma_falls_back_on_unaligned_rows(device):
@@ -342,6 +351,28 @@ def test_matmul_backward_bias(device, dtype, M, OC, num_chunks):
     assert torch.equal(results[0], results[1]), "bias reduction is not deterministic"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_backward_bias_more_chunks_than_a_finish_step(device, dtype):
+    """More chunks than the finish kernel adds a step (FINISH_BLOCK_CHUNKS): its loop over blocks of chunks
+    runs three times, the last block partial, as does the last chunk's row tile; against float64 (bf16:
+    rounded stochastically, with a seed); no write past dbias; bitwise the same on a second run."""
+    want = 2 * mm.FINISH_BLOCK_CHUNKS + 1
+    M, OC = want * mm.BIAS_BLOCK_M - 9, 40
+    assert mm._chunking(M, want, mm.BIAS_BLOCK_M)[0] == want
+    rand = Rand(device, dtype, 28)
+    dout, dbias0 = rand(M, OC), rand(OC)
+    seed = torch.tensor([555], device=device) if dtype == torch.bfloat16 else None
+    results = []
+    for _ in range(2):
+        dbias, buf = guarded((OC,), dtype, device)
+        dbias.copy_(dbias0)
+        mm.matmul_backward_bias(dbias, dout, seed=seed, num_chunks=want)
+        assert_guard_intact(buf)
+        results.append(dbias)
+    check(results[0], dbias0.double() + dout.double().sum(0), dtype, "dbias")
+    assert torch.equal(results[0], results[1]), "bias reduction is not deterministic"
+
+
 @pytest.mark.parametrize("num_chunks", [None, 1, 3])
 def test_bias_gradients_of_no_rows(device, num_chunks):
     """An empty gradient (no rows: B*T = 0) adds nothing: dbias and dweight keep their values, for the plain
@@ -412,6 +443,65 @@ def test_bias_gelu_backward(device, dtype, M, N, num_chunks):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_bias_gelu_backward_stochastic_rounding(device, num_chunks):
+    """The model's default bf16 path (-ge 0, a seed): the fused dgelu with bf16 dbias rounded stochastically,
+    by the first level itself (one chunk) or by the finish (several). d_in_out is rounded to nearest,
+    whatever the seed, against float64; dbias lands on one of the two bf16 neighbours of dbias0 + the column
+    sums of d as stored (float64), the seed changes the pick, the same seed repeats it; and the rounding is
+    unbiased where round-to-nearest is not."""
+    dtype = torch.bfloat16
+    M, N = 35, 72  # a partial row tile and a partial column block
+    rand = Rand(device, dtype, 27)
+    d0, pre, dbias0 = rand(M, N), rand(M, N, scale=2.0), rand(N, scale=20.0)
+    e_d = ref.gelu_backward(pre.double(), d0.double())
+    seed = torch.zeros(1, dtype=torch.int64, device=device)
+    outs = []
+    for s in range(4):
+        seed.fill_(2000 + 31 * s)
+        d, d_buf = guarded((M, N), dtype, device)
+        d.copy_(d0)
+        dbias, b_buf = guarded((N,), dtype, device)
+        dbias.copy_(dbias0)
+        mm.bias_gelu_backward(dbias, None, d, pre, seed=seed, num_chunks=num_chunks)
+        assert_guard_intact(d_buf)
+        assert_guard_intact(b_buf)
+        check(d, e_d, dtype, "d_in_out")
+        check(dbias, dbias0.double() + e_d.sum(0), dtype, "dbias")
+        exact = dbias0.double() + d.double().sum(0)
+        ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs()))
+        # (+ 1e-5: the fp32 sum's own error, where exact is small)
+        assert ((dbias.double() - exact).abs() <= ulp * 1.001 + 1e-5).all(), "not one of the two bf16 neighbours"
+        outs.append((d, dbias))
+    assert all(torch.equal(outs[0][0], o[0]) for o in outs[1:]), "d_in_out depends on the seed"
+    assert not all(torch.equal(outs[0][1], o[1]) for o in outs[1:]), "the seed changes nothing"
+    seed.fill_(2000)
+    d, again = d0.clone(), dbias0.clone()
+    mm.bias_gelu_backward(again, None, d, pre, seed=seed, num_chunks=num_chunks)
+    assert torch.equal(again, outs[0][1]), "same seed, different rounding"
+
+    # unbiased: where pre = 8, gelu' is exactly 1 in fp32 and d (2^-13) passes unchanged; where pre = -8 it is
+    # exactly 0, and the random d there adds nothing. Every column sums to 24 * 2^-13 = 3/1024 exactly (in
+    # any order), 3/8 of a bf16 ulp above dbias = 1: round-to-nearest gives 1 everywhere, stochastic rounding
+    # 1 + 1/128 for ~3/8 of the columns
+    M, N = 32, 1024
+    live = (torch.arange(M) % 4 != 3)[:, None].to(device)
+    d0 = torch.where(live, torch.full((M, N), 2.0 ** -13, device=device), rand(M, N).float()).to(dtype)
+    pre = torch.where(live, 8.0, -8.0).expand(M, N).to(dtype).contiguous()
+    for s in range(2):
+        seed.fill_(77 + s)
+        d, d_buf = guarded((M, N), dtype, device)
+        d.copy_(d0)
+        dbias = torch.ones(N, dtype=dtype, device=device)
+        mm.bias_gelu_backward(dbias, None, d, pre, seed=seed, num_chunks=num_chunks)
+        assert_guard_intact(d_buf)
+        assert torch.equal(d, torch.where(live, d0, 0.0).to(dtype)), "gelu'(8) = 1, gelu'(-8) = 0"
+        values = set(dbias.double().unique().tolist())
+        assert values <= {1.0, 1.0 + 2.0 ** -7}, values
+        up_fraction = float((dbias.double() > 1.0).double().mean())
+        assert abs(up_fraction - 3 / 8) < 0.06, f"rounded up {up_fraction:.3f} of the time, expected 0.375"
+
+
 def test_fc_backward_with_fused_bias_gelu(device):
     """The model's fc/fcproj pattern: fcproj backward without pre_gelu, bias_gelu_backward for fc's dbias,
     fc backward with dbias=None, equals the unfused chain."""
@@ -442,10 +532,11 @@ def test_fc_backward_with_fused_bias_gelu(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("OC, C", [(48, 48), (70, 50), (130, 64)])
+@pytest.mark.parametrize("OC, C", [(48, 48), (70, 50), (130, 64), (300, 40)])
 def test_bias_through_weight(device, dtype, OC, C):
-    """dbias += grad_sum @ weight, the sum over OC in a fixed order; partial blocks both ways; nothing
-    written past dbias; bf16 within a bf16 ulp (stochastic) of the exact sum; bitwise repeatable."""
+    """dbias += grad_sum @ weight, the sum over OC in a fixed order; partial blocks both ways (OC = 300: two
+    steps of THROUGH_BLOCK_K rows, the second partial); nothing written past dbias; bf16 within a bf16 ulp
+    (stochastic) of the exact sum; bitwise repeatable."""
     rand = Rand(device, dtype, 21)
     weight, dbias0 = rand(OC, C, scale=C ** -0.5), rand(C)
     grad_sum = rand(OC).float() * 30.0  # fp32: a column sum over many rows
@@ -467,11 +558,12 @@ def test_bias_through_weight(device, dtype, OC, C):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M, C, OC, pad", [(37, 24, 40, 8), (64, 48, 70, 1), (130, 40, 33, 16)])
+@pytest.mark.parametrize("M, C, OC, pad", [(37, 24, 40, 8), (64, 48, 70, 1), (130, 40, 33, 16), (5, 520, 20, 3)])
 def test_weight_grad_bias_column(device, dtype, M, C, OC, pad):
     """One product gives the weight gradient and, from the input's column of ones, the bias gradient:
     both accumulated into random values, against float64; the input's padding is what the LayerNorm
-    forward's bias_column writes; bitwise repeatable; nothing written past either output."""
+    forward's bias_column writes; bitwise repeatable; nothing written past either output. C = 520: the
+    finish kernel's loop over column blocks of WIDE_FINISH_BLOCK_C takes three steps, the last partial."""
     rand = Rand(device, dtype, 23)
     dout = rand(2, M, OC)
     wide = torch.cat([rand(2, M, C), torch.ones(2, M, 1, dtype=dtype, device=device),
