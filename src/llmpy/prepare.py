@@ -570,7 +570,10 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
 
     created = _missing_folders(out)
     journal = commit_journal(out, name)
-    staging = Staging(out, log)
+    def log_beside_bar(line: str) -> None:  # a note in the middle of the run: the progress bar cleared, then redrawn
+        with tqdm.external_write_mode():
+            log(line)
+    staging = Staging(out, log_beside_bar)
     spill = commit_lock = None
     writers: dict[str, ShardWriter] = {}
     try:
