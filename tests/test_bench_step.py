@@ -56,7 +56,8 @@ def test_the_table_names_each_system_s_energy_when_measured():
             res.update(joules_per_step=joules, watts=joules / ms * 1e3)
         results[name] = summarize(res, args)
     lines = [l for l in format_table(results, args).splitlines() if l.startswith("energy")]
-    assert lines == [f"energy (NVML, steps {args.warmup_median_from}..{args.steps}): torch-compile 94.5 J/step at 700 W"]
+    window = f"steps {args.warmup_median_from}..{args.steps}"
+    assert lines == [f"energy (NVML, {window}): torch-compile 94.5 J/step at 700 W"]
     # with the card's state read around the window: its temperatures and the clock after it
     results["torch-compile"].update(celsius_at_window=[41, 47], sm_mhz_at_end=1755)
     lines = [l for l in format_table(results, args).splitlines() if l.startswith("energy")]

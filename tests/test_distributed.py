@@ -136,8 +136,8 @@ def test_zero_1_with_a_model_of_one_norm_chunk(tmp_path):
                        weight_decay=0.1, dtype="bfloat16", engine="kernels", device="cpu", output_dir=str(one),
                        progress=0), log=lambda *_: None)
     res = launch_torchrun(2, "-m", "llmpy", "train", "-i", data, "-e", model, "-b", 2, "-t", 8, "-d", tokens, "-x",
-                          steps, "-v", 0, "-s", 0, "-g", 0, "-l", 1e-2, "-u", 1, "-c", 0.1, "-z", 1, "--dtype", "bfloat16",
-                          "--device", "cpu", "--progress", 0, "-o", two)
+                          steps, "-v", 0, "-s", 0, "-g", 0, "-l", 1e-2, "-u", 1, "-c", 0.1, "-z", 1,
+                          "--dtype", "bfloat16", "--device", "cpu", "--progress", 0, "-o", two)
     assert res.returncode == 0, res.stderr[-3000:]
     n = load_checkpoint(one, steps).config.num_parameters
     assert [hi - lo for lo, hi in shard_bounds(n, 2, _norm_chunk())] == [0, n]
@@ -775,7 +775,8 @@ def _run_script(tmp_path, text, timeout=120) -> tuple[subprocess.CompletedProces
     script = tmp_path / "script.py"
     script.write_text(text)
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=child_env(), timeout=timeout)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=child_env(),
+                         timeout=timeout)
     return res, time.monotonic() - t0
 
 

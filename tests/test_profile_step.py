@@ -151,7 +151,8 @@ def test_model_switches_on_off():
     assert "proj_bias_in_layernorm" not in opts and "residual_in_product" not in opts
     opts = ps._model_options(ps.parse_args(["--proj-bias-in-ln", "off", "--residual-in-product"]), cuda_graph=True)
     assert opts["proj_bias_in_layernorm"] is False and opts["residual_in_product"] is True
-    assert ps._model_options(ps.parse_args(["--proj-bias-in-ln", "on"]), cuda_graph=True)["proj_bias_in_layernorm"] is True
+    opts = ps._model_options(ps.parse_args(["--proj-bias-in-ln", "on"]), cuda_graph=True)
+    assert opts["proj_bias_in_layernorm"] is True
 
 
 def test_overlap_switch():

@@ -414,7 +414,8 @@ def test_init_draw_order():
     L = TINY.num_layers
     draws = init_draws(TINY)
     names = [d[0] for d in draws]
-    assert names == ["wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"] + ["qkvw", "attprojw", "fcw", "fcprojw"] * (L - 1)
+    layer = ["qkvw", "attprojw", "fcw", "fcprojw"]
+    assert names == ["wte", "wpe"] + layer * L
     assert draws[0][2] == TINY.vocab_size * TINY.channels          # the real vocab, not the padded one
     assert draws[2 + 4][1] == draws[2][2]                         # layer 1's qkvw slice follows layer 0's
     assert residual_std(12) == F32(0.02) * (F32(1) / np.sqrt(F32(24)))

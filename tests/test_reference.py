@@ -42,7 +42,8 @@ def test_layernorm_backward_matches_autograd(shape):
     expected = F.layer_norm(x, (shape[-1],), w, b, eps=ref.LAYERNORM_EPS)
     assert rel_err(out, expected) < 1e-12
     dx, dw, db = ref.layernorm_backward(dout, x, w, mean, rstd)
-    gx, gw, gb = autograd_vjp(lambda x, w, b: F.layer_norm(x, (shape[-1],), w, b, eps=ref.LAYERNORM_EPS), [x, w, b], dout)
+    gx, gw, gb = autograd_vjp(lambda x, w, b: F.layer_norm(x, (shape[-1],), w, b, eps=ref.LAYERNORM_EPS),
+                              [x, w, b], dout)
     assert rel_err(dx, gx) < 1e-10 and rel_err(dw, gw) < 1e-12 and rel_err(db, gb) < 1e-12
 
 
