@@ -14,10 +14,11 @@ larger for the ctypes path than for torch's, hides behind the GPU's work as it d
 graph), the best of 5 such rounds after warm-up; "step" totals are times x calls a step.
 
 With --sustain-ms S every figure is instead the mean over S ms of calls after S ms of the same calls:
-the time at the card's power cap, where a whole step runs. With --repeat n the whole measurement runs n times and every figure is the slowest of the n (a rank
-has to win in every pass). The JSON's "tuned" lists, per product the model runs, the fastest rank that
-beats the model's current call (torch's cuBLAS for plain products, rank 0 for the fused epilogues) by at
-least --margin: a candidate kernels.matmul.TUNED_ALGOS that bench_step --tuned-from FILE runs.
+the time at the card's power cap, where a whole step runs. With --repeat n the whole measurement runs n
+times and every figure is the slowest of the n (a rank has to win in every pass). The JSON's "tuned" lists,
+per product the model runs, the fastest rank that beats the model's current call (torch's cuBLAS for plain
+products, rank 0 for the fused epilogues) by at least --margin: a candidate kernels.matmul.TUNED_ALGOS that
+bench_step --tuned-from FILE runs.
 
     PYTHONPATH=src:. python -m bench.kernels.bench_cublaslt [--algos 6] [--sustain-ms 0] [--repeat 1] [--json F]
 """
@@ -102,7 +103,8 @@ def run(algos: int) -> dict:
                 dbias, scratch = torch.zeros(N, device="cuda", dtype=bf), torch.empty(
                     mm.bias_scratch_numel(M, N, "cuda", gelu=True) + N, device="cuda", dtype=f32)
                 row["bias 3072"] = _ms_per_call(lambda: mm.matmul_backward_bias(dbias, dinp, scratch))
-                row["torch+dgelu"] = _ms_per_call(lambda: (torch.mm(dout, w, out=dinp), gelu_backward_inplace(dinp, pre)))
+                row["torch+dgelu"] = _ms_per_call(lambda: (torch.mm(dout, w, out=dinp),
+                                                         gelu_backward_inplace(dinp, pre)))
                 row["torch+dgelu+bias"] = _ms_per_call(lambda: (torch.mm(dout, w, out=dinp),
                                                               mm.bias_gelu_backward(dbias, scratch, dinp, pre)))
                 row["dgelu"] = {i: _try(lambda: lt.linear_input_grad(dinp, dout, w, pre_gelu=pre, algo_index=i))

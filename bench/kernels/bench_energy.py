@@ -197,12 +197,14 @@ def measure(sustain_ms: float, workloads_fn=None) -> list[dict]:
         lt.linear_weight_grad(gw, gout, xin)
 
     base = sustained_energy(product, sustain_ms, counter)
-    rows = [dict(name="fc dweight product", power_limit_w=counter.power_limit_w(), **{f"alone_{k}": v for k, v in base.items()})]
+    rows = [dict(name="fc dweight product", power_limit_w=counter.power_limit_w(),
+                 **{f"alone_{k}": v for k, v in base.items()})]
     print(json.dumps(rows[-1]), flush=True)
     for name, fn in (workloads_fn or workloads)():
         alone = sustained_energy(fn, sustain_ms, counter)
         pair = sustained_energy(lambda f=fn: (product(), f()), sustain_ms, counter)
-        row = dict(name=name, **{f"alone_{k}": v for k, v in alone.items()}, **{f"pair_{k}": v for k, v in pair.items()})
+        row = dict(name=name, **{f"alone_{k}": v for k, v in alone.items()},
+                   **{f"pair_{k}": v for k, v in pair.items()})
         row["pair_cost_ms"] = pair["ms"] - base["ms"]
         row["pair_cost_mj"] = pair["mj"] - base["mj"]
         rows.append(row)
@@ -214,14 +216,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sustain-ms", type=float, default=1000.0)
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--flash", action="store_true", help="the flash backward's tilings instead of the memory-bound passes")
+    which.add_argument("--flash", action="store_true",
+                       help="the flash backward's tilings instead of the memory-bound passes")
     which.add_argument("--classifier", action="store_true", help="the fused classifier's variants instead")
     which.add_argument("--ln-forward", action="store_true", help="the LayerNorm forwards, one tile or three a row")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = measure(args.sustain_ms, flash_workloads if args.flash else classifier_workloads if args.classifier
                    else layernorm_forward_workloads if args.ln_forward else None)
-    print(f"\n{'pass':40s} {'ms':>7s} {'mJ':>7s} {'W':>5s} {'MHz':>5s} | {'pair ms':>7s} {'pair W':>6s} {'cost ms':>7s} {'cost mJ':>7s}")
+    print(f"\n{'pass':40s} {'ms':>7s} {'mJ':>7s} {'W':>5s} {'MHz':>5s} | "
+          f"{'pair ms':>7s} {'pair W':>6s} {'cost ms':>7s} {'cost mJ':>7s}")
     for r in rows:
         line = f"{r['name']:40s} {r['alone_ms']:7.3f} {r['alone_mj']:7.1f} {r['alone_watts']:5.0f} {r['alone_mhz']:5d}"
         if "pair_ms" in r:

@@ -135,7 +135,8 @@ def bench(dev: str = "cuda") -> list[dict]:
     fused_ms = median_ms(lambda: layernorm_backward(dinp, dweight, dbias, proj_scratch, dout, inp, weight, mean, rstd,
                                                     seed=seed_t, dproj_bias=dproj, proj_seed=seed_t))
     pair_ms = median_ms(lambda: (layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd,
-                                                    seed=seed_t), matmul_backward_bias(dproj, dinp, bias_scratch, seed_t)))
+                                                    seed=seed_t),
+                                 matmul_backward_bias(dproj, dinp, bias_scratch, seed_t)))
     rows.append(row("layernorm_backward + proj bias", nbytes + 2 * par, fused_ms,
                     "layernorm_backward; matmul_backward_bias", pair_ms, None, _gbs(nbytes, fused_ms)))
     for name, cfg in LN_BWD_SWEEP.items():

@@ -42,8 +42,8 @@ def measure(sustain_ms: float, carveouts: list[int]) -> list[dict]:
     dout, inp, w = randn(N, C), randn(N, C), randn(C, scale=0.1) + 1
     mean = inp.float().mean(-1)
     rstd = (inp.float().var(-1, unbiased=False) + 1e-5).rsqrt()
-    dinp, dw, db, dproj = randn(N, C), torch.zeros(C, dtype=bf, device="cuda"), torch.zeros(C, dtype=bf, device="cuda"), \
-        torch.zeros(C, dtype=bf, device="cuda")
+    dinp = randn(N, C)
+    dw, db, dproj = (torch.zeros(C, dtype=bf, device="cuda") for _ in range(3))
     scratch = torch.empty(kln.layernorm_backward_scratch_shape(N, C, proj_bias=True), device="cuda")
 
     def layernorm():
