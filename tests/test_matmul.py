@@ -36,6 +36,11 @@ def rel_err(out, expected):
     return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
+def bf16_ulp(exact):
+    """The spacing of bf16 values at each element's magnitude: a stochastically rounded result lies within it."""
+    return torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs()))
+
+
 def check(out, expected, dtype, what=""):
     assert torch.isfinite(out).all(), f"{what}: non-finite (unwritten?) elements"
     err = rel_err(out, expected)
@@ -469,7 +474,7 @@ def test_bias_gelu_backward_stochastic_rounding(device, num_chunks):
         check(d, e_d, dtype, "d_in_out")
         check(dbias, dbias0.double() + e_d.sum(0), dtype, "dbias")
         exact = dbias0.double() + d.double().sum(0)
-        ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs()))
+        ulp = bf16_ulp(exact)
         # (+ 1e-5: the fp32 sum's own error, where exact is small)
         assert ((dbias.double() - exact).abs() <= ulp * 1.001 + 1e-5).all(), "not one of the two bf16 neighbours"
         outs.append((d, dbias))
@@ -552,7 +557,7 @@ def test_bias_through_weight(device, dtype, OC, C):
     if dtype == torch.float32:
         check(results[0], exact, dtype, "dbias")
     else:
-        ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs()))
+        ulp = bf16_ulp(exact)
         assert ((results[0].double() - exact).abs() <= ulp * 1.01).all()
     assert torch.equal(results[0], results[1])
 
@@ -746,7 +751,7 @@ def test_dbias_stochastic_rounding(device):
     rand = Rand(device, dtype, 13)
     dout, dbias0 = rand(M, OC), rand(OC, scale=20.0)
     exact = up(dbias0, dtype).double() + up(dout, dtype).double().sum(0)
-    ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs()))
+    ulp = bf16_ulp(exact)
     seed = torch.zeros(1, dtype=torch.int64, device=device)
     outs = []
     for s in range(6):
