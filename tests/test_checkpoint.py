@@ -419,7 +419,8 @@ def test_hf_unprefixed_with_buffers_tied_head_and_no_config(tmp_path):
     tensors["lm_head.weight"] = tensors["wte.weight"].clone()
     save_file({k: v.half() if k == "wpe.weight" else v for k, v in tensors.items()},
               tmp_path / "model.safetensors")
-    cfg, loaded = ck.load_hf(tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match="no config.json beside it: 2 heads assumed"):
+        cfg, loaded = ck.load_hf(tmp_path / "model.safetensors")
     assert cfg == config
     expected = zero_pad_rows(config, flat)
     parameter_views(expected, config)["wpe"].copy_(parameter_views(expected, config)["wpe"].half())
@@ -430,10 +431,50 @@ def test_hf_config_json_overrides_head_guess(tmp_path):
     flat = rand_params(SMALL)
     ck.save_hf(tmp_path, SMALL, flat)
     (tmp_path / "config.json").unlink()
-    cfg, _ = ck.load_hf(tmp_path)
+    # the weights alone, without the config save_hf embeds in them: the heads are a guess, and said to be
+    save_file(load_file(tmp_path / "model.safetensors"), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=re.escape("model.safetensors: no config.json beside it: 1 head assumed "
+                                                   "(GPT-2's head size 64)")):
+        cfg, _ = ck.load_hf(tmp_path)
     assert cfg.num_heads == 1  # 64 channels / head size 64
     ck.save_hf(tmp_path, SMALL, flat)
     assert ck.load_hf(tmp_path)[0].num_heads == 2
+
+
+def test_hf_weights_exported_alone_keep_their_heads(tmp_path):
+    """A model.safetensors copied away from its config.json loaded with C / 64 heads, another model's outputs without
+    a word; save_hf's weights carry their config, so the file alone is the model it was."""
+    config = GPT2Config(num_layers=2, channels=64, num_heads=4, vocab_size=300, max_seq_len=32, padded_vocab_size=384)
+    flat = rand_params(config, seed=23)
+    ck.save_hf(tmp_path / "hf", config, flat)
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "hf" / "model.safetensors").rename(tmp_path / "alone" / "model.safetensors")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no guess, no note
+        cfg, loaded = ck.load_hf(tmp_path / "alone")
+    assert cfg == config and torch.equal(loaded, zero_pad_rows(config, flat))
+    # config.json, where there is one, still decides (a user's edit of it wins over the copy)
+    ck.save_hf(tmp_path / "alone", config, flat)
+    cfg_json = json.loads((tmp_path / "alone" / "config.json").read_text())
+    (tmp_path / "alone" / "config.json").write_text(json.dumps({**cfg_json, "n_head": 2}))
+    assert ck.load_hf(tmp_path / "alone")[0].num_heads == 2
+
+
+@pytest.mark.parametrize("embedded, message", [
+    ("{not json", "its embedded config is not valid JSON"),
+    ("[1, 2]", "its embedded config is not a JSON object"),
+    ('{"n_layer": 2, "n_head": 3, "n_embd": 64, "n_positions": 32, "vocab_size": 300}',
+     "(its embedded config): bad GPT-2 configuration"),
+    ('{"n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 32}', "(its embedded config): missing 'vocab_size'"),
+])
+def test_hf_damaged_embedded_config_is_refused(tmp_path, embedded, message):
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL))
+    (tmp_path / "config.json").unlink()
+    save_file(load_file(tmp_path / "model.safetensors"), tmp_path / "model.safetensors",
+              metadata={"format": "pt", ck.HF_CONFIG_METADATA_KEY: embedded})
+    with pytest.raises(LlmpyError, match=re.escape(message)):
+        ck.load_hf(tmp_path)
 
 
 def test_hf_untied_head_is_an_error(tmp_path):
@@ -664,10 +705,21 @@ def test_hf_config_padded_vocab_and_epsilon_that_are_right_are_used(tmp_path):
     ck.save_hf(tmp_path, config, rand_params(config, seed=19))
     assert ck.load_hf(tmp_path)[0] == config
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["layer_norm_epsilon"] = 1e-6
+    cfg["layer_norm_epsilon"] = 1.00001e-5  # a JSON round trip's difference, not another model
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.warns(UserWarning, match=r"layer_norm_epsilon 1e-06 differs from llm\.c's 1e-5"):
-        assert ck.load_hf(tmp_path)[0] == config
+    assert ck.load_hf(tmp_path)[0] == config
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-3])
+def test_hf_other_layernorm_epsilon_is_refused(tmp_path, eps):
+    """llm.c's LayerNorm has eps 1e-5; a model trained with another loaded with a note and computed other outputs
+    (0.26 in the logits at 1e-3), as scale_attn_weights would, which is refused."""
+    ck.save_hf(tmp_path, SMALL, rand_params(SMALL))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_norm_epsilon": eps}))
+    with pytest.raises(LlmpyError, match=re.escape(f"config.json: layer_norm_epsilon {eps}: llm.c's GPT-2 has 1e-5, "
+                                                   "and loading this model so would change its outputs")):
+        ck.load_hf(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------

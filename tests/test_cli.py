@@ -653,18 +653,20 @@ def test_z_scores_reach_the_step_line_tensorboard_and_the_log_once_the_window_is
 def test_llmpys_warnings_print_as_one_note_line(tmp_path):
     """A model file's unusual setting is worth a word, in llmpy's one-line form, not Python's file:line and
     source line."""
-    import json
+    from safetensors.torch import load_file, save_file
 
     from llmpy.checkpoint import save_hf
     from llmpy.config import parse_descriptor
-    cfg = parse_descriptor(TINY)
+    cfg = parse_descriptor("layers=1,channels=128,heads=2,seq=32,vocab=257")
     save_hf(tmp_path / "hf", cfg, torch.randn(cfg.num_parameters) * 0.02)
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 1e-6}))
-    res = llmpy("sample", tmp_path / "hf", "-g", 3, "--temperature", 0)
+    # the weights alone, as a hub copy without its config.json: the heads are a guess (head size 64)
+    weights = tmp_path / "hf" / "model.safetensors"
+    (tmp_path / "hf" / "config.json").unlink()
+    save_file(load_file(weights), weights, metadata={"format": "pt"})
+    res = llmpy("sample", weights, "-g", 3, "--temperature", 0)
     assert res.returncode == 0, res.stderr
-    assert res.stderr.strip().splitlines() == [f"llmpy sample: note: {tmp_path / 'hf' / 'config.json'}: "
-                                               "layer_norm_epsilon 1e-06 differs from llm.c's 1e-5"]
+    assert res.stderr.strip().splitlines() == [f"llmpy sample: note: {weights}: no config.json beside it: 2 heads "
+                                               "assumed (GPT-2's head size 64)"]
 
 
 def test_commands_that_need_no_torch_do_not_load_it(tmp_path):

@@ -62,6 +62,8 @@ HF_WEIGHTS_NAME = "model.safetensors"
 HF_INDEX_NAME = "model.safetensors.index.json"
 HF_CONFIG_NAME = "config.json"
 HF_PREFIX = "transformer."
+# save_hf's copy of config.json inside the weights' metadata, so the file alone still names its heads
+HF_CONFIG_METADATA_KEY = "llmpy_config"
 # Activations HF implements as the tanh GELU that llm.c uses.
 _TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 # safetensors dtypes a GPT-2's weights may have (widened to fp32 on load): integers or bools are not weights
@@ -358,7 +360,8 @@ def save_hf(dir_or_file, config: GPT2Config, flat_params: torch.Tensor) -> Path:
         refuse_non_file(target, "a file the export may replace")
     weights.parent.mkdir(parents=True, exist_ok=True)
     tensors = {HF_PREFIX + k: v for k, v in hf_tensors(config, flat_params).items()}
-    text = json.dumps(hf_config_dict(config), indent=2) + "\n"
+    config_dict = hf_config_dict(config)
+    text = json.dumps(config_dict, indent=2) + "\n"
     # both files are written under temp names first, then renamed one after the other, so an interrupted
     # save leaves the old pair (or, in the moment between the renames, new weights with the old config)
     with atomic_path(cfg_path) as cfg_tmp:
@@ -366,7 +369,8 @@ def save_hf(dir_or_file, config: GPT2Config, flat_params: torch.Tensor) -> Path:
             f.write(text.encode())
             f.flush()
             os.fsync(f.fileno())
-        save_safetensors(weights, tensors, metadata={"format": "pt"})  # transformers requires format=pt
+        # transformers requires format=pt (and ignores the other key)
+        save_safetensors(weights, tensors, metadata={"format": "pt", HF_CONFIG_METADATA_KEY: json.dumps(config_dict)})
     return weights
 
 
@@ -426,8 +430,9 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
     silently change the model.
 
     The config comes from config.json beside the weights (n_layer, n_head, n_embd, n_positions,
-    vocab_size). Without one it is inferred from the shapes, and since the number of heads is not
-    visible in any shape, a head size of 64 is assumed (GPT-2's, for all its sizes).
+    vocab_size), else from the copy save_hf puts in the weights' metadata. Without either it is inferred from
+    the shapes, and since the number of heads is not visible in any shape, a head size of 64 is assumed (GPT-2's,
+    for all its sizes), with a note.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -438,12 +443,15 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
     # name (unprefixed) -> (file, name in file, shape)
     index: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
     dtypes: dict[str, str] = {}
+    embedded = None  # the config save_hf keeps in the (first) file's metadata
     for file in files:
         refuse_non_file(file, "a safetensors file")
         if not file.is_file():
             raise LlmpyError(f"{file}: no such file (listed in {path / HF_INDEX_NAME})")
         try:
             with safe_open(str(file), framework="pt") as sf:
+                if file == files[0]:
+                    embedded = (sf.metadata() or {}).get(HF_CONFIG_METADATA_KEY)
                 for key in sf.keys():
                     tensor = sf.get_slice(key)
                     index[key.removeprefix(HF_PREFIX)] = (file, key, tuple(tensor.get_shape()))
@@ -473,13 +481,15 @@ def load_hf(path) -> tuple[GPT2Config, torch.Tensor]:
             raise LlmpyError(f"{file}: tensor {key!r} is {dtypes[name]}, not floating point: not a GPT-2's weights "
                              f"(expected {', '.join(_HF_FLOAT_DTYPES)})")
 
-    config = _hf_config(label, cfg_path, index)
+    config = _hf_config(label, cfg_path, index, embedded)
     # the layers' tensors against the layer count, before anything is built per layer: a config.json (or a tensor
     # name) saying a million layers would otherwise cost minutes and gigabytes before "missing tensor h.12..."
     layers = {int(k.split(".")[1]) for k in index if _is_hf_param(k) and k.startswith("h.")}
     if len(layers) != config.num_layers or (layers and (min(layers), max(layers)) != (0, config.num_layers - 1)):
         found = f"layers {min(layers)}..{max(layers)}" if layers else "no layers"
-        said = f"{cfg_path} says {config.num_layers}" if cfg_path.is_file() else "numbered from 0 without gaps"
+        said = (f"{cfg_path} says {config.num_layers}" if cfg_path.is_file() else
+                f"its embedded config says {config.num_layers}" if embedded is not None else
+                "numbered from 0 without gaps")
         raise LlmpyError(f"{label}: its tensors hold {len(layers)} layer(s), {found}; {said}")
     shapes = _expected_hf_shapes(config)
     for name, shape in shapes.items():
@@ -564,10 +574,22 @@ def _config_int(cfg_path: Path, cfg: dict, key: str) -> int:
     return value
 
 
-def _hf_config(label, cfg_path: Path, index) -> GPT2Config:
+def _embedded_hf_config(label, text: str) -> dict:
+    try:
+        cfg = json.loads(text)
+    except (ValueError, RecursionError) as e:  # deep nesting ([[[...) is a RecursionError
+        raise LlmpyError(f"{label}: its embedded config is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LlmpyError(f"{label}: its embedded config is not a JSON object")
+    return cfg
+
+
+def _hf_config(label, cfg_path: Path, index, embedded: str | None = None) -> GPT2Config:
     V, C = index["wte.weight"][2] if len(index["wte.weight"][2]) == 2 else (0, 0)
     maxT = index["wpe.weight"][2][0] if index["wpe.weight"][2] else 0
     cfg = _read_hf_config(cfg_path)
+    if cfg is None and embedded is not None:  # config.json left behind: save_hf's copy in the weights
+        cfg, cfg_path = _embedded_hf_config(label, embedded), f"{label} (its embedded config)"
     if cfg is not None:
         values = {ours: _config_int(cfg_path, cfg, key) for ours, key in (
             ("num_layers", "n_layer"), ("num_heads", "n_head"), ("channels", "n_embd"), ("max_seq_len", "n_positions"),
@@ -580,7 +602,8 @@ def _hf_config(label, cfg_path: Path, index) -> GPT2Config:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
             raise LlmpyError(f"{cfg_path}: layer_norm_epsilon must be a positive number, not {json.dumps(eps)[:40]}")
         if abs(eps - 1e-5) > 1e-9:
-            warnings.warn(f"{cfg_path}: layer_norm_epsilon {eps} differs from llm.c's 1e-5", stacklevel=3)
+            raise LlmpyError(f"{cfg_path}: layer_norm_epsilon {eps}: llm.c's GPT-2 has 1e-5, and loading this model so "
+                             "would change its outputs")
         # transformers' options that change the attention's arithmetic, which llm.c's model does not have
         for key, llmc in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
             if cfg.get(key, llmc) is not llmc:
@@ -604,6 +627,9 @@ def _hf_config(label, cfg_path: Path, index) -> GPT2Config:
                              "of GPT-2's head size 64, so the number of heads is unknown")
         values = {"num_layers": max(layers) + 1 if layers else 0, "num_heads": C // 64, "channels": C,
                   "max_seq_len": maxT, "vocab_size": V}
+        # no shape holds the heads: a file of another head size would load, and compute, wrong without a word
+        heads = f"{C // 64} head{'s' if C // 64 > 1 else ''}"
+        warnings.warn(f"{label}: no {HF_CONFIG_NAME} beside it: {heads} assumed (GPT-2's head size 64)", stacklevel=3)
         where = label
     try:
         return GPT2Config(**values)
