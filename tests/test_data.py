@@ -694,7 +694,8 @@ def test_a_bad_tinystories_json_is_one_line(tmp_path, body, reason):
     folder.mkdir(parents=True)
     (folder / ".complete").write_text("ok\n")
     (folder / "data00.json").write_text(body)
-    with pytest.raises(LlmpyError, match=rf"data00\.json: not a TinyStories JSON file \({reason}"):
+    with pytest.raises(LlmpyError, match=rf"data00\.json: not a TinyStories JSON file \({reason}.*\); delete "
+                                         rf"{re.escape(str(folder))} to unpack the archive again$"):
         run_prepare(["tinystories", "-o", tmp_path / "o", "--tokenizer", "bytes", "--cache-dir", tmp_path / "cache"])
     assert not (tmp_path / "o").exists()
 
@@ -718,6 +719,24 @@ def test_download_checks_sha256(tmp_path, monkeypatch):
     with pytest.raises(LlmpyError, match="sha256"):
         run_prepare(["tinyshakespeare", "-o", tmp_path / "o", "--tokenizer", "bytes", "--cache-dir", tmp_path / "c"])
     assert not list((tmp_path / "c").rglob("*.txt"))
+
+
+def test_a_dataset_file_placed_by_hand_is_checked_against_its_sha256(tmp_path, monkeypatch, shared_data):
+    """Offline, the error says to place the file in the cache; a wrong file placed there was then used as the dataset
+    without a word (only the download was checked)."""
+    monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: pytest.fail("nothing may be fetched"))
+    placed = tmp_path / "cache" / "tinyshakespeare" / "input.txt"
+    placed.parent.mkdir(parents=True)
+    placed.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 2000)
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(placed))}: sha256 [0-9a-f]{{64}}, expected "
+                                         rf"{prep.TINYSHAKESPEARE_SHA256}: not the file .* serves \(remove it to "):
+        run_prepare(["tinyshakespeare", "-o", tmp_path / "o", "--tokenizer", "bytes",
+                     "--cache-dir", tmp_path / "cache"])
+    assert not (tmp_path / "o").exists() and placed.is_file()
+    # the real file, placed by hand, is used
+    placed.write_bytes((shared_data("tinyshakespeare/input.txt") / "tinyshakespeare" / "input.txt").read_bytes())
+    run_prepare(["tinyshakespeare", "-o", tmp_path / "o", "--tokenizer", "bytes", "--cache-dir", tmp_path / "cache"])
+    assert len(_split_tokens(tmp_path / "o", "tinyshakespeare", "val")[1]) == 32768
 
 
 def test_download_removes_a_killed_downloads_partial_file_and_keeps_the_umasks_mode(tmp_path, monkeypatch):
@@ -935,6 +954,30 @@ def test_prepare_jsonl_lines_not_utf8_nested_too_deep_or_with_a_lone_surrogate(t
     assert _split_tokens(tmp_path / "o", "bom8", "train")[1].tolist() == [256, *b"fine"]
 
 
+@pytest.mark.parametrize("block_bytes", [1, 2, 4, None])
+def test_a_text_files_byte_order_mark_is_not_text(tmp_path, monkeypatch, block_bytes):
+    """A .txt saved with a UTF-8 byte-order mark (Notepad's habit) put its three bytes (or GPT-2's tokens for
+    U+FEFF) at the head of the document, where a .jsonl file's was dropped; read in blocks of any size."""
+    if block_bytes is not None:
+        monkeypatch.setattr(prep, "READ_BYTES", block_bytes)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "bom.txt").write_bytes(b"\xef\xbb\xbfhello \xef\xbb\xbf")  # only the first is no text
+    (tmp_path / "docs" / "plain.txt").write_bytes(b"caf\xc3\xa9")
+    run_prepare([tmp_path / "docs" / "bom.txt", "-o", tmp_path / "o", "--tokenizer", "bytes", "--val-tokens", 0])
+    assert _split_tokens(tmp_path / "o", "bom", "train")[1].tolist() == [256, *b"hello \xef\xbb\xbf"]
+    run_prepare([tmp_path / "docs", "-o", tmp_path / "f", "--tokenizer", "bytes", "--val-tokens", 0])
+    assert _split_tokens(tmp_path / "f", "docs", "train")[1].tolist() == [256, *b"hello \xef\xbb\xbf", 256,
+                                                                          *b"caf\xc3\xa9"]
+    # the mark alone is an empty file, not a shard of one end-of-text token
+    (tmp_path / "mark.txt").write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(LlmpyError, match=r"mark\.txt: empty file, no text to tokenize"):
+        run_prepare([tmp_path / "mark.txt", "-o", tmp_path / "m", "--tokenizer", "bytes"])
+    # a byte that is not UTF-8 is still named at its offset in the file, the mark counted
+    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfab\xff")
+    with pytest.raises(LlmpyError, match=r"bad\.txt: not UTF-8 text \(byte 5: invalid start byte\)"):
+        run_prepare([tmp_path / "bad.txt", "-o", tmp_path / "b", "--tokenizer", "bytes"])
+
+
 def test_prepare_refuses_empty_and_contradictory_folders(tmp_path, monkeypatch):
     fetched = []
     monkeypatch.setattr(prep, "_urlopen", lambda url, timeout: fetched.append(url) or _FakeResponse(b"x"))
@@ -951,6 +994,11 @@ def test_prepare_refuses_empty_and_contradictory_folders(tmp_path, monkeypatch):
                          "--cache-dir", tmp_path / "c"])
     with pytest.raises(LlmpyError, match=r"^--tokenizer-dir '': an empty folder name"):
         run_prepare(["a.txt", "-o", tmp_path / "o", "--tokenizer-dir", ""])
+    # SOURCE "" was Path("") too: this folder's .txt files were tokenized into shards named after it
+    for source in ("", "  "):
+        with pytest.raises(LlmpyError, match=rf"^SOURCE '{source}': an empty name \(give a text or \.jsonl file, a "
+                                             "folder of them, or a named dataset: tinyshakespeare, "):
+            run_prepare([source, "-o", tmp_path / "o", "--tokenizer", "bytes"])
     assert fetched == [] and os.listdir(tmp_path) == ["a.txt"]
 
 

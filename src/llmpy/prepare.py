@@ -63,6 +63,17 @@ def default_download_dir() -> Path:
 # ----------------------------------------------------------------------------------------------
 # downloads
 
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError as e:
+        raise LlmpyError(f"{path}: cannot read ({e.strerror or e})") from None
+    return digest.hexdigest()
+
+
 def download(url: str, dest: Path, sha256: str | None = None) -> Path:
     """Fetch `url` to `dest` (kept and reused once complete) with a progress bar; atomic (files.atomic_path: a
     killed download's temporary is an orphan the next one removes, and the file gets the umask's mode)."""
@@ -70,6 +81,10 @@ def download(url: str, dest: Path, sha256: str | None = None) -> Path:
 
     dest = Path(dest)
     if dest.is_file():
+        # a file placed by hand (as the offline error below asks) or changed since: the dataset's, or refused
+        if sha256 and (found := _file_sha256(dest)) != sha256:
+            raise LlmpyError(f"{dest}: sha256 {found}, expected {sha256}: not the file {url} serves (remove it to "
+                             "download it again)")
         return dest
     writable_dir(dest.parent, "download folder")
     remove_orphaned_temporaries(dest.parent)  # a killed download's partial file
@@ -118,13 +133,18 @@ class Source:
 READ_BYTES = 1 << 24  # a text file is read, decoded and tokenized this many bytes at a time
 
 
+BOM = "\ufeff"  # UTF-8's byte-order mark, as decoded
+
+
 def _text_blocks(path: Path, block_bytes: int | None = None) -> Iterator[str]:
     """The UTF-8 text of `path` in consecutive parts of about block_bytes (default READ_BYTES) bytes each,
     decoded as they are read, so that a large file is never held whole; a byte that is not UTF-8 stops it with
-    the file's byte offset, as a whole-file decode would name it."""
+    the file's byte offset, as a whole-file decode would name it. A byte-order mark that opens the file is not
+    text (editors on Windows write one) and is dropped, as in a .jsonl file."""
     block_bytes = READ_BYTES if block_bytes is None else block_bytes
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0  # bytes read before this block
+    first = True  # no character decoded yet
     try:
         with open(path, "rb") as f:
             while True:
@@ -138,6 +158,8 @@ def _text_blocks(path: Path, block_bytes: int | None = None) -> Iterator[str]:
                 if not block:
                     return
                 offset += len(block)
+                if text and first:
+                    text, first = text.removeprefix(BOM), False
                 if text:
                     yield text
     except OSError as e:
@@ -149,7 +171,8 @@ def _read_text(path: Path) -> str:
 
 
 def _local_file(path: Path) -> Source:
-    if path.stat().st_size == 0:  # else a shard of one end-of-text token, which no run can train on
+    # else a shard of one end-of-text token, which no run can train on (a byte-order mark alone is no text either)
+    if path.stat().st_size <= len(BOM.encode()) and not _read_text(path):
         raise LlmpyError(f"{path}: empty file, no text to tokenize")
     return Source(path.stem, lambda: iter([(False, [_text_blocks(path)])]))
 
@@ -177,7 +200,7 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                     raise LlmpyError(f"{path}: line {number}: not UTF-8 text (byte {e.start} of the line: "
                                      f"{e.reason})") from None
                 try:
-                    record = json.loads(decoded.removeprefix("\ufeff"))  # a UTF-8 BOM: json.loads(bytes) skipped it
+                    record = json.loads(decoded.removeprefix(BOM))  # a UTF-8 BOM: json.loads(bytes) skipped it
                 except (ValueError, RecursionError) as e:  # RecursionError: nested too deep for the parser
                     raise LlmpyError(f"{path}: line {number}: not JSON ({e})") from None
                 text = record.get(field) if isinstance(record, dict) else None
@@ -288,7 +311,8 @@ def _tinystories(cache: Path) -> Source:
                 stories = json.loads(path.read_text(encoding="utf-8"))
                 docs = [s["story"].strip() for s in stories]
             except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-                raise LlmpyError(f"{path}: not a TinyStories JSON file ({e})") from None
+                raise LlmpyError(f"{path}: not a TinyStories JSON file ({e}); delete {path.parent} to unpack the "
+                                 "archive again") from None
             for j in range(0, len(docs), 4096):
                 yield i == 0, docs[j:j + 4096]  # llm.c: data00.json is the val split
     return Source("tinystories", groups, hinted_split=True)
@@ -546,6 +570,9 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     if val_tokens is not None and val_tokens < 0:
         raise LlmpyError(f"--val-tokens {val_tokens} must not be negative")
     # Path("") is the current folder: not what was meant (checked before hellaswag's branch, which takes them too)
+    if not source.strip():
+        raise LlmpyError(f"SOURCE '{source}': an empty name (give a text or .jsonl file, a folder of them, or a named "
+                         f"dataset: {', '.join(NAMED_DATASETS)})")
     if outdir is not None and not str(outdir).strip():
         raise LlmpyError("-o '': an empty output folder name (leave -o out for data/NAME)")
     if cache_dir is not None and not str(cache_dir).strip():
