@@ -271,6 +271,17 @@ def test_sample_refuses_a_seed_of_none_by_name():
         llmpy.sample(model, "hi", seed=None)
 
 
+@pytest.mark.parametrize("prompt, message", [
+    ("abc\ud800", r"^--prompt: a lone surrogate '\\ud800' at character 3, not Unicode text$"),
+    ("\ud800\udc80x", r"^--prompt: a lone surrogate '\\ud800\\udc80' at character 0, not Unicode text$"),
+    ("a\udcff", r"^--prompt: not UTF-8 text \(the bytes b'\\xff' at character 1\)$"),  # a terminal's byte 0xff
+])
+def test_sample_refuses_a_prompt_that_is_not_unicode_in_one_line(prompt, message):
+    # a str made in Python can hold any lone surrogate; naming it as a byte raised a UnicodeEncodeError traceback
+    with pytest.raises(LlmpyError, match=message):
+        llmpy.sample(llmpy.create_model(TINY), prompt)
+
+
 def test_create_model_reads_a_quoted_home_folder(tmp_path, monkeypatch):
     # train(model="~/m.bin") and load_model("~/m.bin") read the home folder; create_model said "no such model file"
     from llmpy.checkpoint import save_llmc

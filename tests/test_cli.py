@@ -277,6 +277,16 @@ def test_arguments_that_are_not_utf8_are_one_line(tmp_path, shards):
                           "UTF-8", "\\xff")
 
 
+def test_sample_with_stdout_closed_runs_quietly(tmp_path):
+    """`llmpy sample ... >&-`: Python's stdout is None; the sample's first write was an AttributeError traceback
+    (print writes nothing there, as the other commands' output does)."""
+    from cli_helpers import SRC
+    model = tiny_model_file(tmp_path)
+    res = subprocess.run(f'"{sys.executable}" -m llmpy sample "{model}" -g 3 >&-', shell=True, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=300)
+    assert (res.returncode, res.stderr) == (0, "")
+
+
 def test_a_total_batch_beyond_the_hosts_memory_is_refused(shards, monkeypatch):
     """-d with a few zeros too many would hold millions of micro-batches on the host before the first step."""
     from llmpy import config, trainer

@@ -110,9 +110,14 @@ def check_prompt(prompt) -> None:
         raise LlmpyError(f"prompt {prompt!r}: must be text (a str)")
     try:
         prompt.encode("utf-8")
-    except UnicodeEncodeError as e:  # bytes the terminal passed that are not UTF-8 (Python keeps them as surrogates)
-        bad = e.object[e.start:e.end].encode("utf-8", "surrogateescape")
-        raise LlmpyError(f"--prompt: not UTF-8 text (the bytes {bad!r} at character {e.start})") from None
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end]
+        if all("\udc80" <= c <= "\udcff" for c in bad):  # bytes the terminal passed that are not UTF-8 (Python keeps
+            # them as these surrogates)
+            raise LlmpyError(f"--prompt: not UTF-8 text (the bytes {bad.encode('utf-8', 'surrogateescape')!r} at "
+                             f"character {e.start})") from None
+        # a str made in Python ("\ud800"): no bytes behind it
+        raise LlmpyError(f"--prompt: a lone surrogate {bad!r} at character {e.start}, not Unicode text") from None
 
 
 def tokenizer_for_model(name: str, vocab_size: int, tokenizer_dir, model_vocab: str,
@@ -186,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
               f"{config.max_seq_len}: each token is drawn from the last {config.max_seq_len} only", file=sys.stderr)
 
     def show(piece: str):  # as it comes: a long sample is not silent until its end
-        sys.stdout.write(printable(piece))  # what the output cannot encode is escaped (cli.main)
-        sys.stdout.flush()
+        # what the output cannot encode is escaped (cli.main); print writes nothing where there is no stdout (>&-)
+        print(printable(piece), end="", flush=True)
     show(args.prompt)
     try:
         sample_text(model, tokenizer, args.prompt, args.gen_tokens, args.temperature, args.top_k, args.seed,
