@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import secrets
+import unicodedata
 
 import numpy as np
 import pytest
 
 from llmpy.errors import LlmpyError
 from llmpy.tokenizer import (ByteTokenizer, GPT2Tokenizer, find_gpt2_dir, gpt2_mergeable_ranks,
-                             load_tokenizer, split_at_safe_spaces, tiktoken_cached_gpt2_files)
+                             load_tokenizer, split_at_safe_cuts, tiktoken_cached_gpt2_files)
 
 
 GPT2_FILES = ("gpt2/encoder.json", "gpt2/vocab.bpe")
@@ -40,7 +41,8 @@ def tok(request):
 
 
 def _random_text(rng, n):
-    alphabet = list("abcXYZ 019'.,;\n\t") + ["é", "ß", "€", "日本", "🙂", "\u00a0", "'s", " 've", "  "]
+    alphabet = list("abcXYZ 019'.,;\n\t") + ["é", "ß", "€", "日本", "🙂", "\u00a0", "'s", " 've", "  ", "\r\n", "。",
+                                              "e\u0301", "\x1c", "\u3000"]
     return "".join(rng.choice(alphabet, n))
 
 
@@ -118,25 +120,39 @@ def test_gpt2_encode_documents(gpt2, rng):
     assert stream.tolist() == expect
 
 
-def test_split_at_safe_spaces_cuts_only_between_alphanumerics():
-    text = "ab cd  ef\tgh é1 2日 本 ' x 'y z"
+def test_split_at_safe_cuts_cuts_only_where_the_pre_tokenizer_does():
+    text = "ab cd  ef\tgh é1 2日 本 ' x 'y z\nw.\n\n 'q\r\n日本。\n\x1c\n \n\u3000\n🙂\ne\u0301\n"
     for size in range(0, len(text) + 2):
-        _assert_safe_pieces(list(split_at_safe_spaces(text, size)), text, size)
-    assert list(split_at_safe_spaces("", 4)) == [""]
-    assert list(split_at_safe_spaces("x" * 50 + " . " + "y" * 10, 4)) == ["x" * 50 + " . " + "y" * 10]  # no safe space
+        _assert_safe_pieces(list(split_at_safe_cuts(text, size)), text, size)
+    assert list(split_at_safe_cuts("", 4)) == [""]
+    assert list(split_at_safe_cuts("x" * 50 + " . " + "y" * 10, 4)) == ["x" * 50 + " . " + "y" * 10]  # no safe cut
+    # after whitespace (to Python, or to the pattern's \s only: \x1c is neither to the other) a line break is no cut
+    assert list(split_at_safe_cuts("x" * 9 + " \n\t\n\x1c\n\u3000\n\n", 4)) == ["x" * 9 + " \n\t\n\x1c\n\u3000\n\n"]
+    assert list(split_at_safe_cuts("ab\ncd\r\nef。\ngh", 1)) == ["ab", "\ncd", "\r\nef。", "\ngh"]
+
+
+def test_a_text_of_lines_without_spaces_is_cut(gpt2):
+    """A word a line (a word list, a CSV column) or lines of CJK text had no space between two letters: the whole
+    document was one piece, held and encoded at once (870 MB for a 210 MB text); now cut at its line breaks."""
+    words = ["alpha", "beta", "γάμμα", "42", "x.y", "日本語。", "🙂", "end,"]
+    text = "\n".join(words[i % len(words)] for i in range(5000)) + "\r\n" + "中文的句子。\n" * 300
+    pieces = list(split_at_safe_cuts(text, 1000))
+    _assert_safe_pieces(pieces, text, 1000)
+    assert len(pieces) >= len(text) // 1100
+    assert [i for p in pieces for i in gpt2.encode(p)] == gpt2.encode(text)
 
 
 def test_gpt2_tokens_of_pieces_are_the_whole_texts(gpt2, rng, shared_data):
-    # cut at split_at_safe_spaces' spaces, the pre-tokenizer's matches and so the tokens are the whole text's
+    # cut at split_at_safe_cuts' spaces, the pre-tokenizer's matches and so the tokens are the whole text's
     texts = [_random_text(rng, int(rng.integers(1, 3000))) for _ in range(30)]
     texts += ["I'm sure they'll've  done it's   \n\n  ok?!  a b", "x1 2y 3 4 5\u00a0z \u3000q w", "é e\u0301 f g"]
     texts.append((shared_data(SHAKESPEARE) / SHAKESPEARE).read_text(encoding="utf-8")[:200000])  # a real text
     for t in texts:
         whole = gpt2.encode(t)
         for size in (1, 7, 64, 1000):
-            pieces = list(split_at_safe_spaces(t, size))
+            pieces = list(split_at_safe_cuts(t, size))
             assert [i for p in pieces for i in gpt2.encode(p)] == whole, (size, repr(t[:80]))
-    assert len(list(split_at_safe_spaces(texts[-1], 1000))) > 10  # the corpus does get cut
+    assert len(list(split_at_safe_cuts(texts[-1], 1000))) > 10  # the corpus does get cut
 
 
 def _in_parts(rng, text):
@@ -149,24 +165,27 @@ def _assert_safe_pieces(pieces, text, size):
     assert "".join(pieces) == text and all(pieces) or pieces == [""] == [text]
     assert all(len(p) >= size for p in pieces[:-1])
     for left, right in zip(pieces, pieces[1:]):
-        assert right[0] == " " and left[-1].isalnum() and right[1].isalnum(), (size, left, right)
+        if right[0] == " ":
+            assert left[-1].isalnum() and right[1].isalnum(), (size, left, right)
+        else:
+            assert right[0] in "\n\r" and unicodedata.category(left[-1])[0] in "LMNPS", (size, left, right)
 
 
-def test_split_at_safe_spaces_of_a_text_in_parts(gpt2, rng):
+def test_split_at_safe_cuts_of_a_text_in_parts(gpt2, rng):
     # a text that comes in parts (a file read in blocks): the same kind of cuts, and the same tokens, wherever the
     # parts end; one part is the text whole
     for _ in range(40):
         text = _random_text(rng, int(rng.integers(0, 400)))
         parts = _in_parts(rng, text)
         for size in (0, 1, 5, 60):
-            pieces = list(split_at_safe_spaces(iter(parts), size))
+            pieces = list(split_at_safe_cuts(iter(parts), size))
             _assert_safe_pieces(pieces, text, size)
             assert [i for p in pieces for i in gpt2.encode(p)] == gpt2.encode(text)
-            assert list(split_at_safe_spaces([text], size)) == list(split_at_safe_spaces(text, size))
-    assert list(split_at_safe_spaces([], 4)) == [""] == list(split_at_safe_spaces(["", ""], 4))
+            assert list(split_at_safe_cuts([text], size)) == list(split_at_safe_cuts(text, size))
+    assert list(split_at_safe_cuts([], 4)) == [""] == list(split_at_safe_cuts(["", ""], 4))
     # a space that ends a part is not cut at: its right side is in the next part
-    assert list(split_at_safe_spaces(["ab ", "cd ef"], 1)) == ["ab cd", " ef"]
-    assert list(split_at_safe_spaces(["ab", " cd"], 1)) == ["ab", " cd"]  # the left side is the last part's
+    assert list(split_at_safe_cuts(["ab ", "cd ef"], 1)) == ["ab cd", " ef"]
+    assert list(split_at_safe_cuts(["ab", " cd"], 1)) == ["ab", " cd"]  # the left side is the last part's
 
 
 def _stream_of(tok, texts) -> list[int]:

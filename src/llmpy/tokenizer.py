@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
+import unicodedata
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence, Union
 
@@ -56,13 +58,31 @@ ENCODE_THREADS = _usable_cpus()
 Document = Union[str, Iterable[str]]
 
 
-def split_at_safe_spaces(text: Document, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
+# where a piece may end: before a space (between two letters or digits) or a line break (after text); _is_safe_cut
+_CUT_CANDIDATE = re.compile(r"[ \n\r]")
+
+
+def _is_safe_cut(part: str, cut: int, before: str) -> bool:
+    left = part[cut - 1] if cut else before
+    if not left:
+        return False
+    if part[cut] == " ":
+        return cut + 1 < len(part) and left.isalnum() and part[cut + 1].isalnum()
+    # a letter, mark, digit, punctuation or symbol: no whitespace to any definition (White_Space is Cc, Z*)
+    return unicodedata.category(left)[0] in "LMNPS"
+
+
+def split_at_safe_cuts(text: Document, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
     """`text` in pieces of at least piece_chars characters (the last may be shorter; at least one piece, "" for
-    ""), each cut just before a space that has a letter or digit on both sides. GPT-2's pre-tokenizer
-    (GPT2_PATTERN) ends a match there in the whole text, and the space begins the next one, " ?\\p{L}+" or its
-    digit or symbol form, exactly as it begins a piece: so the pieces' tokens, joined, are the whole text's.
-    The characters either side must not be whitespace to any definition of it, which letters and digits never
-    are. A text with no such space from some point on stays whole from there.
+    ""), each cut just before a space that has a letter or digit on both sides, or just before a line break (\\n,
+    \\r) that follows a letter, mark, digit, punctuation or symbol. GPT-2's pre-tokenizer (GPT2_PATTERN) ends a
+    match there in the whole text: the character on the left is in a run of letters, of digits, of other
+    non-space characters or a contraction, none of which takes whitespace in; and a match that begins at the cut
+    depends only on the text after it (the pattern looks ahead, never back), so the space's " ?\\p{L}+" (or
+    digit or symbol form) or the line break's whitespace run is the same in the piece. So the pieces' tokens,
+    joined, are the whole text's. The characters that decide must not be whitespace to any definition of it,
+    which letters, digits, punctuation and symbols never are. A text with no such place from some point on stays
+    whole from there (a line of CJK text without a break, say).
 
     `text` may come in parts (a str is one part): the pieces then hold about a piece and a part at a time. A
     space that ends a part is not cut at (its right side is unknown yet), which only makes a piece longer."""
@@ -77,14 +97,14 @@ def split_at_safe_spaces(text: Document, piece_chars: int = PIECE_CHARS) -> Iter
         while True:
             # the piece reaches piece_chars at `at`, and is never empty
             at = start + max(piece_chars - held_chars, 0 if held_chars else 1)
-            cut = part.find(" ", at)
-            while cut != -1 and not (cut + 1 < len(part) and (part[cut - 1] if cut else before).isalnum()
-                                     and part[cut + 1].isalnum()):
-                cut = part.find(" ", cut + 1)
-            if cut == -1:
+            found = _CUT_CANDIDATE.search(part, at)
+            while found is not None and not _is_safe_cut(part, found.start(), before):
+                found = _CUT_CANDIDATE.search(part, found.start() + 1)
+            if found is None:
                 held.append(part[start:])
                 held_chars += len(part) - start
                 break
+            cut = found.start()
             yield "".join(held) + part[start:cut]
             held, held_chars, start = [], 0, cut
         before = part[-1]
@@ -291,8 +311,8 @@ class GPT2Tokenizer(Tokenizer):
                              f"({encoding.n_vocab} tokens, end-of-text {encoding.eot_token})")
 
     def pieces(self, doc: Document) -> Iterable[str]:
-        # safe for GPT2_PATTERN (split_at_safe_spaces says why); the module's PIECE_CHARS read at each call
-        return split_at_safe_spaces(doc, PIECE_CHARS)
+        # safe for GPT2_PATTERN (split_at_safe_cuts says why); the module's PIECE_CHARS read at each call
+        return split_at_safe_cuts(doc, PIECE_CHARS)
 
     @classmethod
     def from_files(cls, encoder_json: str | os.PathLike, vocab_bpe: str | os.PathLike) -> "GPT2Tokenizer":
