@@ -41,8 +41,8 @@ def tok(request):
 
 
 def _random_text(rng, n):
-    alphabet = list("abcXYZ 019'.,;\n\t") + ["é", "ß", "€", "日本", "🙂", "\u00a0", "'s", " 've", "  ", "\r\n", "。",
-                                              "e\u0301", "\x1c", "\u3000"]
+    alphabet = list("abcXYZ 019'.,;\n\t") + ["é", "ß", "€", "日本", "🙂", "\u00a0", "'s", " 've", "  ", "\r\n",
+                                              "。", "e\u0301", "\x1c", "\u3000"]
     return "".join(rng.choice(alphabet, n))
 
 
