@@ -588,6 +588,43 @@ def test_out_of_memory_is_one_line(monkeypatch, capsys):
     assert len(err) == 1 and "out of memory" in err[0] and "-b" in err[0] and "6.00 GiB" in err[0]
 
 
+def test_the_cpu_allocators_failure_is_out_of_memory_in_one_line(monkeypatch, capsys):
+    """torch's CPU allocator raises a plain RuntimeError, which ended in its traceback like a bug."""
+    import torch
+
+    from llmpy import cli, trainer
+
+    def boom(opts, log=print):
+        torch.empty(1 << 60, dtype=torch.uint8)  # an exabyte: no host has it
+    monkeypatch.setattr(trainer, "train", boom)
+    assert cli.main(["train", "-x", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("llmpy train: error: out of memory (DefaultCPUAllocator: can't "
+                                               "allocate memory: you tried to allocate 1152921504606846976 bytes"), err
+    assert "-b" in err[0]
+
+
+def test_the_cpu_references_activations_beyond_the_hosts_memory_are_refused(monkeypatch):
+    """-b too large for the reference's activations passed the batches' check and died in the first forward."""
+    from llmpy import config, trainer
+    from llmpy.errors import LlmpyError
+    cfg = config.parse_descriptor(TINY)
+    floats, logits = trainer._reference_step_floats(cfg, 64, 16)
+    # the logits, their softmax and gradient dominate at this width
+    assert logits == 3 * 64 * 16 * cfg.padded_vocab_size and floats > logits
+    need = 4 * floats + 8 * cfg.num_parameters + (8 * (64 * 16 + 1) + 1536 + 16 * 64 * 16)
+    opts = trainer.TrainOptions(model=TINY, batch_size=64, seq_len=16, max_steps=1, val_every=0, gen_tokens=0,
+                                progress=0, device="cpu")
+    monkeypatch.setattr(config, "host_memory_available", lambda: need - 1)
+    with pytest.raises(LlmpyError, match=rf"^-b 64: a step of the CPU reference at B=64, T=16 needs at least "
+                                         rf"{need / 1e9:.1f} GB of host memory \(its activations, "
+                                         rf"{4 * logits / 1e9:.1f} GB of them the logits, their softmax and "
+                                         r"gradient\), more than the 0\.0 GB available; lower -b"):
+        trainer.train(opts, log=lambda *_: None)
+    monkeypatch.setattr(config, "host_memory_available", lambda: need)  # enough: it trains
+    assert len(trainer.train(opts, log=lambda *_: None).train_losses) == 1
+
+
 def test_system_error_is_one_line(monkeypatch, capsys):
     """A read or write the system refuses mid-run (here a full disk at a checkpoint) ends in one line
     naming the file, not a traceback."""

@@ -52,6 +52,19 @@ def _torch_oom():
     return getattr(torch, "OutOfMemoryError", MemoryError) if torch is not None else MemoryError
 
 
+_CPU_ALLOCATOR_FAILED = "can't allocate memory"
+
+
+def _out_of_memory(who: str, e: BaseException) -> int:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    detail = lines[0] if lines else "host memory exhausted"
+    # torch's CPU allocator opens with "[enforce fail at alloc_cpu.cpp:N] err == 0." before what it could not allocate
+    detail = detail[detail.find("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in detail else detail
+    print(f"{who}: error: out of memory ({detail[:200]}); lower the batch size -b, "
+          "raise recompute -r, or use a smaller model", file=sys.stderr)
+    return 1
+
+
 def _dist_error():
     """torch.distributed's error base class (a peer that died, a timeout), or a class nothing raises."""
     if "torch" not in sys.modules:
@@ -144,10 +157,7 @@ def main(argv=None) -> int:
         sys.stderr.write(f"{who}: error: {e}\n")
         return 1
     except (MemoryError, _torch_oom()) as e:
-        detail = str(e).splitlines()[0] if str(e) else "host memory exhausted"
-        print(f"{who}: error: out of memory ({detail[:200]}); lower the batch size -b, "
-              "raise recompute -r, or use a smaller model", file=sys.stderr)
-        return 1
+        return _out_of_memory(who, e)
     except BrokenPipeError:
         # the reader of stdout went away (`llmpy sample | head`): stop quietly, as a C program killed by SIGPIPE
         # would; stdout goes to /dev/null so that the interpreter's flush at exit cannot fail a second time
@@ -158,6 +168,8 @@ def main(argv=None) -> int:
         print(f"{who}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except (_dist_error(), RuntimeError) as e:
+        if _CPU_ALLOCATOR_FAILED in str(e):  # torch's CPU allocator says so in a plain RuntimeError
+            return _out_of_memory(who, e)
         if not isinstance(e, _dist_error()) and not _from_a_collective(e):
             raise  # a bug: its traceback
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

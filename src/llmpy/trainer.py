@@ -821,9 +821,23 @@ def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str
             "device": device, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
 
 
-def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
+def _reference_step_floats(config: GPT2Config, B: int, T: int) -> tuple[int, int]:
+    """At least what a micro-step of the CPU reference holds at once, in fp32 numbers, and the part of it that is
+    the logits and their gradient: a layer's activations kept for the backward (16 B*T*C, the attention's
+    B*NH*T*T, the LayerNorms' statistics), the final LayerNorm's input and output, and the logits, their softmax
+    and their gradient at the backward's start (3 B*T*Vp; measured: 3.2 GB more at B=64 than at B=1 for
+    layers=2,channels=64, where this says 2.5)."""
+    BT, C = B * T, config.channels
+    logits = 3 * BT * config.padded_vocab_size
+    layer = 16 * BT * C + config.num_heads * B * T * T + 4 * BT
+    return config.num_layers * layer + 2 * BT * C + logits, logits
+
+
+def _check_step_fits_in_memory(opts: TrainOptions, accum: int, config: GPT2Config, reference: bool) -> None:
     """A step holds all its micro-batches on the host at once (the GPU model stages them for its CUDA graph):
-    a -d with a few zeros too many would take the machine's memory before the first step and die unexplained."""
+    a -d with a few zeros too many would take the machine's memory before the first step and die unexplained.
+    The CPU reference also holds a micro-step's activations there: a -b too large for them died in the first
+    forward (an allocator's traceback, or the kernel's OOM killer without a word)."""
     B, T = opts.batch_size, opts.seq_len
     per_micro = 8 * (B * T + 1) + 1536 + 16 * B * T  # the loader's int64 window and its two tensors, the staging
     from . import config as config_module  # its host_memory_available, as tests replace it
@@ -834,6 +848,15 @@ def _check_step_fits_in_memory(opts: TrainOptions, accum: int) -> None:
         raise LlmpyError(f"{flag}: a step of {accum:,} micro-batches of B={B}, T={T} needs "
                          f"{accum * per_micro / 1e9:,.1f} GB of host memory for its batches, more than the "
                          f"{free / 1e9:.1f} GB available")
+    if reference and free is not None:
+        floats, logits = _reference_step_floats(config, B, T)
+        # the batches, the parameters and their gradient (AdamW's m and v come after the backward)
+        need = 4 * floats + accum * per_micro + 8 * config.num_parameters
+        if need > free:
+            raise LlmpyError(f"-b {B}: a step of the CPU reference at B={B}, T={T} needs at least "
+                             f"{need / 1e9:,.1f} GB of host memory (its activations, {4 * logits / 1e9:,.1f} GB of "
+                             f"them the logits, their softmax and gradient), more than the {free / 1e9:.1f} GB "
+                             "available; lower -b (-d keeps the tokens a step through accumulation)")
 
 
 def _resumed_model_config(desc: str, state, log) -> GPT2Config:
@@ -1041,7 +1064,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
                          + (f"*processes = {B}*{T}*{world}" if world > 1 else "") + f" = {tokens_per_micro}")
     else:
         accum = opts.total_batch_size // tokens_per_micro
-    _check_step_fits_in_memory(opts, accum)
+    _check_step_fits_in_memory(opts, accum, config, reference=not kernels)
 
     train_loader = DataLoader(opts.train_data, B, T, rank=rank, world_size=world, shuffle=bool(opts.shuffle),
                               seed=opts.seed, vocab_size=config.vocab_size)
