@@ -299,11 +299,36 @@ def test_resume_with_changed_settings_says_which(saved, shards):
     # -q 1: a schedule that ends where it starts does not stretch either
     state, notes = load_checkpoint(saved, 4), []
     opts = options(shards, saved, max_steps=9, resume=1, final_lr_frac=1.0, dtype="float32", engine="reference")
-    trainer._check_resume(state, opts, state.config, 1, notes.append)
+    trainer._check_resume(state, opts, state.config, 1, notes.append, steps=9)
     assert notes == ["note: resuming with changed settings (-q 0.1 -> 1.0, -x 4 -> 9)"]
     # from that run's checkpoint at 6: a constant schedule does not stretch
     assert "note: resuming with changed settings (-l 0.005 -> 0.01, -k cosine -> constant, -a 1 -> 0, -sl 3.0 -> " \
         "0.0, -x 6 -> 7)" in lines
+
+
+def test_resume_notes_a_change_of_the_runs_length_not_of_its_x_flag(tmp_path, shards):
+    """-x -1 on resume keeps the checkpoint's length, and -x equal to a one-epoch run's steps is that run's length:
+    both were noted as "-x A -> B: the cosine schedule now decays over -x B", a change that did not happen."""
+    out = tmp_path / "o"
+    whole = train(options(shards, out, max_steps=4, checkpoint_every=2), log=quiet)
+    for p in out.glob("*_00000004*"):
+        p.unlink()
+    lines = []
+    res = train(options(shards, out, max_steps=-1, resume=1), log=lines.append)
+    assert res.start_step == 2 and res.last_step == 4 and res.train_losses == whole.train_losses[2:]
+    assert not [line for line in lines if "changed settings" in line], lines
+    # a run of one epoch (-x -1), resumed with -x its steps, then with more
+    epoch = tmp_path / "epoch"
+    train(options(shards, epoch, max_steps=-1, checkpoint_every=50, val_every=0), log=quiet)
+    state = load_checkpoint(epoch, 50)
+    steps = state.meta["total_steps"]
+    assert state.meta["options"]["max_steps"] == -1 and steps == (3000 - 1) // 32  # windows of B*T + 1 tokens
+    notes = []
+    for max_steps in (steps, steps + 7):
+        opts = options(shards, epoch, max_steps=max_steps, resume=1, val_every=0, dtype="float32", engine="reference")
+        trainer._check_resume(state, opts, state.config, 1, notes.append, steps=max_steps)
+    assert notes == [f"note: resuming with changed settings (-x -1 ({steps} steps) -> {steps + 7}: the cosine schedule "
+                     f"now decays over -x {steps + 7})"]
 
 
 def test_resume_given_another_model_file_says_it_keeps_the_checkpoints_weights(saved, shards, tmp_path):
@@ -915,7 +940,7 @@ def test_resume_notes_a_change_of_master_weights_tf32_or_engine(saved, shards, m
     assert state.meta["options"]["engine"] == "reference"
     lines = []
     opts = options(shards, saved, max_steps=6, resume=1, master_weights=0, tf32=0, dtype="float32", engine="kernels")
-    trainer._check_resume(state, opts, state.config, 1, lines.append, 1)
+    trainer._check_resume(state, opts, state.config, 1, lines.append, 1, steps=state.meta["total_steps"])
     assert lines == ["note: resuming with changed settings (engine reference -> kernels)"]
 
 

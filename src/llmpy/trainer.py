@@ -878,9 +878,10 @@ def _resumed_model_config(desc: str, state, log) -> GPT2Config:
     return load_model_file(desc)[0]
 
 
-def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1):
+def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1, *, steps: int):
     """One line naming the field and both values when the run differs from its checkpoint where it must
-    not; a note where it may (the schedule then differs from the original run's)."""
+    not; a note where it may (the schedule then differs from the original run's). `steps`: the run's length as
+    resolved (-x, else the checkpoint's)."""
     from .training_state import CONFIG_FIELDS, config_dict
     name = state.model_file.name
     saved = state.meta.get("options", {})
@@ -904,11 +905,16 @@ def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log
                          f"{accum} (-d {opts.total_batch_size})")
     changed = [f"{flag} {saved[fld]} -> {getattr(opts, fld)}" for fld, flag in _RESUME_MAY_CHANGE
                if fld in saved and saved[fld] != getattr(opts, fld)]
-    if "max_steps" in saved and saved["max_steps"] != opts.max_steps:
+    # the lengths the two runs have, not their flags: -x -1 on resume keeps the checkpoint's, and a run of -x -1 (one
+    # epoch) resumed with -x equal to that epoch's steps is the same schedule
+    saved_steps = state.meta.get("total_steps")
+    if "max_steps" in saved and (saved_steps if saved_steps is not None else saved["max_steps"]) != steps:
         # "raise -x to train further" (the message of a run already at its end): a decaying schedule then stretches
         decays = opts.lr_schedule != "constant" and opts.final_lr_frac != 1.0  # -q 1: nothing to stretch
-        stretch = f": the {opts.lr_schedule} schedule now decays over -x {opts.max_steps}" if decays else ""
-        changed.append(f"-x {saved['max_steps']} -> {opts.max_steps}{stretch}")
+        stretch = f": the {opts.lr_schedule} schedule now decays over -x {steps}" if decays else ""
+        was = saved["max_steps"] if saved["max_steps"] == saved_steps or saved_steps is None else \
+            f"{saved['max_steps']} ({saved_steps} steps)"
+        changed.append(f"-x {was} -> {steps}{stretch}")
     if changed:
         log(f"note: resuming with changed settings ({', '.join(changed)})")
     if opts.model and _names_a_model_file(opts.model) and saved.get("model") != opts.model:
@@ -1098,7 +1104,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         first_batch = _single_batch(opts, train_loader, config.vocab_size, rank, world)
     if state is not None:
         resume_notes: list[str] = []  # said after the run's header, beside the line that names the checkpoint
-        _check_resume(state, opts, config, accum, resume_notes.append, world)
+        _check_resume(state, opts, config, accum, resume_notes.append, world, steps=steps)
         try:
             try:
                 train_loader.load_state_dict(state.meta["data"])
