@@ -717,6 +717,51 @@ def test_signal_saves_and_restores_handlers(tmp_path, shards, sig):
     assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
 
 
+def _signal_at(pattern, sig=signal.SIGTERM, nth=1):
+    """A log function that signals this process at the nth line that matches `pattern`, and keeps the lines."""
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if re.match(pattern, line) and sum(bool(re.match(pattern, seen)) for seen in lines) == nth:
+            os.kill(os.getpid(), sig)
+    return log, lines
+
+
+def test_a_signal_in_the_last_step_saves_and_skips_the_final_validation_and_sample(tmp_path, shards):
+    """The last step's signal was read by no one: the final validation and sample ran on (for minutes with -m -1
+    or a long -g), the run ended with status 0, and a scheduler's SIGTERM went unanswered."""
+    out = tmp_path / "o"
+    log, lines = _signal_at(r"step\s+4/4")
+    res = train(options(shards, out, max_steps=4, gen_tokens=4), log=log)
+    assert res.stopped_by == "SIGTERM" and res.last_step == 4 and res.sample is None
+    assert res.val_losses == [(0, res.val_losses[0][1])]  # step 0's only
+    assert f"stopped by SIGTERM at the end of the run (4/4 steps trained): checkpoint of step 4 in {out}; the final " \
+        "validation and sample skipped" in lines
+    assert latest_complete_step(out) == 4 and not [line for line in lines if line.startswith("--- sample")]
+
+
+def test_a_signal_in_the_final_validation_saves_and_skips_the_sample(tmp_path, shards):
+    out = tmp_path / "o"
+    log, lines = _signal_at("val loss", signal.SIGINT, nth=2)  # the first is step 0's, the second the final one
+    res = train(options(shards, out, max_steps=1, gen_tokens=4), log=log)
+    assert res.stopped_by == "SIGINT" and res.last_step == 1 and res.sample is None
+    assert f"stopped by SIGINT at the end of the run (1/1 steps trained): checkpoint of step 1 in {out}; the final " \
+        "sample skipped" in lines
+    assert latest_complete_step(out) == 1
+    # the run's checkpoint written, only its sample left: a signal stops that at once
+    from llmpy import sampler
+    real = sampler.generate
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    import unittest.mock
+    with unittest.mock.patch.object(sampler, "generate", signalled), pytest.raises(KeyboardInterrupt):
+        train(options(shards, tmp_path / "p", max_steps=2, gen_tokens=4), log=quiet)
+    assert latest_complete_step(tmp_path / "p") == 2
+
+
 def test_sigterm_to_the_command_line_then_resume(tmp_path, shards):
     train_f, _ = shards
     out = tmp_path / "o"

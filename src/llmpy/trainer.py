@@ -1344,9 +1344,11 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     # is saved, and the run ends; a second signal to this process interrupts at once. The handler appends to
     # its own list, which nothing else writes: a signal landing while the ranks agree is kept for the next step
     received_signals: list[int] = []
+    # one process, once the run's last checkpoint is written: only the sample is left, and a signal stops it at once
+    nothing_to_save = [False]
 
     def on_signal(signum, frame):
-        if received_signals:
+        if received_signals or nothing_to_save[0]:
             raise KeyboardInterrupt
         received_signals.append(signum)
     old_handlers = {}
@@ -1354,6 +1356,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         for sig in (signal.SIGINT, signal.SIGTERM):
             old_handlers[sig] = signal.signal(sig, on_signal)
 
+    stop_signal: list[int] = []
     try:
         for step in range(start_step, steps):
             if opts.val_every > 0 and step % opts.val_every == 0:
@@ -1415,10 +1418,24 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
                 log(f"stopped by {result.stopped_by} after step {step + 1}/{steps}: {where}")
                 break
         if result.stopped_by is None:
-            validate(steps)
+            # a signal during the last step (agreed by the ranks as after any step): the run is trained, so its
+            # checkpoint is written and the final validation and sample are skipped
+            skipped = ["validation"] * bool(stop_signal and val_loader is not None)
+            if not stop_signal:
+                validate(steps)
             if out_dir:  # before the sample, so that nothing in sampling can cost the run its last checkpoint
                 checkpoint(steps)
-            result.sample = sample(steps)
+            if dp is None:  # one during the final validation or checkpoint too (ranks would first have to agree)
+                stop_signal = stop_signal or received_signals[:1]
+            if stop_signal:
+                result.stopped_by = signal.Signals(stop_signal[0]).name
+                skipped += ["sample"] * (opts.gen_tokens > 0)
+                where = f"checkpoint of step {steps} in {out_dir}" if out_dir else "no -o, so nothing was saved"
+                log(f"stopped by {result.stopped_by} at the end of the run ({steps}/{steps} steps trained): {where}"
+                    + (f"; the final {' and '.join(skipped)} skipped" if skipped else ""))
+            else:
+                nothing_to_save[0] = dp is None
+                result.sample = sample(steps)
     finally:
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
