@@ -462,8 +462,8 @@ def test_hf_weights_exported_alone_keep_their_heads(tmp_path):
 
 
 @pytest.mark.parametrize("embedded, message", [
-    ("{not json", "its embedded config is not valid JSON"),
-    ("[1, 2]", "its embedded config is not a JSON object"),
+    ("{not json", "(its embedded config): not valid JSON"),
+    ("[1, 2]", "(its embedded config): expected a JSON object"),
     ('{"n_layer": 2, "n_head": 3, "n_embd": 64, "n_positions": 32, "vocab_size": 300}',
      "(its embedded config): bad GPT-2 configuration"),
     ('{"n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 32}', "(its embedded config): missing 'vocab_size'"),

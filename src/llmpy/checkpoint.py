@@ -410,12 +410,16 @@ def _read_hf_config(path: Path) -> dict | None:
         text = path.read_bytes()  # decoded by json.loads, whose errors are ValueErrors below
     except OSError as e:  # unreadable (permissions, I/O): not "not valid JSON"
         raise LlmpyError(f"{path}: cannot read: {e.strerror or e}") from None
+    return _json_object(text, path)
+
+
+def _json_object(text, where) -> dict:
     try:
         cfg = json.loads(text)
     except (ValueError, RecursionError) as e:  # deep nesting ([[[...) is a RecursionError
-        raise LlmpyError(f"{path}: not valid JSON ({getattr(e, 'strerror', None) or e})") from None
+        raise LlmpyError(f"{where}: not valid JSON ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(cfg, dict):
-        raise LlmpyError(f"{path}: expected a JSON object")
+        raise LlmpyError(f"{where}: expected a JSON object")
     return cfg
 
 
@@ -574,22 +578,13 @@ def _config_int(cfg_path: Path, cfg: dict, key: str) -> int:
     return value
 
 
-def _embedded_hf_config(label, text: str) -> dict:
-    try:
-        cfg = json.loads(text)
-    except (ValueError, RecursionError) as e:  # deep nesting ([[[...) is a RecursionError
-        raise LlmpyError(f"{label}: its embedded config is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise LlmpyError(f"{label}: its embedded config is not a JSON object")
-    return cfg
-
-
 def _hf_config(label, cfg_path: Path, index, embedded: str | None = None) -> GPT2Config:
     V, C = index["wte.weight"][2] if len(index["wte.weight"][2]) == 2 else (0, 0)
     maxT = index["wpe.weight"][2][0] if index["wpe.weight"][2] else 0
     cfg = _read_hf_config(cfg_path)
     if cfg is None and embedded is not None:  # config.json left behind: save_hf's copy in the weights
-        cfg, cfg_path = _embedded_hf_config(label, embedded), f"{label} (its embedded config)"
+        cfg_path = f"{label} (its embedded config)"
+        cfg = _json_object(embedded, cfg_path)
     if cfg is not None:
         values = {ours: _config_int(cfg_path, cfg, key) for ours, key in (
             ("num_layers", "n_layer"), ("num_heads", "n_head"), ("channels", "n_embd"), ("max_seq_len", "n_positions"),
