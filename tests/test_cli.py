@@ -825,6 +825,15 @@ def test_an_output_folder_that_is_a_file_is_named_so(tmp_path, shards):
     res = llmpy("prepare", train, "-o", taken, "--tokenizer", "bytes")
     assert_one_line_error(res, f"{taken}: a file is there; the output folder must be a folder")
     assert taken.read_text() == "mine"
+    # a link to nothing was "a file is there" too; and a folder where the log goes was named by its folder alone
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", link)
+    assert_one_line_error(res, f"-o {link}: a link to {tmp_path / 'gone'}, which does not exist; the output directory "
+                               "must be a folder (create the link's target)")
+    (tmp_path / "run" / "main.log").mkdir(parents=True)
+    res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", tmp_path / "run")
+    assert_one_line_error(res, f"cannot write the log {tmp_path / 'run' / 'main.log'}: Is a directory")
 
 
 def test_a_training_state_given_for_a_model_says_which_file_to_give(tmp_path, shards):

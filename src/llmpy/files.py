@@ -96,6 +96,9 @@ def writable_dir(folder, what: str, name: str | None = None) -> Path:
         os.unlink(probe)
     except OSError as e:
         if isinstance(e, FileExistsError) and not folder.is_dir():  # a file (or a link to one) where it goes
+            if folder.is_symlink() and not folder.exists():  # mkdir does not follow a link to nothing
+                raise LlmpyError(f"{name or folder}: a link to {os.readlink(folder)}, which does not exist; the "
+                                 f"{what} must be a folder (create the link's target)") from None
             raise LlmpyError(f"{name or folder}: a file is there; the {what} must be a folder") from None
         raise LlmpyError(f"{name or folder}: cannot create or write the {what} ({e.strerror or e})") from None
     return folder

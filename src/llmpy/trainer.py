@@ -636,7 +636,9 @@ class RunLog:
             raise LlmpyError(self._cannot_write(e)) from None
 
     def _cannot_write(self, e: OSError) -> str:
-        return f"cannot write the log in {self.folder}: {e.strerror or e}"
+        # the file where open() names it (main.log a folder, say), else the folder (a write's full disk)
+        where = f"the log {e.filename}" if e.filename else f"the log in {self.folder}"
+        return f"cannot write {where}: {e.strerror or e}"
 
     def _write(self, step: int, kind: str, **values):
         if kind == "train":  # llm.c numbers a train line by the updates before it: one less than its step line
