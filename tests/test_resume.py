@@ -22,7 +22,7 @@ from llmpy.errors import LlmpyError
 from llmpy.data import write_shard
 from llmpy.outliers import OutlierDetector
 from llmpy.trainer import TrainOptions, train
-from llmpy.training_state import latest_complete_step, load_checkpoint, model_path, state_path
+from llmpy.training_state import checkpoint_steps, latest_complete_step, load_checkpoint, model_path, state_path
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
@@ -48,6 +48,12 @@ def options(shards, out, **kw):
 
 def quiet(_line):
     pass
+
+
+def way_back(step: int, earlier: int) -> str:
+    """What an error about a damaged checkpoint of `step` adds when an earlier one is there to resume from."""
+    return (f"; move model_{step:08d}.bin and state_{step:08d}.safetensors away to resume from the checkpoint of step "
+            f"{earlier}")
 
 
 def stop_after(k, sig=signal.SIGTERM):
@@ -495,6 +501,21 @@ def test_damaged_checkpoint_is_named(saved, shards, damage):
     with pytest.raises(LlmpyError) as e:
         train(options(shards, saved, max_steps=6, resume=1), log=quiet)
     assert target.name in str(e.value) and "\n" not in str(e.value)
+    # the line says how to go on (it said so only for damaged metadata, and -y 1 never falls back by itself) ...
+    assert str(e.value).endswith(way_back(4, 2))
+    (saved / "damaged").mkdir()
+    for path in (model_path(saved, 4), state_path(saved, 4)):
+        path.rename(saved / "damaged" / path.name)
+    assert train(options(shards, saved, max_steps=6, resume=1), log=quiet).start_step == 2
+    # ... and, with no earlier checkpoint, says nothing of one
+    for step in (2, 4, 6):
+        for path in (model_path(saved, step), state_path(saved, step)):
+            path.unlink(missing_ok=True)
+    for path in (saved / "damaged").iterdir():
+        path.rename(saved / path.name)
+    with pytest.raises(LlmpyError) as e:
+        train(options(shards, saved, max_steps=6, resume=1), log=quiet)
+    assert target.name in str(e.value) and "move" not in str(e.value)
 
 
 @pytest.mark.parametrize("name", ["m", "params"])
@@ -508,7 +529,7 @@ def test_a_tensor_whose_dtype_was_damaged_is_named(saved, shards, name):
     assert header.count(entry) == 1
     spath.write_bytes(data[:8] + header.replace(entry, entry.replace(b"F32", b"I32")) + data[8 + header_len:])
     with pytest.raises(LlmpyError, match=rf"^.*state_00000004\.safetensors: tensor '{name}' is int32, not float32 "
-                                         r"or bfloat16: the file is damaged$"):
+                                         r"or bfloat16: the file is damaged" + re.escape(way_back(4, 2)) + "$"):
         train(options(shards, saved, max_steps=6, resume=1), log=quiet)
 
 
@@ -603,7 +624,7 @@ def test_saved_options_of_the_wrong_type_are_named(saved, shards, key, value, wh
     with pytest.raises(LlmpyError) as e:
         train(options(shards, saved, max_steps=6, resume=1), log=quiet)
     assert str(e.value) == (f"{spath}: malformed training-state metadata ('options.{key}' should be {what}, not "
-                            f"{json.dumps(value)})")
+                            f"{json.dumps(value)}){way_back(4, 2)}")
     assert snapshot(saved) == before
 
 
@@ -613,7 +634,7 @@ def test_deeply_nested_state_metadata_is_one_line(saved, shards):
     _rewrite_meta(spath, lambda meta: "[" * 100000)
     before = snapshot(saved)
     with pytest.raises(LlmpyError, match=rf"^{re.escape(str(spath))}: corrupt training-state metadata \(maximum "
-                                         r"recursion depth exceeded[^\n]*\)$"):
+                                         r"recursion depth exceeded[^\n]*\)" + re.escape(way_back(4, 2)) + "$"):
         train(options(shards, saved, max_steps=6, resume=1), log=quiet)
     assert snapshot(saved) == before
 
@@ -624,12 +645,13 @@ def test_a_state_file_that_is_not_a_file_says_so(saved, shards):
     spath.unlink()
     spath.mkdir()
     before = snapshot(saved)
-    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(spath))} is a directory, not a training-state file$"):
+    with pytest.raises(LlmpyError, match=rf"^{re.escape(str(spath))} is a directory, not a training-state file"
+                                         + re.escape(way_back(4, 2)) + "$"):
         train(options(shards, saved, max_steps=6, resume=1), log=quiet)
     spath.rmdir()
     os.mkfifo(spath)
     with pytest.raises(LlmpyError, match=rf"^{re.escape(str(spath))}: not a regular file, so not a training-state "
-                                         r"file$"):
+                                         r"file" + re.escape(way_back(4, 2)) + "$"):
         train(options(shards, saved, max_steps=6, resume=1), log=quiet)
     assert snapshot(saved) == before
 
@@ -846,8 +868,9 @@ def test_gpu_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(tmp_pa
 # the metadata's own checksum: a changed digit keeps the JSON valid and resumed another run silently
 
 def _damaged_meta_message(spath) -> str:
-    return (f"{spath}: its metadata fails its checksum (damaged); move this checkpoint's two files away to resume "
-            "from an earlier one")
+    step = int(spath.name[len("state_"):-len(".safetensors")])
+    earlier = max(s for s in checkpoint_steps(spath.parent) if s < step)
+    return f"{spath}: its metadata fails its checksum (damaged){way_back(step, earlier)}"
 
 
 def _meta_digit_offsets(data: bytes) -> list[int]:
@@ -946,7 +969,7 @@ def test_a_state_of_an_unknown_format_version_is_refused(saved, shards, version)
         train(options(shards, saved, max_steps=6, resume=1), log=quiet)
     assert str(e.value) == (f"{spath}: training-state format version {version}; this llmpy reads versions 1, 2 "
                             "(resume it with the llmpy that wrote it, or train on from its model file with -e and "
-                            "another -o)")
+                            f"another -o){way_back(4, 2)}")
     assert snapshot(saved) == before
 
 

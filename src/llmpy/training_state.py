@@ -198,8 +198,7 @@ def _read_meta(spath: Path) -> dict:
     except RecursionError:  # nesting the parser just took can pass the serialiser's limit: not llmpy's metadata
         intact = False
     if not intact:
-        raise LlmpyError(f"{spath}: its metadata fails its checksum (damaged); move this checkpoint's two files "
-                         "away to resume from an earlier one")
+        raise LlmpyError(f"{spath}: its metadata fails its checksum (damaged)")
     return meta
 
 
@@ -229,18 +228,39 @@ def checkpoint_steps(out_dir) -> list[int]:
     return sorted(_steps(out_dir, _MODEL_RE) & _steps(out_dir, _STATE_RE))
 
 
+def _with_the_way_back(e: LlmpyError, out_dir, step: int) -> LlmpyError:
+    """`e` (a damaged checkpoint of `step`) and the earlier pair a resume takes once this one is moved away, if any:
+    -y 1 never skips a damaged checkpoint by itself (it would train on from further back without a word)."""
+    earlier = [s for s in checkpoint_steps(out_dir) if s < step]
+    if not earlier:
+        return e
+    return LlmpyError(f"{e}; move {model_path(out_dir, step).name} and {state_path(out_dir, step).name} away to "
+                      f"resume from the checkpoint of step {earlier[-1]}")
+
+
 def latest_complete_step(out_dir) -> int | None:
     """The latest step whose pair is complete: both files exist and the state names this model file.
     A state that cannot be read is an error naming it, not something to skip silently."""
     for step in reversed(checkpoint_steps(out_dir)):
-        meta = _read_meta(state_path(out_dir, step))
+        try:
+            meta = _read_meta(state_path(out_dir, step))
+        except LlmpyError as e:
+            raise _with_the_way_back(e, out_dir, step) from None
         if meta.get("step") == step and meta.get("model_file") == model_path(out_dir, step).name:
             return step
     return None
 
 
 def load_checkpoint(out_dir, step: int) -> TrainingState:
-    """Read and verify the pair of `step`: sizes, checksums and shapes; LlmpyError names the bad file."""
+    """Read and verify the pair of `step`: sizes, checksums and shapes; LlmpyError names the bad file (and the
+    earlier checkpoint to resume from instead)."""
+    try:
+        return _load_checkpoint(out_dir, step)
+    except LlmpyError as e:
+        raise _with_the_way_back(e, out_dir, step) from None
+
+
+def _load_checkpoint(out_dir, step: int) -> TrainingState:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     mpath, spath = model_path(out_dir, step), state_path(out_dir, step)
