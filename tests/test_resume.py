@@ -763,7 +763,7 @@ def test_a_signal_in_the_last_step_saves_and_skips_the_final_validation_and_samp
     assert latest_complete_step(out) == 4 and not [line for line in lines if line.startswith("--- sample")]
 
 
-def test_a_signal_in_the_final_validation_saves_and_skips_the_sample(tmp_path, shards):
+def test_a_signal_in_the_final_validation_saves_and_skips_the_sample(tmp_path, shards, monkeypatch):
     out = tmp_path / "o"
     log, lines = _signal_at("val loss", signal.SIGINT, nth=2)  # the first is step 0's, the second the final one
     res = train(options(shards, out, max_steps=1, gen_tokens=4), log=log)
@@ -778,8 +778,8 @@ def test_a_signal_in_the_final_validation_saves_and_skips_the_sample(tmp_path, s
     def signalled(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
-    import unittest.mock
-    with unittest.mock.patch.object(sampler, "generate", signalled), pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(sampler, "generate", signalled)
+    with pytest.raises(KeyboardInterrupt):
         train(options(shards, tmp_path / "p", max_steps=2, gen_tokens=4), log=quiet)
     assert latest_complete_step(tmp_path / "p") == 2
 

@@ -64,14 +64,11 @@ def default_download_dir() -> Path:
 # downloads
 
 def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
+            return hashlib.file_digest(f, "sha256").hexdigest()
     except OSError as e:
         raise LlmpyError(f"{path}: cannot read ({e.strerror or e})") from None
-    return digest.hexdigest()
 
 
 def download(url: str, dest: Path, sha256: str | None = None) -> Path:
