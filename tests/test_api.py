@@ -307,15 +307,15 @@ def test_sample_names_auto_among_the_tokenizers_it_takes():
 
 
 @pytest.mark.parametrize("caller_tf32", [False, True])
-def test_train_gives_the_callers_tf32_setting_back(tmp_path, caller_tf32, monkeypatch):
+def test_train_gives_the_callers_tf32_setting_back(tmp_path, caller_tf32, monkeypatch, device):
     # -f sets torch's TF32 flag for the run (llm.c's -f: its own cuBLAS calls only); it stayed set in the caller's
-    # process after train() returned, changing a notebook's own fp32 matrix products
+    # process after train() returned, changing a notebook's own fp32 matrix products. The kernel model runs where
+    # the kernels run: the GPU, or the interpreter that conftest sets up on a CPU machine
     import torch
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", caller_tf32)
     write_shard(tmp_path / "t_train_000000.bin", np.random.default_rng().integers(0, 257, 500))
     seen = []
-    llmpy.train(log=lambda line: seen.append(torch.backends.cuda.matmul.allow_tf32), device="cpu", engine="kernels",
+    llmpy.train(log=lambda line: seen.append(torch.backends.cuda.matmul.allow_tf32), device=device, engine="kernels",
                 tf32=int(not caller_tf32), train_data=str(tmp_path / "t_train_000000.bin"), model=TINY, batch_size=2,
                 seq_len=16, max_steps=1, val_every=0, gen_tokens=0, progress=0)
     assert seen[-1] is (not caller_tf32)  # the run's
