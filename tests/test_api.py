@@ -1,4 +1,6 @@
 """The Python API: create, train, sample, on a tiny model and random shards."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -182,6 +184,18 @@ def test_every_line_of_a_run_goes_to_the_log_function(tmp_path, capsys, progress
                 val_every=0, gen_tokens=0)
     assert sum(line.startswith("step ") for line in lines) == 3 and lines[-1].startswith("done: 3 steps")
     assert capsys.readouterr().out == ""
+
+
+def test_a_one_step_run_ends_with_a_done_line(tmp_path):
+    # the closing line needed two steps for its median, so a one-step run ended without it
+    rng = np.random.default_rng()
+    write_shard(tmp_path / "t_train_000000.bin", rng.integers(0, 257, 3000))
+    lines = []
+    result = llmpy.train(log=lines.append, train_data=str(tmp_path / "t_train_*.bin"), device="cpu", progress=0,
+                         model="layers=1,channels=16,heads=2,seq=16,vocab=257", batch_size=2, seq_len=16,
+                         max_steps=1, val_every=0, gen_tokens=0)
+    assert re.fullmatch(r"done: 1 step, \d+\.\d ms, warm-up included, final train loss \d+\.\d{4}", lines[-1])
+    assert lines[-1].endswith(f"{result.train_losses[-1]:.4f}")
 
 
 def test_a_run_notes_the_shards_too_small_for_one_batch(tmp_path):

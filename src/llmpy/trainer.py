@@ -1446,9 +1446,14 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         log_failed = run_log.close()
     if log_failed:  # reached only when nothing else failed
         raise LlmpyError(log_failed)
-    if len(result.step_ms) > 1 and writer:
-        timed = sorted(result.step_ms[1:])
-        log(f"done: {result.last_step - start_step} steps, median {timed[len(timed) // 2]:.1f} ms/step, "
+    if result.step_ms and writer:
+        trained = result.last_step - start_step
+        if len(result.step_ms) > 1:  # the median leaves out the first step, which compiles and warms up
+            timed = sorted(result.step_ms[1:])
+            speed = f"median {timed[len(timed) // 2]:.1f} ms/step"
+        else:
+            speed = f"{result.step_ms[0]:.1f} ms, warm-up included"
+        log(f"done: {trained} step{'s' if trained != 1 else ''}, {speed}, "
             f"final train loss {result.train_losses[-1]:.4f}"
             + (f", val loss {result.val_losses[-1][1]:.4f}" if result.val_losses else ""))
     return result
