@@ -875,3 +875,30 @@ def test_a_second_run_into_an_output_folder_in_use_is_refused(tmp_path, shards):
         (out / "main.log").unlink()
     res = llmpy("train", "-i", train, "-e", TINY, "-b", 2, "-t", 16, "-x", 1, "-v", 0, "-g", 0, "-o", out, "-y", 1)
     assert res.returncode == 0, res.stderr  # the lock goes with the process that held it
+
+
+@pytest.mark.parametrize("raised", ["refused", "os"])
+def test_a_name_with_a_line_break_stays_on_the_error_line(monkeypatch, capsys, tmp_path, raised):
+    """A file named with a newline (or another of the breaks str.splitlines knows) split the error into lines."""
+    from llmpy import cli, trainer
+    name = str(tmp_path / "a\nb\rc\u2028d\x1be\tf.bin")
+    if raised == "os":
+        def refused(opts, log=print):
+            raise OSError(28, "No space left on device", name)
+        monkeypatch.setattr(trainer, "train", refused)
+        assert cli.main(["train", "-x", "1"]) == 1
+    else:
+        assert cli.main(["sample", name, "-g", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err.splitlines()) == 1, err
+    assert str(tmp_path / "a\\nb\\rc\\u2028d\\x1be\tf.bin") in err
+
+
+def test_a_note_with_a_line_break_stays_on_one_line(monkeypatch):
+    import warnings
+
+    from llmpy import cli
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # given back after the test
+    cli._warnings_as_notes("sample")
+    line = warnings.formatwarning(UserWarning("model a\nb.bin: 2 heads assumed"), UserWarning, cli.__file__, 1)
+    assert line == "llmpy sample: note: model a\\nb.bin: 2 heads assumed\n"

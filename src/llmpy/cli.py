@@ -55,6 +55,15 @@ def _torch_oom():
 _CPU_ALLOCATOR_FAILED = "can't allocate memory"
 
 
+# what would break an error line: the C0 controls but tab, DEL, and the line breaks str.splitlines knows beyond
+# them, written as Python escapes (a file named "a\nb.bin" made two lines of one error)
+_LINE_BREAKERS = {code: ascii(chr(code))[1:-1] for code in (*range(0x20), 0x7F, 0x85, 0x2028, 0x2029) if code != 0x09}
+
+
+def _one_line(message: str) -> str:
+    return message.translate(_LINE_BREAKERS)
+
+
 def _out_of_memory(who: str, e: BaseException) -> int:
     lines = [line for line in str(e).splitlines() if line.strip()]
     detail = lines[0] if lines else "host memory exhausted"
@@ -87,7 +96,7 @@ def _warnings_as_notes(command: str) -> None:
 
     def format_warning(message, category, filename, lineno, line=None):
         if os.path.abspath(filename).startswith(here + os.sep):
-            return f"llmpy {command}: note: {message}\n"
+            return f"llmpy {command}: note: {_one_line(str(message))}\n"
         return python_format(message, category, filename, lineno, line)
     warnings.formatwarning = format_warning
 
@@ -154,7 +163,7 @@ def main(argv=None) -> int:
         return args.func(args) or 0
     except LlmpyError as e:
         # one write: under torchrun every rank says the same line, and two half-written lines would run together
-        sys.stderr.write(f"{who}: error: {e}\n")
+        sys.stderr.write(f"{who}: error: {_one_line(str(e))}\n")
         return 1
     except (MemoryError, _torch_oom()) as e:
         return _out_of_memory(who, e)
@@ -165,7 +174,7 @@ def main(argv=None) -> int:
         return 128 + 13  # SIGPIPE on Linux and macOS (Windows has no signal.SIGPIPE)
     except OSError as e:  # the system refused a read or write the checks could not foresee (disk full, ...)
         where = f"{e.filename}: " if e.filename else ""
-        print(f"{who}: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"{who}: error: {_one_line(f'{where}{e.strerror or e}')}", file=sys.stderr)
         return 1
     except (_dist_error(), RuntimeError) as e:
         if _CPU_ALLOCATOR_FAILED in str(e):  # torch's CPU allocator says so in a plain RuntimeError
