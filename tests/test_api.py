@@ -117,10 +117,9 @@ def test_sample_reads_gpt2_files_from_tokenizer_dir(shared_data, monkeypatch, tm
     assert text == llmpy.sample(model, "Hello", gen_tokens=6, temperature=0, tokenizer_dir=str(gpt2_dir))
     with pytest.raises(LlmpyError, match="tokenizer_dir 3: must be a folder's path"):
         llmpy.sample(model, "Hello", tokenizer_dir=3)
-    # a tokenizer whose vocabulary is not the model's: one error, both ways round, before any token is drawn
-    with pytest.raises(LlmpyError, match=r"^sample\(\): the model's vocab of 50257 does not match the bytes "
-                                         r"tokenizer's 257$"):
-        llmpy.sample(model, "Hello", tokenizer="bytes")
+    # bytes serve a larger vocab (a byte-level run of GPT-2's: the ids 0-256 of it); the other way round is one
+    # error before any token is drawn
+    assert isinstance(llmpy.sample(model, "Hello", tokenizer="bytes", gen_tokens=3), str)
     byte_model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16,vocab=257", seed=5)
     with pytest.raises(LlmpyError, match="vocab of 257 does not match the gpt2 tokenizer's 50257"):
         llmpy.sample(byte_model, "Hello", tokenizer="gpt2", tokenizer_dir=gpt2_dir)

@@ -63,7 +63,8 @@ def sample(model, prompt: str = "", tokenizer: str = "auto", gen_tokens: int = 6
     """Continue `prompt` with a GPT2Reference (create_model, load_model; train on the CPU) or the GPU
     model train returns on a GPU; returns the continuation, without the prompt. tokenizer "auto" picks bytes for a
     257-token vocab and GPT-2's BPE otherwise, whose files come from tokenizer_dir, else $LLMPY_GPT2_DIR, else
-    tiktoken's cache."""
+    tiktoken's cache; "bytes" also samples a larger vocab trained on byte-level tokens (train's demo run on a GPU),
+    drawing from its first 257 ids."""
     from .sampler import check_sampling_options, sample_text, tokenizer_for_model
     from .tokenizer import refuse_files_for_bytes
     # llmpy's models only: another library's (a transformers GPT2LMHeadModel, with a config and a forward of its own)

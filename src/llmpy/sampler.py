@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default: 0, all)")
     parser.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
     parser.add_argument("--tokenizer", choices=("auto", "gpt2", "bytes"), default="auto",
-                        help="auto: bytes for a 257-token vocab, else gpt2")
+                        help="auto: bytes for a 257-token vocab or a run on byte-level tokens (its state file "
+                             "beside the model says so), else gpt2")
     parser.add_argument("--tokenizer-dir", default=None, metavar="DIR",
                         help="folder with GPT-2's encoder.json and vocab.bpe (default: $LLMPY_GPT2_DIR, else "
                              "tiktoken's cache; nothing is downloaded)")
@@ -121,13 +122,23 @@ def check_prompt(prompt) -> None:
 
 
 def tokenizer_for_model(name: str, vocab_size: int, tokenizer_dir, model_vocab: str,
-                        dir_label: str = "--tokenizer-dir"):
-    """The tokenizer `llmpy sample` and the API sample with: "auto" is bytes for a 257-token vocab, GPT-2's BPE
-    otherwise; its vocabulary must be the model's (`model_vocab` begins the error line, naming the model)."""
-    from .tokenizer import GPT2_VOCAB_SIZE, TOKENIZER_NAMES, load_tokenizer
+                        dir_label: str = "--tokenizer-dir", byte_trained: bool = False):
+    """The tokenizer `llmpy sample` and the API sample with: "auto" is bytes for a 257-token vocab or a model
+    trained on byte-level tokens (`byte_trained`), GPT-2's BPE otherwise; its vocabulary must be the model's, but
+    bytes also serve a larger vocab, as the ids 0-256 of it (`model_vocab` begins the error line, naming the model)."""
+    from .tokenizer import GPT2_VOCAB_SIZE, TOKENIZER_NAMES, ByteTokenizer, load_tokenizer
     key = name.strip().lower()
     if key not in ("auto", "byte", *TOKENIZER_NAMES):  # load_tokenizer's own line would leave auto out
         raise LlmpyError(f"unknown tokenizer {name!r}: expected one of auto, {', '.join(TOKENIZER_NAMES)}")
+    if key in ("bytes", "byte") and vocab_size > ByteTokenizer.vocab_size:
+        # byte-level data in a larger vocab (the demo run on a GPU: GPT-2 124M on the embedded corpus); sampling
+        # draws from the bytes' ids only (sample_text)
+        return ByteTokenizer()
+    if key == "auto" and byte_trained:
+        if tokenizer_dir is not None:  # as for a 257-token vocab: a folder no one reads is one line
+            raise LlmpyError(f"{dir_label} {str(tokenizer_dir)!r}: the model's run trained on byte-level tokens, "
+                             "which the bytes tokenizer samples without files; leave it out, or give --tokenizer gpt2")
+        return tokenizer_for_model("bytes", vocab_size, tokenizer_dir, model_vocab, dir_label)
     if key == "auto":
         if vocab_size not in (257, GPT2_VOCAB_SIZE):  # not GPT-2's files missing, as loading them would say
             raise LlmpyError(f"{model_vocab} fits neither of llmpy's tokenizers (bytes: 257 tokens, gpt2: "
@@ -165,7 +176,9 @@ def sample_text(model, tokenizer, prompt: str = "", gen_tokens: int = 64, temper
         piece = utf8.decode(tokenizer.token_bytes(token))
         if piece:
             on_text(piece)
-    ids = generate(next_logits, start, gen_tokens, config.vocab_size, config.max_seq_len, seed=seed,
+    # a byte-level model of a larger vocab draws from the bytes' ids alone: the rest never came up in training
+    drawn_vocab = min(config.vocab_size, tokenizer.vocab_size)
+    ids = generate(next_logits, start, gen_tokens, drawn_vocab, config.max_seq_len, seed=seed,
                    temperature=temperature, top_k=top_k, on_token=stream if on_text is not None else None)
     if on_text is not None:
         rest = utf8.decode(b"", final=True)  # a character the sample ends inside of: U+FFFD
@@ -178,12 +191,17 @@ def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_model_file
     from .reference import GPT2Reference
     from .tokenizer import refuse_files_for_bytes
+    from .training_state import run_tokenizer
     check_sampling_options(args.gen_tokens, args.temperature, args.top_k, args.seed)
     check_prompt(args.prompt)  # before the model loads and the prompt is shown
     refuse_files_for_bytes(args.tokenizer, args.tokenizer_dir, "--tokenizer-dir")  # "auto": for GPT-2 models only
     config, flat, _ = load_model_file(args.model)
+    byte_trained = args.tokenizer == "auto" and config.vocab_size != 257 and run_tokenizer(args.model) == "bytes"
     tokenizer = tokenizer_for_model(args.tokenizer, config.vocab_size, args.tokenizer_dir,
-                                    f"{args.model}: vocab {config.vocab_size}")
+                                    f"{args.model}: vocab {config.vocab_size}", byte_trained=byte_trained)
+    if byte_trained:
+        print(f"note: {args.model}: its run trained on byte-level tokens (the state file beside it says so): "
+              "sampled with the bytes tokenizer", file=sys.stderr)
     model = GPT2Reference(config, flat.float())
     seen = 1 + len(tokenizer.encode(args.prompt)) if args.prompt else 1  # the end-of-text token leads
     if seen > config.max_seq_len:

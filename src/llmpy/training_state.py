@@ -58,6 +58,7 @@ _OPTION_KINDS = {
                     "number"),
     **dict.fromkeys(("lr_schedule", "dtype", "device"), "text"),
     **dict.fromkeys(("model", "train_data"), "path"),  # null: the default model or the embedded corpus
+    "tokenizer": "path",  # "bytes" (the embedded corpus) or null
     "config": "table",
 }
 _KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a finite number"), "text": ((str,), "text"),
@@ -236,6 +237,21 @@ def _with_the_way_back(e: LlmpyError, out_dir, step: int) -> LlmpyError:
         return e
     return LlmpyError(f"{e}; move {model_path(out_dir, step).name} and {state_path(out_dir, step).name} away to "
                       f"resume from the checkpoint of step {earlier[-1]}")
+
+
+def run_tokenizer(model_file) -> str | None:
+    """The tokenizer the run that wrote `model_file` (a checkpoint's model_NNNNNNNN.bin) saved in its state file
+    beside it ("bytes" for the embedded corpus), or None: no such state, one unreadable or damaged, or the data's
+    own tokenizer. Sampling reads it as a hint only, so a missing or bad state is no error here."""
+    match = re.fullmatch(r"model_(\d{8})\.bin", Path(model_file).name)
+    spath = state_path(Path(model_file).parent, int(match.group(1))) if match else None
+    if spath is None or not spath.is_file():
+        return None
+    try:
+        tokenizer = _read_meta(spath).get("options", {}).get("tokenizer")
+    except LlmpyError:
+        return None
+    return tokenizer if isinstance(tokenizer, str) else None
 
 
 def latest_complete_step(out_dir) -> int | None:
