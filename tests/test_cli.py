@@ -902,3 +902,50 @@ def test_a_note_with_a_line_break_stays_on_one_line(monkeypatch):
     cli._warnings_as_notes("sample")
     line = warnings.formatwarning(UserWarning("model a\nb.bin: 2 heads assumed"), UserWarning, cli.__file__, 1)
     assert line == "llmpy sample: note: model a\\nb.bin: 2 heads assumed\n"
+
+
+def test_a_byte_level_run_of_gpt2s_vocab_samples_with_the_bytes_tokenizer(tmp_path):
+    # the demo run on a GPU trains GPT-2 124M (vocab 50257) on the embedded byte-level corpus; `llmpy sample` of its
+    # checkpoint picked GPT-2's BPE by the vocab and printed nonsense, and --tokenizer bytes was refused
+    import llmpy as llmpy_api  # `llmpy` here is the command's helper
+    from llmpy.sampler import printable
+    out = tmp_path / "run"
+    llmpy_api.train(model="layers=1,channels=16,heads=2,seq=16", batch_size=2, seq_len=16, max_steps=1,
+                    val_every=0, gen_tokens=0, device="cpu", output_dir=str(out), log=lambda line: None)
+    model = out / "model_00000001.bin"
+    no_gpt2 = {"LLMPY_GPT2_DIR": "", "TIKTOKEN_CACHE_DIR": str(tmp_path / "cache")}  # BPE would fail: no files
+    res = llmpy("sample", model, "-g", 48, "--prompt", "def ", "--seed", 7, env=no_gpt2)
+    assert res.returncode == 0 and res.stderr == (f"note: {model}: its run trained on byte-level tokens (the state "
+                                                  "file beside it says so): sampled with the bytes tokenizer\n")
+    # the bytes' ids only: a draw from all 50257 would be outside the bytes tokenizer and fail its decode
+    continuation = llmpy_api.sample(llmpy_api.load_model(str(model)), "def ", gen_tokens=48, seed=7,
+                                    tokenizer="bytes")
+    assert res.stdout == "def " + printable(continuation) + "\n"  # the command escapes control characters
+    explicit = llmpy("sample", model, "-g", 48, "--prompt", "def ", "--seed", 7, "--tokenizer", "bytes", env=no_gpt2)
+    assert (explicit.returncode, explicit.stdout, explicit.stderr) == (0, res.stdout, "")
+    assert_one_line_error(llmpy("sample", model, "-g", 2, "--tokenizer-dir", tmp_path, env=no_gpt2),
+                          "the model's run trained on byte-level tokens")
+    (out / "state_00000001.safetensors").unlink()  # without the run's word, the vocab decides: GPT-2's BPE
+    assert_one_line_error(llmpy("sample", model, "-g", 2, env=no_gpt2), "GPT-2's tokenizer files are not on")
+
+
+def test_a_sigterm_while_the_error_line_is_written_leaves_the_line_alone(monkeypatch):
+    # torchrun SIGTERMs the other ranks when one fails, often just as they report their own error: the handler that
+    # turns SIGTERM into an exception was still in place, and the line ended in a Terminated traceback
+    import io
+    import os
+    import signal
+
+    from llmpy import cli
+
+    class TerminatedOnError(io.StringIO):
+        def write(self, text):
+            if "error:" in text:
+                os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode, inside the except clause
+            return super().write(text)
+    err = TerminatedOnError()
+    monkeypatch.setattr(sys, "stderr", err)
+    old = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["sample", "/nonexistent/model.bin"]) == 1
+    assert err.getvalue() == "llmpy sample: error: /nonexistent/model.bin: no such file or directory\n"
+    assert signal.getsignal(signal.SIGTERM) is old  # given back

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -339,6 +340,37 @@ def test_processes_that_find_different_shards_are_refused(tmp_path):
     assert_ranks_refused(res, [(str(rank), "the processes of this run found different shards for -i "
                                 f"data/t_train_*.bin (this one, rank {rank}: 1 shard(s), t_train_000000.bin, {n:,} "
                                 "tokens): give every process the same data") for rank, n in ((0, 4000), (1, 4100))])
+
+
+@interpreter_only
+def test_processes_that_load_different_models_are_refused(tmp_path):
+    # the same options, but "-e model.bin" is each node's own copy: other weights trained on without a word (each
+    # rank applying the shared gradients to its own), another shape died inside a collective. Rank 1's copy differs
+    # in one weight, then in its shape
+    from llmpy.checkpoint import save_llmc
+    from llmpy.config import parse_descriptor
+    rng = np.random.default_rng()
+    config = parse_descriptor(TINY)
+    weights = torch.from_numpy(rng.normal(0, 0.02, config.num_parameters).astype(np.float32))
+    tokens = rng.integers(0, 257, 4000)
+    for rank in (0, 1):  # the same data on both nodes
+        (tmp_path / f"node{rank}").mkdir()
+        write_shard(tmp_path / f"node{rank}" / "t_train_000000.bin", tokens)
+    argv = ["-i", "t_train_000000.bin", "-e", "model.bin", "-b", 2, "-t", T, "-x", 1, "-v", 0, "-g", 0, "--progress", 0]
+    bigger = parse_descriptor(TINY.replace("layers=2", "layers=3"))
+    for other_config, other in ((config, weights.clone().index_put_((torch.tensor([3]),), torch.tensor(0.5))),
+                                (bigger, torch.from_numpy(rng.normal(0, 0.02, bigger.num_parameters)
+                                                          .astype(np.float32)))):
+        save_llmc(tmp_path / "node0" / "model.bin", config, weights)
+        save_llmc(tmp_path / "node1" / "model.bin", other_config, other)
+        res = launch_torchrun(2, _rank_cwd_script(tmp_path, argv), timeout=300)
+        wants = []
+        for rank, (cfg, flat) in enumerate(((config, weights), (other_config, other))):
+            crc = zlib.crc32(memoryview(flat.contiguous().view(torch.uint8).numpy()))
+            wants.append((str(rank), f"the processes of this run loaded different models for -e model.bin (this "
+                                     f"one, rank {rank}: {cfg.describe()}, weights' crc32 {crc:08x}): give every "
+                                     "process the same model file"))
+        assert_ranks_refused(res, wants)
 
 
 @interpreter_only

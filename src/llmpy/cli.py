@@ -160,7 +160,11 @@ def main(argv=None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
-        return args.func(args) or 0
+        try:
+            return args.func(args) or 0
+        finally:  # the command is over: a SIGTERM now (torchrun ending the other ranks) must not break its last line
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except LlmpyError as e:
         # one write: under torchrun every rank says the same line, and two half-written lines would run together
         sys.stderr.write(f"{who}: error: {_one_line(str(e))}\n")

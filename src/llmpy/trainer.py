@@ -729,6 +729,18 @@ def _check_same_data(dp, sources: list, device) -> None:
                          "every process the same data")
 
 
+def _check_same_model(dp, model: str, config: GPT2Config, params: torch.Tensor, device) -> None:
+    """Every process must start from the same weights: an -e model file of each node's own copy (another version, a
+    checkpoint of another step) trained on without a word, each rank applying the shared gradients to its own
+    weights, and one of another shape died inside a collective."""
+    import zlib
+    weights = zlib.crc32(memoryview(params.detach().cpu().contiguous().view(torch.uint8).numpy()))
+    if _first_differing(dp, [zlib.crc32(config.describe().encode()), weights], device) is not None:
+        raise LlmpyError(f"the processes of this run loaded different models for -e {model} (this one, rank "
+                         f"{dp.rank}: {config.describe()}, weights' crc32 {weights:08x}): give every process the same "
+                         "model file")
+
+
 def _check_same_checkpoint(dp, output_dir: str, found: int | None, device) -> None:
     """-y 1: every process must resume from the same checkpoint. An -o on each node's own disk holds rank 0's
     checkpoints on its node only: the others would start afresh, and the ranks' steps (validations, the end) then
@@ -811,8 +823,9 @@ _RESUME_MAY_CHANGE = (("learning_rate", "-l"), ("lr_schedule", "-k"), ("warmup_s
                       ("master_weights", "-w"), ("tf32", "-f"), ("engine", "engine"))  # engine: as resolved
 
 
-def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str) -> dict:
-    """The options that define a run, as saved in each training state."""
+def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str, byte_data: bool) -> dict:
+    """The options that define a run, as saved in each training state; "tokenizer" is "bytes" for the embedded
+    byte-level corpus, which `llmpy sample` then decodes with even at GPT-2's vocab (null: the data's own)."""
     from .training_state import config_dict
     keep = ("model", "train_data", "batch_size", "seq_len", "total_batch_size", "learning_rate", "lr_schedule",
             "warmup_steps", "final_lr_frac", "weight_decay", "grad_clip", "max_steps", "seed", "dtype",
@@ -820,7 +833,8 @@ def _run_options(opts: TrainOptions, config: GPT2Config, accum: int, device: str
     from .distributed import torchrun_env
     env = torchrun_env()
     return {**{k: getattr(opts, k) for k in keep}, "config": config_dict(config), "grad_accumulation": accum,
-            "device": device, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage}
+            "device": device, "world_size": env[1] if env else 1, "zero_stage": opts.zero_stage,
+            "tokenizer": "bytes" if byte_data else None}
 
 
 def _reference_step_floats(config: GPT2Config, B: int, T: int) -> tuple[int, int]:
@@ -1061,6 +1075,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
         if _names_a_model_file(opts.model) and os.path.isfile(opts.model):
             _check_model_precision(opts.model, opts.dtype, cpu_reference=not kernels)
         config, params = load_or_create_model(opts.model, seed=opts.seed)
+    if dp is not None:
+        _check_same_model(dp, opts.model, config, params, device)
     B, T = opts.batch_size, opts.seq_len
     if T > config.max_seq_len:
         raise LlmpyError(f"-t {T}: longer than the model's context of {config.max_seq_len} tokens")
@@ -1330,7 +1346,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     skip_fn = outlier if (opts.skip_loss_z > 0 or opts.skip_grad_z > 0) else None
 
     from . import __version__
-    run_options = _run_options(opts, config, accum, device)
+    run_options = _run_options(opts, config, accum, device, byte_data=embedded)
 
     def checkpoint(step_done: int):
         meta = {"llmpy_version": __version__, "total_steps": steps, "options": run_options,
