@@ -261,7 +261,10 @@ def snapshot(out):
     ({"batch_size": 4}, ["-b 2", "-b 4"]),
     ({"seq_len": 8}, ["-t 16", "-t 8"]),
     ({"total_batch_size": 64}, ["accumulation 1", "2"]),
-], ids=["channels", "layers", "B", "T", "accum"])
+    # checked before -t and the data, which were blamed against the -e model that the run would not train
+    ({"model": "layers=1,channels=16,heads=2,seq=8,vocab=257"}, ["max_seq_len=32", "max_seq_len=8"]),
+    ({"model": "layers=1,channels=16,heads=2,seq=32,vocab=50"}, ["vocab_size=257", "vocab_size=50"]),
+], ids=["channels", "layers", "B", "T", "accum", "context", "vocab"])
 def test_resume_with_a_different_run_is_refused(saved, shards, change, needles):
     before = snapshot(saved)
     with pytest.raises(LlmpyError) as e:

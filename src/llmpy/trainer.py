@@ -894,19 +894,24 @@ def _resumed_model_config(desc: str, state, log) -> GPT2Config:
     return load_model_file(desc)[0]
 
 
+def _check_resumed_model(state, config: GPT2Config, model: str) -> None:
+    """-e on a resume must name the checkpoint's shape: checked as soon as both are read, before -t and the data
+    are checked against -e's model, which the run would not train."""
+    from .training_state import CONFIG_FIELDS, config_dict
+    mine, theirs = config_dict(config), config_dict(state.config)
+    for k in CONFIG_FIELDS:
+        if mine[k] != theirs[k]:
+            raise LlmpyError(f"-y 1: the checkpoint {state.model_file.name} has {k}={theirs[k]} but this run's model "
+                             f"(-e {model}) has {k}={mine[k]}")
+
+
 def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1, *, steps: int):
     """One line naming the field and both values when the run differs from its checkpoint where it must
     not; a note where it may (the schedule then differs from the original run's). `steps`: the run's length as
     resolved (-x, else the checkpoint's)."""
-    from .training_state import CONFIG_FIELDS, config_dict
     name = state.model_file.name
     saved = state.meta.get("options", {})
-    mine = config_dict(config)
-    theirs = config_dict(state.config)
-    for k in CONFIG_FIELDS:
-        if mine[k] != theirs[k]:
-            raise LlmpyError(f"-y 1: the checkpoint {name} has {k}={theirs[k]} but this run's model (-e "
-                             f"{opts.model}) has {k}={mine[k]}")
+    _check_resumed_model(state, config, opts.model)
     saved_world = saved.get("world_size", 1)
     if saved_world != world:  # the data position counts windows of B*T*processes tokens
         raise LlmpyError(f"-y 1: the checkpoint {name} was written by a run of {saved_world} process(es), this run "
@@ -1068,6 +1073,7 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             config = state.config
         else:
             config = _resumed_model_config(opts.model, state, log)
+            _check_resumed_model(state, config, opts.model)
         params = state.params_fp32
     else:
         if opts.model is None:
