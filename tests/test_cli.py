@@ -117,6 +117,22 @@ def test_hellaswag_with_validation_off_says_it_never_runs(shards):
         "note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs"]
 
 
+def test_hellaswag_flags_without_h_are_noted(shards):
+    # --hellaswag-file and --hellaswag-examples without -h 1 ran with no word: a forgotten -h 1 looked like a run
+    # that had evaluated
+    import llmpy
+    train, _ = shards
+    for given, note in (({"hellaswag_file": "no/such/hellaswag.bin"}, "--hellaswag-file without -h 1: HellaSwag is "
+                         "off, so it goes unused"),
+                        ({"hellaswag_file": "x.bin", "hellaswag_examples": 5}, "--hellaswag-file and "
+                         "--hellaswag-examples without -h 1: HellaSwag is off, so they go unused"),
+                        ({}, None)):
+        lines = []
+        llmpy.train(log=lines.append, train_data=str(train), model=TINY, batch_size=4, seq_len=16, max_steps=1,
+                    val_every=0, gen_tokens=0, device="cpu", **given)
+        assert [line for line in lines if line.startswith("note:")] == ([f"note: {note}"] if note else [])
+
+
 def test_a_warmup_longer_than_the_run_is_noted(shards):
     import llmpy
     train, _ = shards

@@ -50,6 +50,10 @@ RUN_DEFAULTS = {
 }
 
 
+# where `llmpy prepare hellaswag` writes its eval file
+_DEFAULT_HELLASWAG_FILE = os.path.join("data", "hellaswag", "hellaswag_val.bin")
+
+
 @dataclass
 class TrainOptions:
     """Every option of a run; the command line maps one flag to one field (llm.c's letters)."""
@@ -83,7 +87,7 @@ class TrainOptions:
     skip_loss_z: float = 0.0               # -sl
     skip_grad_z: float = 0.0               # -sg
     hellaswag: int = 0                     # -h
-    hellaswag_file: str = os.path.join("data", "hellaswag", "hellaswag_val.bin")
+    hellaswag_file: str = _DEFAULT_HELLASWAG_FILE
     hellaswag_examples: int = 0            # 0: every example of the file
     grad_clip: float = 1.0
     seed: int = 42
@@ -1208,6 +1212,11 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             f"rate reaches {schedule(steps - 1):.3g}, not -l {opts.learning_rate:g})")
     if opts.hellaswag and opts.val_every == 0:  # HellaSwag is scored at the validation steps
         log("note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs")
+    hs_flags = [flag for flag, given in (("--hellaswag-file", opts.hellaswag_file != _DEFAULT_HELLASWAG_FILE),
+                                         ("--hellaswag-examples", opts.hellaswag_examples != 0)) if given]
+    if hs_flags and not opts.hellaswag:  # a forgotten -h 1 read as an evaluation that ran
+        log(f"note: {' and '.join(hs_flags)} without -h 1: HellaSwag is off, so "
+            f"{'they go' if len(hs_flags) > 1 else 'it goes'} unused")
     if state is not None:
         log(f"resuming from {state.model_file.name} + {state.state_file.name} (step {start_step} of {steps})")
         for note in resume_notes:
