@@ -123,6 +123,9 @@ def test_sample_reads_gpt2_files_from_tokenizer_dir(shared_data, monkeypatch, tm
     byte_model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16,vocab=257", seed=5)
     with pytest.raises(LlmpyError, match="vocab of 257 does not match the gpt2 tokenizer's 50257"):
         llmpy.sample(byte_model, "Hello", tokenizer="gpt2", tokenizer_dir=gpt2_dir)
+    # said first even without GPT-2's files, which it could not use anyway (they were asked for instead)
+    with pytest.raises(LlmpyError, match="vocab of 257 does not match the gpt2 tokenizer's 50257"):
+        llmpy.sample(byte_model, "Hello", tokenizer="gpt2")
     # a vocabulary neither tokenizer has: said so, not that GPT-2's files are missing
     odd_model = llmpy.create_model("layers=1,channels=16,heads=2,seq=16,vocab=1000", seed=5)
     with pytest.raises(LlmpyError, match=r"^sample\(\): the model's vocab of 1000 fits neither of llmpy's tokenizers "

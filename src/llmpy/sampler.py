@@ -147,6 +147,8 @@ def tokenizer_for_model(name: str, vocab_size: int, tokenizer_dir, model_vocab: 
         if name == "bytes" and tokenizer_dir is not None:  # read by no one: even a missing folder passed silently
             raise LlmpyError(f"{dir_label} {str(tokenizer_dir)!r}: the model's 257-token vocab samples with the bytes "
                              "tokenizer, which has no files; leave it out")
+    if name.strip().lower() == "gpt2" and vocab_size != GPT2_VOCAB_SIZE:  # before looking for files it cannot use
+        raise LlmpyError(f"{model_vocab} does not match the gpt2 tokenizer's {GPT2_VOCAB_SIZE}")
     tokenizer = load_tokenizer(name, tokenizer_dir)
     if tokenizer.vocab_size != vocab_size:
         raise LlmpyError(f"{model_vocab} does not match the {tokenizer.name} tokenizer's {tokenizer.vocab_size}")
