@@ -4,6 +4,8 @@ hellaswag` offline."""
 import io
 import json
 import os
+import subprocess
+import sys
 import urllib.error
 
 import numpy as np
@@ -19,7 +21,7 @@ from llmpy.hellaswag import Example, read_eval_file, score, write_eval_file
 from llmpy.init import init_parameters
 from llmpy.reference import GPT2Reference
 
-from cli_helpers import assert_one_line_error, llmpy
+from cli_helpers import SRC, assert_one_line_error, llmpy
 
 TINY = "layers=1,channels=16,heads=2,seq=32,vocab=257"
 
@@ -329,6 +331,102 @@ def test_cli_prepare_hellaswag_bad_record_is_one_line_and_keeps_the_earlier_file
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert len(err) == 1 and "hellaswag_val.jsonl: line 1 is not a HellaSwag example (label Infinity" in err[0], err
     assert earlier.read_bytes() == before
+
+
+def _random_jsonl_rows(rng, n):
+    """n HellaSwag records of random words (fresh each run), as hellaswag_val.jsonl holds them."""
+    words = ["man", "dog", "runs", "the", "ball", "jumps", "a", "over", "fence", "she", "café", "日本"]
+    text = lambda k: " ".join(rng.choice(words, k))  # noqa: E731
+    return [{"ctx": text(int(rng.integers(1, 8))), "label": int(rng.integers(0, 4)),
+             "endings": [text(int(rng.integers(1, 5))) for _ in range(4)]} for _ in range(n)]
+
+
+def _place_jsonl(cache, rows):
+    """The jsonl where `llmpy prepare hellaswag` keeps its download: placed by hand, as offline."""
+    (cache / "hellaswag").mkdir(parents=True)
+    path = cache / "hellaswag" / "hellaswag_val.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _no_network(url, timeout):
+    raise AssertionError(f"{url} fetched")
+
+
+def test_prepare_hellaswag_does_not_load_torch(tmp_path):
+    # the README: `llmpy prepare` runs without loading torch; hellaswag.py imported it at its top (~1.7 s)
+    rows = _random_jsonl_rows(np.random.default_rng(), 5)
+    _place_jsonl(tmp_path / "c", rows)
+    script = (
+        "import sys\n"
+        "from llmpy import cli\n"
+        "rc = cli.main(['prepare', 'hellaswag', '--cache-dir', sys.argv[1], '-o', sys.argv[2], '--tokenizer', "
+        "'bytes'])\n"
+        "assert rc == 0, rc\n"
+        "assert 'torch' not in sys.modules\n"
+        "print('torch-free')\n")
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "c"), str(tmp_path / "o")], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "torch-free", r.stderr[-2000:]
+    enc = lambda s: list(s.encode())  # noqa: E731  the byte tokenizer's ids
+    assert read_eval_file(tmp_path / "o" / "hellaswag_val.bin") == [
+        Example(i, r["label"], enc(r["ctx"]), [enc(" " + e) for e in r["endings"]]) for i, r in enumerate(rows)]
+
+
+def test_prepare_hellaswag_refuses_shard_size(tmp_path, monkeypatch, capsys):
+    # --shard-size was ignored without a word; the other shard-only flags were refused
+    from llmpy import cli
+    monkeypatch.setattr(prep, "_urlopen", _no_network)
+    _place_jsonl(tmp_path / "c", _random_jsonl_rows(np.random.default_rng(), 3))
+    size = int(np.random.default_rng().integers(1, 10**8))
+    message = ("hellaswag: --shard-size, --val-fraction, --val-tokens, --name and --text-field do not apply to the "
+               "eval file")
+    with pytest.raises(LlmpyError) as e:
+        prep.prepare("hellaswag", tmp_path / "o", tokenizer="bytes", cache_dir=tmp_path / "c", shard_size=size)
+    assert str(e.value) == message
+    assert cli.main(["prepare", "hellaswag", "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"),
+                     "--tokenizer", "bytes", "--shard-size", str(size)]) == 1
+    assert capsys.readouterr().err == f"llmpy prepare: error: {message}\n"
+    assert not (tmp_path / "o").exists()
+    # left out, it is no flag given: the file is written
+    assert cli.main(["prepare", "hellaswag", "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"),
+                     "--tokenizer", "bytes"]) == 0
+    assert len(read_eval_file(tmp_path / "o" / "hellaswag_val.bin")) == 3
+
+
+def test_prepare_hellaswag_into_a_file_says_it_is_no_folder(tmp_path, monkeypatch, capsys):
+    # was "afile/hellaswag_val.bin: cannot write (File exists)", after the download and the tokenizing
+    from llmpy import cli
+    monkeypatch.setattr(prep, "_urlopen", _no_network)
+    _place_jsonl(tmp_path / "c", _random_jsonl_rows(np.random.default_rng(), 3))
+    afile = tmp_path / "afile"
+    content = os.urandom(int(np.random.default_rng().integers(1, 100)))
+    afile.write_bytes(content)
+    assert cli.main(["prepare", "hellaswag", "-o", str(afile), "--cache-dir", str(tmp_path / "c"),
+                     "--tokenizer", "bytes"]) == 1
+    # prepare's own wording for an -o that is a file
+    assert capsys.readouterr().err == f"llmpy prepare: error: {afile}: a file is there; the output folder must be " \
+                                      "a folder\n"
+    assert afile.read_bytes() == content
+
+
+def test_prepare_hellaswag_with_a_folder_where_the_jsonl_goes_says_so(tmp_path, monkeypatch, capsys):
+    # was "cannot download ...; without network, place the file at PATH", where a folder already sat at PATH
+    from llmpy import cli
+    monkeypatch.setattr(prep, "_urlopen", _no_network)
+    folder = tmp_path / "c" / "hellaswag" / "hellaswag_val.jsonl"
+    folder.mkdir(parents=True)
+    inside = folder / f"{os.urandom(4).hex()}.txt"
+    inside.write_bytes(os.urandom(16))
+    out = tmp_path / "new" / "o"
+    assert cli.main(["prepare", "hellaswag", "-o", str(out), "--cache-dir", str(tmp_path / "c"),
+                     "--tokenizer", "bytes"]) == 1
+    assert capsys.readouterr().err == (f"llmpy prepare: error: {folder}: a folder is there, not the file "
+                                       f"{hs.HELLASWAG_VAL_URL} serves; move it away (without network, place the "
+                                       "file there)\n")
+    assert inside.is_file()  # the folder as it was
+    assert not (tmp_path / "new").exists()  # no empty output folder left behind
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,13 +19,15 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
-import torch
 
 from .errors import LlmpyError
 from .files import expand_user
+
+if TYPE_CHECKING:  # imported where scoring needs it: `llmpy prepare hellaswag` runs without torch (~1.7 s)
+    import torch
 
 EVAL_MAGIC = 20240522
 EVAL_VERSION = 1
@@ -196,6 +198,8 @@ def score(examples: Sequence[Example], position_losses: Callable[[torch.Tensor, 
           B: int, T: int) -> EvalResult:
     """Accuracy of the completion with the lowest mean loss. position_losses(inputs, targets) takes a
     (B, T) batch of token ids and returns the (B, T) per-position losses."""
+    import torch
+
     if B % NUM_COMPLETIONS or B <= 0:
         raise LlmpyError(f"-b {B}: HellaSwag packs the {NUM_COMPLETIONS} completions of an example into one "
                          f"batch, so B must be a multiple of {NUM_COMPLETIONS}")
@@ -286,13 +290,22 @@ def examples_from_jsonl(path: Path, tokenizer) -> list[Example]:
 
 def prepare_hellaswag(outdir, cache: Path, tokenizer: str = "gpt2", tokenizer_dir=None, log=print) -> Path:
     """Download hellaswag_val.jsonl (kept in the cache), tokenize it, write OUTDIR/hellaswag_val.bin."""
-    from .prepare import download
+    from .files import writable_dir
+    from .prepare import _missing_folders, _remove_empty, download
     from .tokenizer import load_tokenizer
     out = expand_user(outdir) if outdir is not None else Path("data") / "hellaswag"
-    jsonl = download(HELLASWAG_VAL_URL, Path(cache) / "hellaswag" / "hellaswag_val.jsonl")
-    tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # `llmpy prepare hellaswag` fetches anyway
-    examples = examples_from_jsonl(jsonl, tok)
-    dest = write_eval_file(out / "hellaswag_val.bin", examples)
+    created = _missing_folders(out)
+    try:
+        # first, as prepare's shards: an -o that is a file is named as such (the write said "OUT/hellaswag_val.bin:
+        # cannot write (File exists)"), and before the download and tokenizing
+        writable_dir(out, "output folder")
+        jsonl = download(HELLASWAG_VAL_URL, Path(cache) / "hellaswag" / "hellaswag_val.jsonl")
+        tok = load_tokenizer(tokenizer, tokenizer_dir, download=True)  # `llmpy prepare hellaswag` fetches anyway
+        examples = examples_from_jsonl(jsonl, tok)
+        dest = write_eval_file(out / "hellaswag_val.bin", examples)
+    except BaseException:  # no empty output folder of ours left behind
+        _remove_empty(created)
+        raise
     log(f"hellaswag val: {len(examples):,} examples ({tok.name} tokens) in {dest}")
     return dest
 

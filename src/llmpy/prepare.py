@@ -83,6 +83,9 @@ def download(url: str, dest: Path, sha256: str | None = None) -> Path:
             raise LlmpyError(f"{dest}: sha256 {found}, expected {sha256}: not the file {url} serves (remove it to "
                              "download it again)")
         return dest
+    if dest.is_dir():  # the download's rename would fail, and the error below would ask for the file that is "missing"
+        raise LlmpyError(f"{dest}: a folder is there, not the file {url} serves; move it away (without network, "
+                         "place the file there)")
     writable_dir(dest.parent, "download folder")
     remove_orphaned_temporaries(dest.parent)  # a killed download's partial file
     digest = hashlib.sha256()
@@ -551,13 +554,16 @@ def _token_chunks(src: Source, tok: Tokenizer) -> Iterator[tuple[bool, np.ndarra
 
 def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: str = "gpt2",
             tokenizer_dir: str | None = None, val_fraction: float | None = None,
-            val_tokens: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
+            val_tokens: int | None = None, shard_size: int | None = None,
             name: str | None = None, cache_dir: str | os.PathLike | None = None,
             text_field: str | None = None, log=print) -> dict[str, list[tuple[Path, int]]]:
     """Tokenize SOURCE into shards; returns {"val": [(path, tokens)...], "train": [...]}. text_field: the field of
-    a .jsonl source's records that holds the text (default "text")."""
+    a .jsonl source's records that holds the text (default "text"); shard_size: tokens a shard (None:
+    DEFAULT_SHARD_SIZE; None is how hellaswag tells that --shard-size was not given)."""
     from tqdm import tqdm
 
+    shard_size_given = shard_size is not None
+    shard_size = DEFAULT_SHARD_SIZE if shard_size is None else shard_size
     if not 0 < shard_size <= MAX_SHARD_SIZE:
         raise LlmpyError(f"--shard-size {shard_size} must be between 1 and {MAX_SHARD_SIZE}")
     if val_fraction is not None and val_tokens is not None:
@@ -578,9 +584,10 @@ def prepare(source: str, outdir: str | os.PathLike | None = None, *, tokenizer: 
     cache = expand_user(cache_dir) if cache_dir is not None else default_download_dir()
     if source.strip().lower() == "hellaswag":  # an eval file, not train/val shards
         from .hellaswag import prepare_hellaswag
-        if val_fraction is not None or val_tokens is not None or name is not None or text_field is not None:
-            raise LlmpyError("hellaswag: --val-fraction, --val-tokens, --name and --text-field do not apply to the "
-                             "eval file")
+        if (val_fraction is not None or val_tokens is not None or name is not None or text_field is not None
+                or shard_size_given):
+            raise LlmpyError("hellaswag: --shard-size, --val-fraction, --val-tokens, --name and --text-field do not "
+                             "apply to the eval file")
         dest = prepare_hellaswag(outdir, cache, tokenizer, tokenizer_dir, log=log)
         return {"val": [(dest, 0)], "train": []}
     src = resolve_source(source, cache, shard_size, text_field)
@@ -758,7 +765,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "the shards, as large as they are")
     val.add_argument("--val-tokens", type=int, default=None, metavar="N",
                      help="the first N tokens are the validation split")
-    parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, metavar="N",
+    parser.add_argument("--shard-size", type=int, default=None, metavar="N",  # None: not given (hellaswag refuses it)
                         help=f"tokens per shard (default {DEFAULT_SHARD_SIZE:,})")
     parser.add_argument("--text-field", default=None, metavar="NAME",
                         help=f"a .jsonl source's field that holds each document's text (default "
