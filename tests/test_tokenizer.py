@@ -346,6 +346,59 @@ def test_nothing_is_fetched_unless_asked(monkeypatch, tmp_path, gpt2, gpt2_dir):
     assert tiktoken_cached_gpt2_files() is None
 
 
+def _tiktoken_cache(folder, encoder: bytes, vocab: bytes):
+    """GPT-2's two files as tiktoken caches them, each named by the sha1 of its address; their paths."""
+    import hashlib
+    folder.mkdir(parents=True, exist_ok=True)
+    base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    paths = [folder / hashlib.sha1((base + name).encode()).hexdigest() for name in ("encoder.json", "vocab.bpe")]
+    for path, data in zip(paths, (encoder, vocab)):
+        path.write_bytes(data)
+    return paths
+
+
+def _cache_error(enc, bpe, detail):
+    return (f"{enc} / {bpe}: tiktoken's cached copies of GPT-2's encoder.json and vocab.bpe cannot be used ({detail}); "
+            "delete both (`llmpy prepare` with the gpt2 tokenizer then fetches them again)")
+
+
+def test_a_damaged_tiktoken_cache_is_named_as_such(monkeypatch, tmp_path, rng):
+    # the line named two sha1-named files and a JSON error: neither what they are nor that deleting them is the fix
+    monkeypatch.delenv("LLMPY_GPT2_DIR", raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tk"))
+    garbage = ["x" + secrets.token_hex(int(rng.integers(1, 50))) for _ in range(2)]  # "x": no JSON value starts so
+    enc, bpe = _tiktoken_cache(tmp_path / "tk", *(g.encode() for g in garbage))
+    for download in (False, True):
+        with pytest.raises(LlmpyError) as e:
+            load_tokenizer("gpt2", download=download)
+        assert str(e.value) == _cache_error(enc, bpe, "Expecting value: line 1 column 1 (char 0)")
+    assert [enc.read_text(), bpe.read_text()] == garbage  # not deleted: the user's cache, the user's call
+
+
+def test_a_tiktoken_cache_with_a_cut_vocab_names_the_file_by_what_it_is(monkeypatch, tmp_path, rng, gpt2_dir):
+    monkeypatch.delenv("LLMPY_GPT2_DIR", raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tk"))
+    lines = (gpt2_dir / "vocab.bpe").read_bytes().split(b"\n")
+    keep = int(rng.integers(2, len(lines) - 2))  # the version line and keep - 1 merges
+    enc, bpe = _tiktoken_cache(tmp_path / "tk", (gpt2_dir / "encoder.json").read_bytes(), b"\n".join(lines[:keep]))
+    with pytest.raises(LlmpyError) as e:
+        load_tokenizer("gpt2")
+    assert str(e.value) == _cache_error(enc, bpe, f"vocab.bpe: {keep - 1} merges, GPT-2 has 50000")
+
+
+def test_cli_prepare_with_a_damaged_tiktoken_cache_is_one_line(tmp_path, rng):
+    from cli_helpers import llmpy
+    garbage = ["x" + secrets.token_hex(int(rng.integers(1, 50))) for _ in range(2)]
+    enc, bpe = _tiktoken_cache(tmp_path / "tk", *(g.encode() for g in garbage))
+    (tmp_path / "small.txt").write_text(_random_text(rng, 200), encoding="utf-8")
+    # LLMPY_GPT2_DIR empty: unset (llmpy reads "" as no folder), so the cache is where the files come from
+    res = llmpy("prepare", tmp_path / "small.txt", "-o", tmp_path / "x", cwd=tmp_path,
+                env={"LLMPY_GPT2_DIR": "", "TIKTOKEN_CACHE_DIR": str(tmp_path / "tk")})
+    assert res.returncode == 1 and res.stderr == \
+        "llmpy prepare: error: " + _cache_error(enc, bpe, "Expecting value: line 1 column 1 (char 0)") + "\n"
+    assert not (tmp_path / "x").exists() and [enc.read_text(), bpe.read_text()] == garbage
+
+
 # ----------------------------------------------------------------------------------------------
 # bytes
 

@@ -425,6 +425,22 @@ def tiktoken_cached_gpt2_files() -> tuple[Path, Path] | None:
     return (enc, bpe) if enc.is_file() and bpe.is_file() else None
 
 
+def _cached_files_error(e: LlmpyError, enc: Path, bpe: Path) -> LlmpyError:
+    """gpt2_mergeable_ranks' error about tiktoken's cached files, reworded: their names (sha1s of the addresses) say
+    neither what they are nor that deleting them is the fix. Not deleted here: the user's cache, the user's call."""
+    detail = str(e)
+    both = f"{enc} / {bpe}: cannot read the GPT-2 tokenizer files ("
+    if detail.startswith(both) and detail.endswith(")"):
+        detail = detail[len(both):-1]
+    else:  # an error about one of them: named by what it is, the paths are in the line's head
+        for path, label in ((enc, "encoder.json"), (bpe, "vocab.bpe")):
+            if detail.startswith(f"{path}: "):
+                detail = f"{label}: {detail[len(str(path)) + 2:]}"
+                break
+    return LlmpyError(f"{enc} / {bpe}: tiktoken's cached copies of GPT-2's encoder.json and vocab.bpe cannot be used "
+                      f"({detail}); delete both (`llmpy prepare` with the gpt2 tokenizer then fetches them again)")
+
+
 def refuse_files_for_bytes(name: str, directory, label: str) -> None:
     """The bytes tokenizer reads no files: a folder given for it (`label`: the flag or argument) would be ignored
     without a word, so it is one line instead. Callers check before any slow work."""
@@ -445,7 +461,10 @@ def load_tokenizer(name: str = "gpt2", directory: str | os.PathLike | None = Non
             return GPT2Tokenizer.from_dir(d)
         cached = tiktoken_cached_gpt2_files()
         if cached is not None:
-            return GPT2Tokenizer.from_files(*cached)
+            try:
+                return GPT2Tokenizer.from_files(*cached)
+            except LlmpyError as e:  # files named by a sha1 mean nothing to a user: say whose they are, and the way out
+                raise _cached_files_error(e, *cached) from None
         if download:
             return GPT2Tokenizer.from_tiktoken()
         raise LlmpyError(f"GPT-2's tokenizer files are not on this machine: set {GPT2_DIR_ENV} (`llmpy sample` and "
