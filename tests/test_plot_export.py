@@ -619,6 +619,81 @@ def test_plot_log_without_loss_says_so(tmp_path):
         f"llmpy plot: note: {tmp_path / 'main.jsonl'}: no loss values in it, so no loss chart"]
 
 
+def _non_finite(rng, n):
+    """n random NaN, inf and -inf, as json.dumps writes them (NaN, Infinity, -Infinity)."""
+    return [float(v) for v in rng.choice([math.nan, math.inf, -math.inf], n)]
+
+
+def test_plot_log_whose_charted_values_are_all_nan_or_inf_is_an_error(tmp_path):
+    # an empty loss.png around a meaningless axis, exit 0 and no word: a series of NaN and inf draws nothing
+    rng = np.random.default_rng()
+    n = int(rng.integers(2, 9))
+    recs = [{"step": s, "kind": "train", "loss": v, "norm": w}
+            for s, v, w in zip(range(1, n + 1), _non_finite(rng, n), _non_finite(rng, n))]
+    recs.append({"step": n, "kind": "val", "loss": _non_finite(rng, 1)[0]})
+    (tmp_path / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    message = (f"{tmp_path / 'main.jsonl'}: {n + 1} record(s) but no finite loss, learning rate, gradient norm, "
+               "tok_s, mfu or accuracy (only NaN, infinite or too large to draw): nothing to plot")
+    with pytest.raises(LlmpyError) as e:
+        pl.plot_run(tmp_path)
+    assert str(e.value) == message
+    assert not (tmp_path / "plots").exists()  # no empty plot folder left behind
+    r = run_cli("plot", tmp_path)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [f"llmpy plot: error: {message}"]
+
+
+@needs_mpl
+def test_plot_log_whose_losses_are_all_nan_or_inf_says_so(tmp_path, monkeypatch):
+    rng = np.random.default_rng()
+    n = int(rng.integers(2, 9))
+    lrs = rng.uniform(1e-4, 1e-3, n).tolist()
+    recs = [{"step": s, "kind": "train", "loss": v, "lr": lr}
+            for s, v, lr in zip(range(1, n + 1), _non_finite(rng, n), lrs)]
+    (tmp_path / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    notes = []
+    saved = saved_figures(monkeypatch)
+    assert [p.name for p in pl.plot_run(tmp_path, warn=notes.append)] == ["lr.png"]  # no empty loss.png
+    assert notes == [f"{tmp_path / 'main.jsonl'}: no finite loss values in it, so no loss chart"]
+    assert saved["lr"].axes[0].lines[0].get_ydata().tolist() == lrs
+    r = run_cli("plot", tmp_path, "-o", tmp_path / "out")
+    assert r.returncode == 0 and r.stdout.split() == [str(tmp_path / "out" / "lr.png")]
+    assert r.stderr.strip().splitlines() == [
+        f"llmpy plot: note: {tmp_path / 'main.jsonl'}: no finite loss values in it, so no loss chart"]
+    # with several runs, the one whose losses are all NaN or inf has no line in the loss chart, and no legend entry
+    other = tmp_path / "other"
+    write_log(other, extra=False)
+    notes.clear()
+    saved.clear()
+    pl.plot_runs([tmp_path, other], tmp_path / "cmp", warn=notes.append)
+    assert notes == [f"{tmp_path / 'main.jsonl'}: no finite loss values in it"]
+    assert saved["loss"].axes[0].get_title() == "other: loss"
+    assert {line.get_color() for line in saved["loss"].axes[0].lines} == {"C1"}  # the second run's color only
+
+
+@needs_mpl
+def test_plot_of_a_loss_with_some_finite_values_draws_those(tmp_path, monkeypatch):
+    # train loss finite at some steps only, val loss at none: the train line with gaps, no val line, no note
+    rng = np.random.default_rng()
+    n = int(rng.integers(6, 30))
+    losses = _non_finite(rng, n)
+    finite_at = rng.choice(n, int(rng.integers(1, n)), replace=False)
+    for i in finite_at:
+        losses[i] = float(rng.uniform(2, 6))
+    recs = [{"step": s, "kind": "train", "loss": v} for s, v in zip(range(1, n + 1), losses)]
+    recs.append({"step": n, "kind": "val", "loss": _non_finite(rng, 1)[0]})
+    (tmp_path / "main.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    notes = []
+    saved = saved_figures(monkeypatch)
+    assert [p.name for p in pl.plot_run(tmp_path, smooth=0.0, warn=notes.append)] == ["loss.png"]
+    assert notes == []
+    (train,) = saved["loss"].axes[0].lines
+    assert train.get_label() == "train"
+    ys = np.asarray(train.get_ydata())
+    assert np.array_equal(np.isfinite(ys), np.isfinite(losses)) and ys[np.isfinite(ys)].tolist() == \
+        [losses[i] for i in sorted(finite_at)]
+
+
 @needs_mpl
 def test_plot_of_a_resumed_run_says_what_it_left_out(tmp_path):
     recs = [{"step": step, "kind": "train", "loss": 5.0 - 0.1 * step, "lr": 1e-3} for step in range(1, 9)]

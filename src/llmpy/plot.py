@@ -164,6 +164,16 @@ class LogColumns:
         have = self.present[kind, key]
         return self.steps[kind][have], self.values[kind, key][have]
 
+    def charted(self, kind: str, key: str):
+        """series(), or none (as for a key no record has) where not one value is finite: a line of NaN and inf only
+        draws nothing, and its chart would be an empty frame around a meaningless axis. A series with some finite
+        values is kept whole (its NaNs are gaps in the line)."""
+        import numpy as np
+        steps, values = self.series(kind, key)
+        if not np.isfinite(values).any():
+            return steps[:0], values[:0]
+        return steps, values
+
 
 def read_columns(path) -> LogColumns:
     """A main.jsonl as LogColumns; the same checks and the same errors as read_log."""
@@ -338,16 +348,23 @@ def _read_run(run_dir: Path, smooth: float, alone: bool, warn) -> LogColumns:
     columns = read_columns(log)
     if not 0.0 <= smooth < 1.0:
         raise LlmpyError(f"--smooth {smooth}: must be in [0, 1)")
-    if not any(len(columns.series(kind, key)[0]) for kind, keys in CHARTED.items() for key in keys):
+    # before any chart is written (matplotlib would crash mid-way), and before the checks below: a value left out
+    # is no finite value
+    note = leave_out_undrawable(columns, log)
+    charted = [(kind, key) for kind, keys in CHARTED.items() for key in keys]
+    if not any(len(columns.charted(kind, key)[0]) for kind, key in charted):
         # checked before the plot folder is made, so a failed plot leaves none behind
-        raise LlmpyError(f"{log}: {columns.records} record(s) but none with a loss, learning rate, gradient norm, "
-                         "tok_s, mfu or accuracy: nothing to plot")
-    if warn is not None and not any(len(columns.series(kind, "loss")[0]) for kind in ("train", "val")):
-        warn(f"{log}: no loss values in it" + (", so no loss chart" if alone else ""))
+        if not any(len(columns.series(kind, key)[0]) for kind, key in charted):
+            raise LlmpyError(f"{log}: {columns.records} record(s) but none with a loss, learning rate, gradient norm, "
+                             "tok_s, mfu or accuracy: nothing to plot")
+        raise LlmpyError(f"{log}: {columns.records} record(s) but no finite loss, learning rate, gradient norm, "
+                         "tok_s, mfu or accuracy (only NaN, infinite or too large to draw): nothing to plot")
+    if warn is not None and not any(len(columns.charted(kind, "loss")[0]) for kind in ("train", "val")):
+        finite = "finite " if any(len(columns.series(kind, "loss")[0]) for kind in ("train", "val")) else ""
+        warn(f"{log}: no {finite}loss values in it" + (", so no loss chart" if alone else ""))
     if warn is not None and columns.abandoned:
         warn(f"{log}: a later run resumed from an earlier step; left out {columns.abandoned} record(s) that the "
              "earlier run logged past it and the resumed run has not logged again")
-    note = leave_out_undrawable(columns, log)  # before any chart is written: matplotlib would crash mid-way
     if note is not None and warn is not None:
         warn(note)
     return columns
@@ -512,14 +529,14 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None, x_axis: st
 
     # loss: raw train faint, smoothed train (over every step, then thinned), validation as markers + line
     with_loss = [i for i, columns in enumerate(runs)
-                 if any(len(columns.series(kind, "loss")[0]) for kind in ("train", "val"))]
+                 if any(len(columns.charted(kind, "loss")[0]) for kind in ("train", "val"))]
     if with_loss:
         fig, ax = new("loss", "loss", with_loss)
         kinds = set()
         for i in with_loss:
             columns = runs[i]
-            tx, ty = columns.series("train", "loss")
-            vx, vy = columns.series("val", "loss")
+            tx, ty = columns.charted("train", "loss")  # a kind with no finite loss: no line, no legend entry
+            vx, vy = columns.charted("val", "loss")
             tx, vx = along(i, tx), along(i, vx)
             c_train, c_val = (colors[i], colors[i]) if several else ("C0", "C1")
             if len(tx):
@@ -549,7 +566,7 @@ def plot_runs(run_dirs, out_dir=None, smooth: float = 0.9, warn=None, x_axis: st
         save(fig, "loss.png")
 
     def chart(kind, key, fname, ylabel, what, scale, alone_color, style, logy=False, sci=False):
-        lines = [(i, *runs[i].series(kind, key)) for i in range(len(runs))]
+        lines = [(i, *runs[i].charted(kind, key)) for i in range(len(runs))]
         lines = [(i, xs, ys) for i, xs, ys in lines if len(xs)]
         if not lines:
             return  # no log carries this quantity (older trainer, CPU run): no chart
