@@ -146,6 +146,94 @@ def test_reference_refuses_a_dtype_that_is_no_float(dtype):
     assert message == f"GPT2Reference: dtype {dtype!r}: must be a floating-point torch dtype"
 
 
+# what the number arguments of both models' methods must be (the messages' "must be ..." part)
+LR = AT_LEAST_0 = "a finite number >= 0"
+STEP, BETA = "an integer from 1 to 2**63 - 1 (AdamW counts steps from 1)", "a number in [0, 1)"
+ADAMW_BAD = [  # (argument, its value from a generator, what it must be)
+    ("lr", lambda r: "1e-3", LR), ("lr", lambda r: None, LR), ("lr", lambda r: float("nan"), LR),
+    ("lr", lambda r: float("inf"), LR), ("lr", lambda r: -float(r.uniform(1e-4, 1e-1)), LR),
+    ("step", lambda r: "1", STEP), ("step", lambda r: 1 + float(r.uniform(0.1, 0.9)), STEP),
+    ("step", lambda r: True, STEP), ("step", lambda r: 0, STEP), ("step", lambda r: -int(r.integers(1, 100)), STEP),
+    ("step", lambda r: 2**63 + int(r.integers(100)), STEP), ("step", lambda r: np.float64(r.integers(1, 100)), STEP),
+    ("beta1", lambda r: 1.0, BETA), ("beta1", lambda r: -float(r.uniform(0.1, 1)), BETA),
+    ("beta2", lambda r: float("nan"), BETA), ("eps", lambda r: 0.0, "a finite number > 0"),
+    ("eps", lambda r: "1e-8", "a finite number > 0"),
+    ("weight_decay", lambda r: -float(r.uniform(0.01, 1)), AT_LEAST_0),
+    ("weight_decay", lambda r: float("inf"), AT_LEAST_0),
+]
+GOOD_HYPER = dict(lr=1e-2, step=2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+DLOSS_BAD = ["0.1", float("nan"), float("inf"), -float("inf"), True]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes: equal only where every bit is (a NaN too)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).clone()
+
+
+def _reference_state(model) -> list:
+    return [_bits(t) for t in (model.params_flat, model.grads_flat, model.m_flat, model.v_flat)]
+
+
+def _trained_reference():
+    """A tiny reference with AdamW's m and v set by one step and a fresh gradient waiting for update()."""
+    rng = np.random.default_rng()
+    model = llmpy.create_model(TINY, seed=int(rng.integers(2**32)))
+    x, y = (torch.from_numpy(rng.integers(0, 257, (2, 8))) for _ in range(2))
+    for step in (1, 2):
+        model.zero_grad()
+        model.forward(x, y)
+        model.backward()
+        if step == 1:
+            model.update(1e-2, 1, weight_decay=0.1)
+    return model, rng
+
+
+REFERENCE_BAD = ADAMW_BAD + [("grad_scale", lambda r: float("inf"), AT_LEAST_0),
+                             ("grad_scale", lambda r: "1", AT_LEAST_0),
+                             ("grad_scale", lambda r: -float(r.uniform(0.1, 1)), AT_LEAST_0)]
+
+
+@pytest.mark.parametrize("name, make, rule", REFERENCE_BAD,
+                         ids=[f"{n}-{k}" for k, (n, _, _) in enumerate(REFERENCE_BAD)])
+def test_reference_update_checks_its_numbers_before_any_work(name, make, rule):
+    # a str was a raw TypeError after AdamW had begun on m and v; a NaN or infinite rate made every weight NaN;
+    # step 1.5 or True was taken
+    model, rng = _trained_reference()
+    value = make(rng)
+    before = _reference_state(model)
+    assert _one_line_error(lambda: model.update(**{**GOOD_HYPER, "grad_scale": 1.0, name: value})) == \
+        f"GPT2Reference.update: {name} {value!r}: must be {rule}"
+    assert all(torch.equal(a, b) for a, b in zip(_reference_state(model), before))
+    # numpy's numbers are numbers: the same update as Python's
+    twin = GPT2Reference(model.config, model.params_flat)
+    twin.grads_flat.copy_(model.grads_flat)
+    twin.m_flat, twin.v_flat = model.m_flat.clone(), model.v_flat.clone()
+    lr = np.float32(rng.uniform(1e-3, 1e-2))
+    model.update(lr, np.int64(2), weight_decay=np.float64(0.1), grad_scale=np.float32(0.5))
+    twin.update(float(lr), 2, weight_decay=0.1, grad_scale=float(np.float32(0.5)))
+    assert all(torch.equal(a, b) for a, b in zip(_reference_state(model), _reference_state(twin)))
+    assert not torch.equal(_bits(model.params_flat), before[0])
+
+
+@pytest.mark.parametrize("dloss", DLOSS_BAD)
+def test_reference_backward_checks_dloss_before_any_work(dloss):
+    # a str was a raw TypeError; a NaN or infinite dloss made every gradient NaN
+    rng = np.random.default_rng()
+    model = llmpy.create_model(TINY, seed=int(rng.integers(2**32)))
+    twin = GPT2Reference(model.config, model.params_flat)
+    x, y = (torch.from_numpy(rng.integers(0, 257, (2, 8))) for _ in range(2))
+    for m in (model, twin):
+        m.forward(x, y)
+    grads = _bits(model.grads_flat)
+    assert _one_line_error(lambda: model.backward(dloss)) == \
+        f"GPT2Reference.backward: dloss {dloss!r}: must be None or a finite number"
+    assert torch.equal(_bits(model.grads_flat), grads)
+    d = float(rng.uniform(0.01, 0.1))
+    model.backward(np.float32(d))  # the forward's activations are still there for it
+    twin.backward(float(np.float32(d)))
+    assert torch.equal(_bits(model.grads_flat), _bits(twin.grads_flat)) and model.grad_norm() > 0
+
+
 # ----------------------------------------------------------------------------------------------------
 # llmpy.model.GPT2Model: token ids, batches, state loading (a tiny model through Triton's interpreter on the CPU)
 
@@ -262,18 +350,113 @@ def test_a_refused_step_changes_nothing(device):
     model, config, params = _gpt2(device, dtype=torch.bfloat16, seed=seed)
     rng = np.random.default_rng()
     batches = [[(_ids(config, rng), _ids(config, rng))] for _ in range(2)]
-    assert _one_line_error(lambda: model.train_step(batches[0], 1e-2, 0)) == "AdamW step 0: steps count from 1"
+    assert _one_line_error(lambda: model.train_step(batches[0], 1e-2, 0)) == \
+        f"GPT2Model.train_step: step 0: must be {STEP}"
     from llmpy.model import GPT2Model
     fresh = GPT2Model(config, params, MB, MT, device=device, attention="flash", seed=seed)
     for m in (model, fresh):  # the step by step API: a gradient, and (model only) a refused update of it
         m.zero_grad()
         m.forward(*batches[0][0], dloss=1.0 / (MB * MT))
         m.backward()
-    assert _one_line_error(lambda: model.update(1e-2, 0)) == "AdamW step 0: steps count from 1"
+    assert _one_line_error(lambda: model.update(1e-2, 0)) == f"GPT2Model.update: step 0: must be {STEP}"
     got = [model.train_step(b, 1e-2, s + 1) for s, b in enumerate(batches)]
     want = [fresh.train_step(b, 1e-2, s + 1) for s, b in enumerate(batches)]
     assert got == want and 4.5 < got[0][0] < 7.0
     assert torch.equal(model.params_memory, fresh.params_memory)
+
+
+def _model_state(model) -> list:
+    """Everything a step reads and writes on the device: parameters, gradients, AdamW's m and v, the master weights,
+    the rounding seeds."""
+    buffers = (model.params_memory, model.grads_memory, model.m_memory, model.v_memory, model.master_memory)
+    return [model.seed_state()] + [_bits(t) for t in buffers if t is not None]
+
+
+def test_model_checks_its_numbers_before_any_work(device):
+    # train_step's lr="a" or None was refused only when the hyper-parameters were written, after the forward and
+    # backward had moved the gradients and the rounding seeds; a NaN rate made every parameter NaN, step 1.5 was taken
+    from llmpy.model import GPT2Model
+    seed = int(np.random.default_rng().integers(2**31))
+    model, config, params = _gpt2(device, dtype=torch.bfloat16, seed=seed)
+    twin = GPT2Model(config, params, MB, MT, device=device, dtype=torch.bfloat16, attention="flash", seed=seed)
+    rng = np.random.default_rng()
+    batches = [(_ids(config, rng), _ids(config, rng)) for _ in range(3)]
+    for m in (model, twin):
+        m.train_step([batches[0]], 1e-2, 1, 0.1)  # AdamW's m and v, the seeds: past their first values
+        m.zero_grad()
+        m.forward(*batches[1], dloss=1.0 / (MB * MT))
+        m.backward()  # a gradient waiting for update()
+    before = _model_state(model)
+    cases = ADAMW_BAD + [("grad_clip", lambda r: "x", f"{AT_LEAST_0} (0 turns clipping off)"),
+                         ("grad_clip", lambda r: float("nan"), f"{AT_LEAST_0} (0 turns clipping off)"),
+                         ("grad_clip", lambda r: -float(r.uniform(0.1, 1)), f"{AT_LEAST_0} (0 turns clipping off)")]
+    for name, make, rule in cases:
+        value = make(rng)
+        kw = {**GOOD_HYPER, "grad_clip": 1.0, name: value}
+        pending = iter([batches[2]])
+        assert _one_line_error(lambda: model.train_step(pending, **kw)) == \
+            f"GPT2Model.train_step: {name} {value!r}: must be {rule}"
+        assert next(pending) is batches[2]  # refused before a generator of batches is drawn from
+        assert _one_line_error(lambda: model.update(**kw)) == f"GPT2Model.update: {name} {value!r}: must be {rule}"
+    after = _model_state(model)
+    assert after[0] == before[0] and all(torch.equal(a, b) for a, b in zip(after[1:], before[1:]))
+    # numpy's numbers are numbers, an int is one: the same steps as Python's floats
+    model.update(np.float32(1e-2), np.int64(2), weight_decay=np.float64(0.1), grad_clip=1)
+    twin.update(float(np.float32(1e-2)), 2, weight_decay=0.1, grad_clip=1.0)
+    lr = np.float32(rng.uniform(1e-3, 1e-2))
+    got = model.train_step([batches[2]], lr, np.int32(3), np.float32(0.1), np.float32(0.5), eps=np.float64(1e-8))
+    want = twin.train_step([batches[2]], float(lr), 3, float(np.float32(0.1)), 0.5, eps=1e-8)
+    assert got == want and 4.5 < got[0] < 7.0
+    after, theirs = _model_state(model), _model_state(twin)
+    assert after[0] == theirs[0] and all(torch.equal(a, b) for a, b in zip(after[1:], theirs[1:]))
+
+
+def test_model_forward_checks_dloss_before_any_work(device):
+    # dloss="a" was a raw ValueError once the whole forward had run over the earlier training forward's buffers
+    from llmpy.model import GPT2Model
+    model, config, params = _gpt2(device)
+    twin = GPT2Model(config, params, MB, MT, device=device, dtype=torch.float32, attention="flash")
+    rng = np.random.default_rng()
+    x, y, x2, y2 = (_ids(config, rng) for _ in range(4))
+    for m in (model, twin):
+        m.zero_grad()
+        m.forward(x, y, dloss=1.0 / (MB * MT))
+    loss = model.loss()
+    for dloss in DLOSS_BAD:
+        assert _one_line_error(lambda: model.forward(x2, y2, dloss=dloss)) == \
+            f"GPT2Model.forward: dloss {dloss!r}: must be None or a finite number"
+    assert model.loss() == loss and 4.5 < loss < 7.0
+    for m in (model, twin):
+        m.backward()  # from the first forward's logit gradient, still in place
+    assert torch.equal(_bits(model.gradients_fp32()), _bits(twin.gradients_fp32()))
+
+
+DENSE = "token ids must be a dense tensor (to_dense() makes one)"
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("make, what", [
+    (lambda x: x.to_sparse(), f"of layout torch.sparse_coo: {DENSE}"),
+    (lambda x: x.to_sparse_csr(), f"of layout torch.sparse_csr: {DENSE}"),
+    (lambda x: x.to("meta"), "on the meta device: token ids must be a tensor with values (a meta tensor has only a "
+                             "shape)"),
+], ids=["sparse_coo", "sparse_csr", "meta"])
+def test_token_ids_must_be_a_dense_tensor_with_values(device, make, what):
+    # a sparse tensor was numpy's raw TypeError, a meta one torch's NotImplementedError
+    model, config, params = _gpt2(device)
+    reference = GPT2Reference(config, params)
+    rng = np.random.default_rng()
+    x, y = _ids(config, rng), _ids(config, rng)
+    loss = model.validate(x, y)
+    ref_loss = reference.forward(x, y)
+    seeds = model.seed_state()
+    for m in (model, reference):
+        assert _one_line_error(lambda: m.forward(make(x), y)) == f"inputs {what}"
+        assert _one_line_error(lambda: m.forward(x, make(y))) == f"targets {what}"
+    assert _one_line_error(lambda: model.train_step([(x, make(y))], 1e-3, 1)) == f"targets {what}"
+    assert _one_line_error(lambda: model.logits_last(make(x[:1]))) == f"logits_last: tokens {what}"
+    assert model.loss() == loss and model.seed_state() == seeds and 4.5 < loss < 7.0
+    assert float(reference.losses.double().mean()) == ref_loss
 
 
 def test_train_step_wants_a_list_of_pairs(device):

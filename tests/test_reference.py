@@ -392,7 +392,8 @@ def test_reference_backward_and_update_refuse_misuse():
     model.backward()
     before = model.params_flat.clone()
     for step in (0, -2):  # 0: a ZeroDivisionError; -2: a negative bias correction, a silently wrong update
-        with pytest.raises(LlmpyError, match=rf"^AdamW step {step}: steps count from 1$"):
+        with pytest.raises(LlmpyError, match=rf"^GPT2Reference\.update: step {step}: must be an integer from 1 to "
+                                             r"2\*\*63 - 1 \(AdamW counts steps from 1\)$"):
             model.update(1e-3, step)
     assert torch.equal(model.params_flat, before) and model.m_flat is None
     # a forward without targets has no losses: they were the earlier inputs' (read as this one's, silently wrong)

@@ -105,8 +105,9 @@ from .kernels.common import interpreting
 from .kernels.fused_classifier import fused_classifier
 from .kernels.gelu import gelu_forward
 from .rand import check_seed
+from .reference import checked_adamw_args, checked_dloss, checked_number
 from .streams import OVERLAP_MODES, Lanes
-from .token_ids import check_integer_ids, check_vocabulary, host_ids
+from .token_ids import check_id_tensor, check_vocabulary, host_ids
 
 RECOMPUTE_LEVELS = (0, 1, 2)
 GELU_FUSION_LEVELS = (0, 1, 2)
@@ -790,7 +791,7 @@ class GPT2Model:
         are on the host (the CPU model's own int32 tensors too). A tensor on a GPU is taken as it is: reading it
         back would cost a sync (train_step checks its CPU batches before it copies them there)."""
         if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
-            check_integer_ids(ids.dtype, what)
+            check_id_tensor(ids, what)  # a meta tensor too, and a sparse one on the GPU
             host = None
         else:
             host = host_ids(ids, what)
@@ -862,6 +863,7 @@ class GPT2Model:
         classifier_chunks > 1: the logits exist one chunk at a time; a training forward also runs the
         classifier's backward (dlnf, and dwte ACCUMULATED: zero_grad() comes before it, not between it and
         backward()), and a forward without targets stops at lnf (logits_last computes its rows)."""
+        dloss = checked_dloss(dloss, "GPT2Model.forward")
         self._check_kernels_run("forward")
         lt = self.use_cublaslt
         cfg, p, a = self.config, self.params, self.acts
@@ -1237,13 +1239,16 @@ class GPT2Model:
         knorm.clip_scale(self._hyper[kadamw.GRAD_SCALE:kadamw.GRAD_SCALE + 1], self._norm_sq, grad_clip)
 
     @staticmethod
-    def _check_step(step):
-        # before any work: a refused step must leave the gradients and the rounding seeds as they were
-        if step < 1:
-            raise LlmpyError(f"AdamW step {step}: steps count from 1")
+    def _checked_numbers(who: str, lr, step, hp, grad_clip) -> tuple:
+        """(lr, step, hp, grad_clip), checked before any work: a refused call must leave the gradients and the
+        rounding seeds as they were (lr=None was refused only by _set_hyper, after the forward and backward)."""
+        lr, step, *hp = checked_adamw_args(f"GPT2Model.{who}", lr, step, *hp)
+        grad_clip = checked_number(grad_clip, f"GPT2Model.{who}", "grad_clip",
+                                   "a finite number >= 0 (0 turns clipping off)", lambda x: x >= 0)
+        return lr, step, tuple(hp), grad_clip
 
     def _set_hyper(self, lr, step, beta1, beta2, eps, weight_decay):
-        # step: checked by update() and train_step() before any work
+        # the numbers: checked by update() and train_step() before any work
         if self._hyper_host is None:
             kadamw.set_hyper(self._hyper, lr, step, beta1, beta2, eps, weight_decay)
             return
@@ -1285,12 +1290,13 @@ class GPT2Model:
         or not. train_step(..., skip=fn) does that inside the graphed step."""
         if self.world_size > 1:
             raise LlmpyError("update(): with several ranks the gradients must be reduced first; use train_step")
-        self._check_step(step)
+        lr, step, hp, grad_clip = self._checked_numbers("update", lr, step, (beta1, beta2, eps, weight_decay),
+                                                        grad_clip)
         self._check_kernels_run("update")
         if not self._norm_fresh:
             self._compute_norm()
         self._clip(grad_clip)
-        self._set_hyper(lr, step, beta1, beta2, eps, weight_decay)
+        self._set_hyper(lr, step, *hp)
         self._adamw()
 
     # ------------------------------------------------------------------------------------------------
@@ -1522,11 +1528,13 @@ class GPT2Model:
         trainer's outlier detection, -sl/-sg), recorded in last_step_skipped. Without skip the whole step
         is one CUDA graph; with it, two (forward/backward/norm, then AdamW) with the decision between.
         """
+        # before a generator of batches is drawn from
+        lr, step, hp, grad_clip = self._checked_numbers("train_step", lr, step, (beta1, beta2, eps, weight_decay),
+                                                        grad_clip)
         if not isinstance(batches, (list, tuple)):
             batches = list(batches)  # a generator of pairs, say (iterated once: the checks below, then _stage)
         if not batches:
             raise LlmpyError("train_step needs at least one micro-batch")
-        self._check_step(step)
         self._check_kernels_run("train_step")
         pairs = []
         for k, b in enumerate(batches):
@@ -1542,7 +1550,6 @@ class GPT2Model:
             pairs.append((x, y))
         batches = pairs
         accum = len(batches)
-        hp = (beta1, beta2, eps, weight_decay)
         self._prepare(accum)
         if not self.cuda_graph:
             dev_in, dev_tg = self._stage(batches)

@@ -13,6 +13,7 @@ Weights are (out, in) as in llm.c: y = x @ w.T + b.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -268,6 +269,44 @@ def clip_scale(norm: float, max_norm: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------
+# the number arguments of both models' methods, checked before any work: a refused call changes nothing
+
+def checked_number(value, who: str, name: str, what: str, ok=None) -> float:
+    """value as a float when it is a finite real number (numpy's too; not a bool) for which ok holds, else one
+    LlmpyError "who: name value: must be what". A NaN or infinite rate turned every weight NaN, a str was a raw
+    TypeError after the update had begun."""
+    x = math.nan
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            x = float(value)
+        except OverflowError:  # an int past float's range
+            pass
+    if not math.isfinite(x) or (ok is not None and not ok(x)):
+        raise LlmpyError(f"{who}: {name} {shown(value)}: must be {what}")
+    return x
+
+
+def checked_adamw_args(who: str, lr, step, beta1, beta2, eps, weight_decay) -> tuple:
+    """AdamW's arguments, checked: (lr, step, beta1, beta2, eps, weight_decay) as floats and step as an int."""
+    # step 0 divided by a zero bias correction, a negative one made it negative, 1.5 or True slipped through
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 1 <= step < 2**63:
+        raise LlmpyError(f"{who}: step {shown(step)}: must be an integer from 1 to 2**63 - 1 (AdamW counts steps "
+                         "from 1)")
+    at_least_0 = "a finite number >= 0"
+    return (checked_number(lr, who, "lr", at_least_0, lambda x: x >= 0), int(step),
+            # beta = 1: a zero bias correction, as step 0
+            checked_number(beta1, who, "beta1", "a number in [0, 1)", lambda x: 0 <= x < 1),
+            checked_number(beta2, who, "beta2", "a number in [0, 1)", lambda x: 0 <= x < 1),
+            # eps = 0: 0 / 0 where a gradient is always 0 (wte's padding rows)
+            checked_number(eps, who, "eps", "a finite number > 0", lambda x: x > 0),
+            checked_number(weight_decay, who, "weight_decay", at_least_0, lambda x: x >= 0))
+
+
+def checked_dloss(dloss, who: str) -> float | None:
+    return None if dloss is None else checked_number(dloss, who, "dloss", "None or a finite number")
+
+
+# ----------------------------------------------------------------------------------------------------
 # the whole model
 
 class GPT2Reference:
@@ -365,6 +404,7 @@ class GPT2Reference:
 
     def backward(self, dloss: float | None = None):
         """Accumulate the gradients of sum(losses) * dloss (default dloss = 1/(B*T): the mean loss)."""
+        dloss = checked_dloss(dloss, "GPT2Reference.backward")
         if self.acts is None or self.acts["targets"] is None:
             raise LlmpyError("backward needs a forward with targets first")
         cfg, p, g, acts = self.config, self.params, self.grads, self.acts
@@ -405,8 +445,9 @@ class GPT2Reference:
     def update(self, lr: float, step: int, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8,
                weight_decay: float = 0.0, grad_scale: float = 1.0):
         """AdamW over the 16 tensors, weight decay on the 2-D ones only (llm.c's gpt2_update)."""
-        if step < 1:  # step 0 divided by a zero bias correction, a negative step made it negative
-            raise LlmpyError(f"AdamW step {step}: steps count from 1")
+        who = "GPT2Reference.update"
+        lr, step, beta1, beta2, eps, weight_decay = checked_adamw_args(who, lr, step, beta1, beta2, eps, weight_decay)
+        grad_scale = checked_number(grad_scale, who, "grad_scale", "a finite number >= 0", lambda x: x >= 0)
         if self.m_flat is None:
             self.m_flat = torch.zeros_like(self.params_flat)
             self.v_flat = torch.zeros_like(self.params_flat)

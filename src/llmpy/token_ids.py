@@ -18,10 +18,21 @@ def check_integer_ids(dtype, what: str) -> None:
         raise LlmpyError(f"{what} of dtype {dtype}: token ids must be integers")
 
 
+def check_id_tensor(ids: torch.Tensor, what: str) -> None:
+    """A tensor of token ids must be integers with values to read: a sparse tensor (numpy's TypeError) or one on
+    the meta device (torch's NotImplementedError) was a raw error on the way to numpy or the device."""
+    check_integer_ids(ids.dtype, what)
+    if ids.layout != torch.strided:
+        raise LlmpyError(f"{what} of layout {ids.layout}: token ids must be a dense tensor (to_dense() makes one)")
+    if ids.device.type == "meta":
+        raise LlmpyError(f"{what} on the meta device: token ids must be a tensor with values (a meta tensor has "
+                         "only a shape)")
+
+
 def host_ids(ids, what: str) -> np.ndarray:
     """Token ids as a numpy array of integers on the host (a torch tensor's own memory when it is on the CPU)."""
     if isinstance(ids, torch.Tensor):
-        check_integer_ids(ids.dtype, what)
+        check_id_tensor(ids, what)
         return ids.detach().cpu().numpy()
     try:
         ids = np.asarray(ids)
