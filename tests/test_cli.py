@@ -965,3 +965,31 @@ def test_a_sigterm_while_the_error_line_is_written_leaves_the_line_alone(monkeyp
     assert cli.main(["sample", "/nonexistent/model.bin"]) == 1
     assert err.getvalue() == "llmpy sample: error: /nonexistent/model.bin: no such file or directory\n"
     assert signal.getsignal(signal.SIGTERM) is old  # given back
+
+
+@pytest.mark.parametrize("given, notes", [
+    ({"major_checkpoint_every": 4, "checkpoint_every": 1, "output_dir": True},
+     ["note: -nm 4 without -nk: every checkpoint is kept, so -nm has none to keep apart"]),
+    ({"lr_schedule": "constant", "final_lr_frac": 0.1},
+     ["note: -q 0.1 with -k constant: the constant schedule does not decay, so -q goes unused"]),
+    ({"skip_loss_z": 2.5, "skip_grad_z": 3.0},
+     ["note: -sl 2.5, -sg 3: scores begin at step 129, once 128 steps fill their window, and this run has 2 steps, "
+      "so none is skipped"]),
+    ({"temperature": 0.5, "top_k": 5},
+     ["note: --temperature 0.5, --top-k 5 with -g 0: no sample is drawn, so they go unused"]),
+    ({"overfit_single_batch": 1, "shuffle": 1},
+     ["note: --shuffle 1 with -a 1: the one batch is the data's first, in file order, so --shuffle goes unused"]),
+    ({"major_checkpoint_every": 4, "checkpoints_keep": 1, "checkpoint_every": 1, "output_dir": True,
+      "lr_schedule": "cosine", "final_lr_frac": 0.1, "temperature": 0.5, "gen_tokens": 4}, []),  # each where it acts
+], ids=["nm", "q", "sl-sg", "sampling", "shuffle", "none"])
+def test_options_that_others_leave_unused_are_noted(shards, tmp_path, given, notes):
+    # each of these ran with no word though it could do nothing: a flag that silently did nothing read as one that
+    # had worked
+    import llmpy
+    train, _ = shards
+    if given.get("output_dir"):
+        given = {**given, "output_dir": str(tmp_path / "out")}
+    lines = []
+    llmpy.train(log=lines.append, train_data=str(train), model=TINY, batch_size=4, seq_len=16, max_steps=2,
+                val_every=0, device="cpu", **{"gen_tokens": 0, **given})
+    assert [line for line in lines if line.startswith("note:")] == notes

@@ -733,6 +733,34 @@ def _check_same_data(dp, sources: list, device) -> None:
                          "every process the same data")
 
 
+def _unused_option_notes(opts: TrainOptions, steps: int) -> list[str]:
+    """Notes for options that this run's other options leave without effect: a flag that silently did nothing read
+    as one that had worked."""
+    from .outliers import OUTLIER_WINDOW
+    notes = []
+    if opts.major_checkpoint_every and not opts.checkpoints_keep and opts.output_dir:
+        notes.append(f"note: -nm {opts.major_checkpoint_every} without -nk: every checkpoint is kept, so -nm has none "
+                     "to keep apart")
+    if opts.lr_schedule == "constant" and opts.final_lr_frac != 1.0:
+        notes.append(f"note: -q {opts.final_lr_frac:g} with -k constant: the constant schedule does not decay, so -q "
+                     "goes unused")
+    skips = [f"{flag} {z:g}" for flag, z in (("-sl", opts.skip_loss_z), ("-sg", opts.skip_grad_z)) if z > 0]
+    if skips and steps <= OUTLIER_WINDOW:  # counted from step 1, as a resumed run's windows come back as they were
+        notes.append(f"note: {', '.join(skips)}: scores begin at step {OUTLIER_WINDOW + 1}, once {OUTLIER_WINDOW} "
+                     f"steps fill their window, and this run has {steps} steps, so none is skipped")
+    defaults = TrainOptions()
+    sampling = [f"{flag} {getattr(opts, name):g}" for name, flag in (("temperature", "--temperature"),
+                                                                      ("top_k", "--top-k"))
+                if getattr(opts, name) != getattr(defaults, name)]
+    if sampling and opts.gen_tokens == 0:
+        notes.append(f"note: {', '.join(sampling)} with -g 0: no sample is drawn, so "
+                     f"{'they go' if len(sampling) > 1 else 'it goes'} unused")
+    if opts.overfit_single_batch and opts.shuffle:
+        notes.append("note: --shuffle 1 with -a 1: the one batch is the data's first, in file order, so --shuffle "
+                     "goes unused")
+    return notes
+
+
 def _check_same_model(dp, model: str, config: GPT2Config, params: torch.Tensor, device) -> None:
     """Every process must start from the same weights: an -e model file of each node's own copy (another version, a
     checkpoint of another step) trained on without a word, each rank applying the shared gradients to its own
@@ -1217,6 +1245,8 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
     if hs_flags and not opts.hellaswag:  # a forgotten -h 1 read as an evaluation that ran
         log(f"note: {' and '.join(hs_flags)} without -h 1: HellaSwag is off, so "
             f"{'they go' if len(hs_flags) > 1 else 'it goes'} unused")
+    for note in _unused_option_notes(opts, steps):
+        log(note)
     if state is not None:
         log(f"resuming from {state.model_file.name} + {state.state_file.name} (step {start_step} of {steps})")
         for note in resume_notes:
