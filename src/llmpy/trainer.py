@@ -738,6 +738,11 @@ def _unused_option_notes(opts: TrainOptions, steps: int) -> list[str]:
     as one that had worked."""
     from .outliers import OUTLIER_WINDOW
     notes = []
+    hellaswag = [flag for flag, given in (("--hellaswag-file", opts.hellaswag_file != _DEFAULT_HELLASWAG_FILE),
+                                          ("--hellaswag-examples", opts.hellaswag_examples != 0)) if given]
+    if hellaswag and not opts.hellaswag:  # a forgotten -h 1 read as an evaluation that ran
+        notes.append(f"note: {' and '.join(hellaswag)} without -h 1: HellaSwag is off, so "
+                     f"{'they go' if len(hellaswag) > 1 else 'it goes'} unused")
     if opts.major_checkpoint_every and not opts.checkpoints_keep and opts.output_dir:
         notes.append(f"note: -nm {opts.major_checkpoint_every} without -nk: every checkpoint is kept, so -nm has none "
                      "to keep apart")
@@ -940,10 +945,9 @@ def _check_resumed_model(state, config: GPT2Config, model: str) -> None:
 def _check_resume(state, opts: TrainOptions, config: GPT2Config, accum: int, log, world: int = 1, *, steps: int):
     """One line naming the field and both values when the run differs from its checkpoint where it must
     not; a note where it may (the schedule then differs from the original run's). `steps`: the run's length as
-    resolved (-x, else the checkpoint's)."""
+    resolved (-x, else the checkpoint's). -e's shape was compared where it was read (_check_resumed_model)."""
     name = state.model_file.name
     saved = state.meta.get("options", {})
-    _check_resumed_model(state, config, opts.model)
     saved_world = saved.get("world_size", 1)
     if saved_world != world:  # the data position counts windows of B*T*processes tokens
         raise LlmpyError(f"-y 1: the checkpoint {name} was written by a run of {saved_world} process(es), this run "
@@ -1240,11 +1244,6 @@ def _run_training(opts: TrainOptions, log) -> TrainResult:
             f"rate reaches {schedule(steps - 1):.3g}, not -l {opts.learning_rate:g})")
     if opts.hellaswag and opts.val_every == 0:  # HellaSwag is scored at the validation steps
         log("note: -h 1 with -v 0: HellaSwag runs at each validation, and -v 0 turns validation off, so it never runs")
-    hs_flags = [flag for flag, given in (("--hellaswag-file", opts.hellaswag_file != _DEFAULT_HELLASWAG_FILE),
-                                         ("--hellaswag-examples", opts.hellaswag_examples != 0)) if given]
-    if hs_flags and not opts.hellaswag:  # a forgotten -h 1 read as an evaluation that ran
-        log(f"note: {' and '.join(hs_flags)} without -h 1: HellaSwag is off, so "
-            f"{'they go' if len(hs_flags) > 1 else 'it goes'} unused")
     for note in _unused_option_notes(opts, steps):
         log(note)
     if state is not None:

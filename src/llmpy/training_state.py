@@ -243,7 +243,7 @@ def run_tokenizer(model_file) -> str | None:
     """The tokenizer the run that wrote `model_file` (a checkpoint's model_NNNNNNNN.bin) saved in its state file
     beside it ("bytes" for the embedded corpus), or None: no such state, one unreadable or damaged, or the data's
     own tokenizer. Sampling reads it as a hint only, so a missing or bad state is no error here."""
-    match = re.fullmatch(r"model_(\d{8})\.bin", Path(model_file).name)
+    match = _MODEL_RE.match(Path(model_file).name)
     spath = state_path(Path(model_file).parent, int(match.group(1))) if match else None
     if spath is None or not spath.is_file():
         return None
